@@ -1,0 +1,1 @@
+"""Thin entry points: the `podtrain` CLI, one small module per command."""

@@ -1,0 +1,50 @@
+"""`podtrain <command> -c <preset or YAML> [key=value ...]`: parse, dispatch, turn user errors into one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+COMMANDS = {
+    "plan": ("launch.plan", "show the resolved config, mesh, sharding, FLOPs and compiled memory; no training"),
+    "check": ("launch.check", "build the model sharded over the devices and run train steps on random tokens"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="podtrain", description="Train LLMs on TPU pod slices and GPU nodes.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+    for name, (_, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("-c", "--config", default="llama3-tiny", help="preset name in configs/ or a YAML path")
+        cmd.add_argument("--cpu-devices", type=int, default=None,
+                         help="simulate this many CPU devices (sets jax_num_cpu_devices before JAX starts)")
+        cmd.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+        if name == "plan":
+            cmd.add_argument("--json", action="store_true", help="print one JSON object")
+            cmd.add_argument("--no-compile", action="store_true", help="skip compiling the train step")
+        if name == "check":
+            cmd.add_argument("--steps", type=int, default=2, help="train steps to run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    import importlib
+
+    from orchestrator.config import ConfigError
+
+    if args.cpu_devices:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return module.run(args)
+    except ConfigError as e:
+        print(f"podtrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

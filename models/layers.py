@@ -1,0 +1,200 @@
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, GQA attention and the SwiGLU MLP.
+
+Every parameter names its logical axes through `nnx.with_partitioning`; `sharding/` decides the
+mesh axes. Activations are constrained by logical names only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.config import ModelConfig, RopeConfig
+from sharding.rules import constrain
+
+NEG_INF = float(np.finfo(np.float32).min)
+
+
+def dtype_of(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
+    """A parameter created by `init` and annotated with logical axis `names`."""
+    # Sharding is applied by `sharding/` from the logical names, never eagerly at creation.
+    return nnx.Param(nnx.with_partitioning(init, tuple(names), eager_sharding=False)(rngs.params(), shape, dtype))
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis, computed in float32 (as HF does)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
+    """Inverse frequencies (head_dim // 2,), with Llama 3.1 scaling when `rope_type == "llama3"`."""
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates pairs (i, i + D/2) of the last axis by position * frequency (HF's rotate-half layout)."""
+    angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (B, T, D/2)
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTHD.dtype)
+
+
+def make_attention_mask(
+    q_positions_BT: jax.Array,
+    kv_positions_BS: jax.Array,
+    q_segments_BT: jax.Array | None = None,
+    kv_segments_BS: jax.Array | None = None,
+) -> jax.Array:
+    """Boolean (B, T, S) mask: causal by position, no empty slot (position < 0), same segment."""
+    mask = (kv_positions_BS[:, None, :] <= q_positions_BT[:, :, None]) & (kv_positions_BS[:, None, :] >= 0)
+    if q_segments_BT is not None:
+        mask &= q_segments_BT[:, :, None] == kv_segments_BS[:, None, :]
+    return mask
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE, optional q/k RMSNorm (Qwen3) and optional biases."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pdt = dtype_of(c.param_dtype)
+        self.dtype = dtype_of(c.dtype)
+        self.num_kv_heads, self.q_per_kv, self.head_dim = c.num_kv_heads, c.q_per_kv, c.head_dim
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope))
+        init = nnx.initializers.normal(c.initializer_range)
+        d, h, kvh, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.wq = param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pdt)
+        self.wk = param(rngs, init, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), pdt)
+        self.wv = param(rngs, init, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), pdt)
+        self.wo = param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"), pdt)
+        if c.attention_bias:
+            zeros = nnx.initializers.zeros
+            self.bq = param(rngs, zeros, (h, hd), ("heads", "head_dim"), pdt)
+            self.bk = param(rngs, zeros, (kvh, hd), ("kv_heads", "head_dim"), pdt)
+            self.bv = param(rngs, zeros, (kvh, hd), ("kv_heads", "head_dim"), pdt)
+            self.bo = param(rngs, zeros, (d,), ("norm",), pdt)
+        else:
+            self.bq = self.bk = self.bv = self.bo = None
+        if c.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=c.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+            self.k_norm = RMSNorm(hd, eps=c.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _project(self, x, w, b, name):
+        y = jnp.einsum("btd,dhk->bthk", x, w[...].astype(self.dtype))
+        if b is not None:
+            y = y + b[...].astype(self.dtype)
+        return checkpoint_name(y, name)
+
+    def __call__(self, x_BTD, *, positions_BT, mask_BTS, kv=None, cache_index=None):
+        """Attends `x` to itself, or to the cache slots `kv = (k_BSKH, v_BSKH)` after writing into them.
+
+        Returns:
+            (out_BTD, new_kv): new_kv is the updated (k, v) pair, or None without a cache.
+        """
+        inv_freq = np.asarray(self.inv_freq, np.float32)
+        q = self._project(x_BTD, self.wq, self.bq, "query")
+        k = self._project(x_BTD, self.wk, self.bk, "key")
+        v = self._project(x_BTD, self.wv, self.bv, "value")
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = constrain(apply_rope(q, positions_BT, inv_freq), ("batch", "seq", "act_heads", None))
+        k = apply_rope(k, positions_BT, inv_freq)
+        new_kv = None
+        if kv is not None:
+            k_cache, v_cache = kv
+            k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), cache_index, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
+            new_kv = (k, v)
+            k, v = k.astype(self.dtype), v.astype(self.dtype)
+        b, t = q.shape[:2]
+        q = q.reshape(b, t, self.num_kv_heads, self.q_per_kv, self.head_dim)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (self.head_dim**-0.5)
+        scores = jnp.where(mask_BTS[:, None, None, :, :], scores, NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, -1, self.head_dim)
+        out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(self.dtype))
+        if self.bo is not None:
+            out = out + self.bo[...].astype(self.dtype)
+        return checkpoint_name(out, "attn_out"), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pdt = dtype_of(c.param_dtype)
+        self.dtype = dtype_of(c.dtype)
+        init = nnx.initializers.normal(c.initializer_range)
+        d, f = c.hidden_size, c.intermediate_size
+        self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pdt)
+        self.w_up = param(rngs, init, (d, f), ("embed", "mlp"), pdt)
+        self.w_down = param(rngs, init, (f, d), ("mlp", "embed"), pdt)
+        if c.mlp_bias:
+            zeros = nnx.initializers.zeros
+            self.b_gate = param(rngs, zeros, (f,), ("mlp",), pdt)
+            self.b_up = param(rngs, zeros, (f,), ("mlp",), pdt)
+            self.b_down = param(rngs, zeros, (d,), ("norm",), pdt)
+        else:
+            self.b_gate = self.b_up = self.b_down = None
+
+    def _dense(self, x, w, b):
+        y = x @ w[...].astype(self.dtype)
+        return y if b is None else y + b[...].astype(self.dtype)
+
+    def __call__(self, x_BTD):
+        gate = self._dense(x_BTD, self.w_gate, self.b_gate)
+        up = self._dense(x_BTD, self.w_up, self.b_up)
+        return self._dense(jax.nn.silu(gate) * up, self.w_down, self.b_down)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        pdt = dtype_of(config.param_dtype)
+        self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.post_attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x_BTD, *, positions_BT, mask_BTS, kv=None, cache_index=None):
+        attn, new_kv = self.attn(
+            self.input_norm(x_BTD), positions_BT=positions_BT, mask_BTS=mask_BTS, kv=kv, cache_index=cache_index
+        )
+        x_BTD = x_BTD + attn
+        x_BTD = x_BTD + self.mlp(self.post_attn_norm(x_BTD))
+        return constrain(x_BTD, ("batch", "seq", "act_embed")), new_kv

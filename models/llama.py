@@ -1,0 +1,95 @@
+"""Llama 3 and Qwen3 decoders (Qwen3 is Llama 3 plus RMSNorm on q and k) on one stacked layer runner."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+from models.layers import DecoderLayer, RMSNorm, dtype_of, make_attention_mask, param
+from models.runner import run_layers, stack_layers
+from sharding.rules import constrain
+
+
+class Llama(nnx.Module):
+    """A decoder-only LM whose `num_layers` blocks are one stacked module run by `run_layers`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        config.validate()
+        self.config = config
+        pdt = dtype_of(config.param_dtype)
+        init = nnx.initializers.normal(config.initializer_range)
+        self.embed = param(rngs, init, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pdt)
+        self.layers = stack_layers(lambda r: DecoderLayer(config, rngs=r), config.num_layers, rngs)
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = param(rngs, init, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pdt)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        kv_cache: KVCache | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        scan: bool | None = None,
+    ):
+        """Logits for `input_ids` (batch, seq).
+
+        Args:
+            input_ids: int token ids (B, T).
+            positions: token positions (B, T); defaults to 0..T-1 (after the cache's filled slots).
+            attention_mask: 1 for real tokens, 0 for padding (B, T); padding is never attended to.
+            kv_cache: a stacked `KVCache`; the new keys and values are written at `kv_cache.index`.
+            segment_ids: packed-document ids (B, T); tokens attend only within their segment.
+            scan: False runs the layers in an unrolled Python loop (reference and benchmarks);
+                None follows `config.scan_layers`.
+
+        Returns:
+            logits (B, T, vocab) in the compute dtype, or (logits, new_cache) with a cache.
+        """
+        c = self.config
+        dtype = dtype_of(c.dtype)
+        scan = c.scan_layers if scan is None else scan
+        b, t = input_ids.shape
+        if positions is None:
+            start = 0 if kv_cache is None else kv_cache.index
+            positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = positions.astype(jnp.int32)
+        # A padding token gets position -1 as a key, so nothing attends to it.
+        key_positions = positions if attention_mask is None else jnp.where(attention_mask > 0, positions, -1)
+        # Gathering rows from a vocab-sharded table would make XLA replicate it: unshard vocab first.
+        table = constrain(self.embed[...], (None, "embed"))
+        h = jnp.take(table, input_ids, axis=0).astype(dtype)
+        h = constrain(h, ("batch", "seq", "act_embed"))
+        if kv_cache is None:
+            mask = make_attention_mask(positions, key_positions, segment_ids, segment_ids)
+            h, _ = run_layers(self.layers, h, remat=c.remat, scan=scan, positions_BT=positions, mask_BTS=mask)
+            new_cache = None
+        else:
+            slot_positions = jax.lax.dynamic_update_slice_in_dim(
+                kv_cache.positions, key_positions, kv_cache.index, axis=1
+            )
+            mask = make_attention_mask(positions, slot_positions)
+            h, (k, v) = run_layers(
+                self.layers, h, remat="none", scan=scan, kv=(kv_cache.k, kv_cache.v),
+                positions_BT=positions, mask_BTS=mask, cache_index=kv_cache.index,
+            )
+            new_cache = KVCache(k=k, v=v, positions=slot_positions, index=kv_cache.index + t)
+        h = self.final_norm(h)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        logits = constrain(h @ head.astype(dtype), ("batch", "seq", "act_vocab"))
+        return logits if kv_cache is None else (logits, new_cache)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        c = self.config
+        return KVCache.init(
+            num_layers=c.num_layers, batch=batch, max_len=max_len, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, dtype=dtype or dtype_of(c.dtype),
+        )
+

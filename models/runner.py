@@ -1,0 +1,93 @@
+"""The stacking helper and the one layer runner (scan, remat policy, stacked KV cache).
+
+Layers are created stacked: every parameter of a stack has shape `(num_layers, ...)` and its
+logical names start with "layers". `run_layers` runs a stack for training, prefill and decode
+alike: one `jax.lax.scan` whose body is one layer, wrapped in `jax.checkpoint` with the chosen
+policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from models.config import REMAT_POLICIES
+
+_POLICIES = {
+    # Save nothing: the backward pass recomputes the whole layer from its input. Least memory
+    # (one residual per layer), about one extra forward of compute.
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Save every matmul output: the backward pass recomputes only element-wise work (norms,
+    # softmax, activations). Most memory of the remat policies, least recompute.
+    "dots": jax.checkpoint_policies.dots_saveable,
+    # Save matmuls without batch dimensions (the projections), recompute attention scores.
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Save only the attention block's output: the backward pass recomputes the attention
+    # sublayer only where it needs its internals, and the MLP from the saved residual.
+    "save_attn_out": jax.checkpoint_policies.save_only_these_names("attn_out"),
+    # Save q, k, v and the attention output: recompute the MLP and the attention probabilities.
+    "save_qkv_attn_out": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attn_out"),
+}
+assert set(_POLICIES) | {"none"} == set(REMAT_POLICIES)
+
+
+def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+    """Creates `num_layers` independent layers as one module whose params are `(num_layers, ...)`.
+
+    Each layer gets its own split of `rngs`, so the stack equals `num_layers` separately created
+    layers; the leading axis is annotated with the logical name "layers".
+    """
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(layer_rngs: nnx.Rngs) -> nnx.Module:
+        return make_layer(layer_rngs)
+
+    return create(rngs)
+
+
+def run_layers(
+    stack: nnx.Module,
+    h: jax.Array,
+    *,
+    remat: str = "none",
+    scan: bool = True,
+    kv: tuple[jax.Array, jax.Array] | None = None,
+    **layer_kwargs,
+):
+    """Runs the stacked layers over the hidden state `h`, layer 0 first.
+
+    Args:
+        stack: a module made by `stack_layers`; called per layer as
+            `layer(h, kv=..., **layer_kwargs) -> (h, new_kv)`.
+        h: the hidden state entering layer 0.
+        remat: a name from `REMAT_POLICIES`; "none" keeps every intermediate for the backward pass.
+        scan: True runs one `lax.scan`; False unrolls a Python loop (the reference, and the
+            baseline the benchmarks compare against).
+        kv: optional stacked cache `(k, v)`, each `(num_layers, batch, slots, kv_heads, head_dim)`.
+
+    Returns:
+        (h, new_kv): the final hidden state and the updated stacked cache (None without one).
+    """
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat: unknown policy {remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+    graphdef, state = nnx.split(stack)
+
+    def body(h, xs):
+        layer_state, layer_kv = xs
+        layer = nnx.merge(graphdef, layer_state)
+        return layer(h, kv=layer_kv, **layer_kwargs)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=_POLICIES[remat], prevent_cse=not scan)
+    if scan:
+        return jax.lax.scan(body, h, (state, kv))
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+    new_kvs = []
+    for i in range(num_layers):
+        h, new_kv = body(h, jax.tree.map(lambda x, i=i: x[i], (state, kv)))
+        new_kvs.append(new_kv)
+    stacked = None if kv is None else jax.tree.map(lambda *xs: jax.numpy.stack(xs), *new_kvs)
+    return h, stacked

@@ -1,0 +1,101 @@
+"""From a Config to the runtime objects of training: mesh, sharded model, optimizer, jitted step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from models import ARCHITECTURES, ModelConfig
+from orchestrator.config import Config, validate
+from orchestrator.step import (
+    ShardedStep,
+    TrainState,
+    batch_shardings,
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+    train_state_shardings,
+)
+from sharding.mesh import build_mesh
+from sharding.place import abstract_model, create_sharded
+
+
+def model_factory(config: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
+    return lambda: ARCHITECTURES[config.model_type](config, rngs=nnx.Rngs(seed))
+
+
+@dataclass
+class Training:
+    """The runtime pieces of a training run (built from data, never stored in the config)."""
+
+    config: Config
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    abstract_params: nnx.State
+    tx: optax.GradientTransformation
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    step: ShardedStep
+
+    def abstract_state(self) -> TrainState:
+        """The TrainState as ShapeDtypeStructs with shardings (for lowering and restoring)."""
+        shapes = jax.eval_shape(
+            lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=self.tx.init(p)),
+            self.abstract_params,
+        )
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
+
+    def abstract_batch(self) -> dict:
+        t = self.config.train
+        ids = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=self.batch_sharding)
+        weights = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.float32, sharding=self.batch_sharding)
+        return {"inputs": ids, "targets": ids, "weights": weights}
+
+    def init_state(self) -> TrainState:
+        """Creates params born sharded from `train.seed`, then the optimizer state."""
+        model = create_sharded(model_factory(self.config.model, self.config.train.seed), self.mesh,
+                               self.config.sharding.rules)
+        return init_train_state(nnx.state(model), self.tx, self.state_shardings)
+
+    def random_batch(self, seed: int = 0) -> dict:
+        """A batch of uniformly random tokens, placed with the batch sharding."""
+        t, vocab = self.config.train, self.config.model.vocab_size
+        tokens = np.random.default_rng(seed).integers(0, vocab, (t.batch_size, t.seq_len + 1), dtype=np.int32)
+        batch = {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "weights": np.ones((t.batch_size, t.seq_len), np.float32),
+        }
+        return {k: jax.device_put(v, self.batch_sharding) for k, v in batch.items()}
+
+
+def build_training(config: Config, devices: Sequence[jax.Device] | None = None) -> Training:
+    """Validates `config` against the devices, then builds mesh, abstract model, optimizer and step."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = validate(config, len(devices))
+    mesh = build_mesh(sizes, devices)
+    rules = config.sharding.rules
+    graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed), mesh, rules)
+    param_shardings = jax.tree.map(
+        lambda v: v.replace(v.get_value().sharding), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    tx = make_optimizer(config.optimizer)
+    state_shardings = train_state_shardings(param_shardings, abstract, tx, mesh)
+    batch_sharding = batch_shardings(mesh, rules, config.train.batch_size)
+    step = ShardedStep(make_train_step(graphdef, tx), mesh, rules, state_shardings, batch_sharding)
+    return Training(config, mesh, graphdef, abstract, tx, state_shardings, batch_sharding, step)
+
+
+def with_model(config: Config, **changes) -> Config:
+    """A copy of `config` with some model fields changed (benchmarks and tests sweep these)."""
+    return dataclasses.replace(config, model=config.model.replace(**changes))

@@ -1,0 +1,234 @@
+"""The typed config: schema dataclasses, preset YAML + `key=value` overrides, one validation pass.
+
+`load_config("llama3-tiny", ["model.num_layers=4"])` merges the schema defaults, the preset
+file and the overrides (in that order) and returns a frozen `Config`. Every mistake in user input
+raises `ConfigError` with one line that names the key or file, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from models.config import ModelConfig
+from sharding.mesh import resolve_axis_sizes
+from sharding.rules import DEFAULT_RULES, check_rules, logical_to_spec
+
+CONFIG_DIR = Path(os.environ.get("PODTRAIN_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
+
+
+class ConfigError(ValueError):
+    """A mistake in a preset file or an override; the message is meant for the user as is."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes; exactly one may be -1 (= the devices that remain)."""
+
+    dp: int = 1
+    fsdp: int = -1
+    ep: int = 1
+    tp: int = 1
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """`rules` maps each logical axis name to a mesh axis, a list of mesh axes, or null."""
+
+    rules: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_RULES))
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters."""
+
+    learning_rate: float = 3e-4
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Batch geometry and seed."""
+
+    seed: int = 0
+    batch_size: int = 8
+    seq_len: int = 256
+    steps: int = 100
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs, as plain data (runtime objects are built from it, never stored in it)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def resolve_preset(preset: str) -> Path:
+    """A preset name (`configs/<name>.yaml`) or a path to a YAML file."""
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml") or os.sep in preset:
+        if not path.is_file():
+            raise ConfigError(f"config file {preset}: not found")
+        return path
+    path = CONFIG_DIR / f"{preset}.yaml"
+    if not path.is_file():
+        near = difflib.get_close_matches(preset, list_presets(), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"-c {preset}: no such preset in {CONFIG_DIR} (available: {', '.join(list_presets())}){hint}")
+    return path
+
+
+def _schema_keys(cls, prefix: str = "") -> dict[str, Any]:
+    """Every full key of the schema with its declared type; Dict fields accept any sub-key."""
+    keys = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, tp = f"{prefix}{f.name}", hints[f.name]
+        keys[key] = tp
+        if dataclasses.is_dataclass(tp):
+            keys.update(_schema_keys(tp, key + "."))
+    return keys
+
+
+def _check_key(key: str, keys: dict[str, Any], where: str) -> None:
+    if key in keys:
+        return
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    if typing.get_origin(keys.get(parent)) is dict:
+        return
+    near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    raise ConfigError(f"{where}: unknown key {key!r}{hint}")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and not key.startswith("sharding.rules"):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _merge(base, layer: dict, keys: dict[str, Any], where: str):
+    for key in _flatten(layer):
+        _check_key(key, keys, where)
+    try:
+        return OmegaConf.merge(base, OmegaConf.create(layer))
+    except ConfigKeyError as e:
+        raise ConfigError(f"{where}: unknown key {e.full_key!r}") from None
+    except OmegaConfBaseException as e:
+        expected = _type_name(keys.get(e.full_key, e.ref_type_str))
+        raise ConfigError(f"{where}: key {e.full_key!r} expects {expected}, found {e.value!r}") from None
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["a.b=1", "c=x"]` -> nested dict; values parsed as YAML. A key given twice is an error."""
+    nested: dict = {}
+    seen = set()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        if key in seen:
+            raise ConfigError(f"override {key!r} is given twice; give each key once")
+        seen.add(key)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r} conflicts with another override of {part!r}")
+        node[leaf] = value
+    return nested
+
+
+def load_config(preset: str | None, overrides: list[str] = ()) -> Config:
+    """Schema defaults, then the preset YAML, then the overrides; then `validate` (without devices)."""
+    keys = _schema_keys(Config)
+    merged = OmegaConf.structured(Config)
+    if preset is not None:
+        path = resolve_preset(preset)
+        try:
+            layer = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({e})") from None
+        if not isinstance(layer, dict):
+            raise ConfigError(f"config file {path}: expected a mapping of keys, found {type(layer).__name__}")
+        merged = _merge(merged, layer, keys, f"config file {path}")
+    merged = _merge(merged, parse_overrides(list(overrides)), keys, "override")
+    config = OmegaConf.to_object(merged)
+    validate(config)
+    return config
+
+
+def validate(config: Config, num_devices: int | None = None) -> dict[str, int] | None:
+    """Cross-field rules; with `num_devices`, also the mesh against the devices present.
+
+    Returns:
+        The resolved mesh axis sizes when `num_devices` is given.
+    """
+    try:
+        config.model.validate()
+        check_rules(config.sharding.rules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    m, mesh = config.model, config.mesh
+    if mesh.tp > 0:
+        for name in ("num_heads", "num_kv_heads"):
+            if getattr(m, name) % mesh.tp:
+                raise ConfigError(
+                    f"model.{name}={getattr(m, name)} is not divisible by mesh.tp={mesh.tp}; "
+                    f"choose mesh.tp dividing {getattr(m, name)}"
+                )
+    for name in ("batch_size", "seq_len", "steps"):
+        if getattr(config.train, name) <= 0:
+            raise ConfigError(f"train.{name}: expected a positive integer, found {getattr(config.train, name)}")
+    if num_devices is None:
+        return None
+    try:
+        sizes = resolve_axis_sizes(dataclasses.asdict(mesh), num_devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        logical_to_spec(("batch",), sizes, shape=(config.train.batch_size,), rules=config.sharding.rules,
+                        what="train.batch_size")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return sizes
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

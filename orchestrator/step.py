@@ -1,0 +1,119 @@
+"""The pure train step `(state, batch) -> (state, metrics)` and the sharded state it works on."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models import causal_lm_loss
+from orchestrator.config import OptimizerConfig
+from sharding.rules import Rules, logical_to_spec, use_rules
+
+
+@struct.dataclass
+class TrainState:
+    """Everything that changes from step to step (and is checkpointed)."""
+
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+
+
+def _decays(path, _leaf) -> bool:
+    """Weight decay applies to matrices, never to norm scales or biases."""
+    name = str(getattr(path[-1], "key", path[-1]))
+    if name == "value":  # a Variable's own node
+        name = str(getattr(path[-2], "key", path[-2]))
+    return not (name == "scale" or name.startswith("b"))
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with decay masked off norms and biases."""
+    return optax.chain(
+        optax.clip_by_global_norm(config.grad_clip),
+        optax.adamw(
+            config.learning_rate, b1=config.b1, b2=config.b2, eps=config.eps,
+            weight_decay=config.weight_decay,
+            mask=lambda params: jax.tree.map_with_path(_decays, params),
+        ),
+    )
+
+
+def batch_shardings(mesh: Mesh, rules: Rules, batch_size: int) -> NamedSharding:
+    spec = logical_to_spec(("batch", None), dict(mesh.shape), shape=(batch_size, 1), rules=rules, what="batch")
+    return NamedSharding(mesh, spec)
+
+
+def train_state_shardings(param_shardings: nnx.State, abstract_params: nnx.State, tx, mesh: Mesh):
+    """Shardings of a TrainState: optimizer moments follow their params, the rest is replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+
+
+def init_train_state(params: nnx.State, tx, shardings: TrainState) -> TrainState:
+    """A step-0 state around existing (sharded) params; the optimizer state is born sharded."""
+
+    def init(params):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable:
+    """The pure step: forward, float32 causal-LM loss, backward, optimizer update.
+
+    The batch holds `inputs`, `targets` and `weights` (B, T), optionally `positions` and
+    `segment_ids`.
+    """
+
+    def loss_fn(params, batch):
+        model = nnx.merge(graphdef, params)
+        logits = model(batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+        return causal_lm_loss(logits, batch["targets"], batch["weights"])
+
+    def train_step(state: TrainState, batch: dict):
+        (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": num_tokens}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+class ShardedStep:
+    """A jitted step with explicit in/out shardings, traced under the mesh and the rule table."""
+
+    def __init__(self, fn: Callable, mesh: Mesh, rules: Rules, state_shardings, batch_sharding, *, donate=True):
+        self.mesh, self.rules = mesh, rules
+        self.jitted = jax.jit(
+            fn,
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+            donate_argnums=(0,) if donate else (),
+        )
+
+    @contextlib.contextmanager
+    def _context(self):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            yield
+
+    def __call__(self, state, batch):
+        with self._context():
+            return self.jitted(state, batch)
+
+    def lower(self, state, batch):
+        with self._context():
+            return self.jitted.lower(state, batch)

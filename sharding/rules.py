@@ -1,0 +1,116 @@
+"""The one table that turns logical axis names into mesh axes.
+
+Models name logical axes only ("embed", "heads", ...). A rule maps each name to a mesh axis, a
+list of mesh axes, or None (replicated). The active table lives in a context variable so that
+activation constraints inside a model follow the same rules as its parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import PartitionSpec
+
+MESH_AXES = ("dp", "fsdp", "ep", "tp")
+
+DEFAULT_RULES: dict[str, str | list[str] | None] = {
+    # parameters
+    "layers": None,
+    "vocab": "tp",
+    "embed": "fsdp",
+    "heads": "tp",
+    "kv_heads": "tp",
+    "head_dim": None,
+    "mlp": "tp",
+    "experts": "ep",
+    "norm": None,
+    # activations
+    "batch": ["dp", "fsdp", "ep"],
+    "seq": None,
+    "act_embed": None,
+    "act_heads": "tp",
+    "act_vocab": "tp",
+}
+
+Rules = Mapping[str, "str | Sequence[str] | None"]
+
+_ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("podtrain_rules", default=DEFAULT_RULES)
+
+
+def check_rules(rules: Rules, key: str = "sharding.rules") -> None:
+    """Raises ValueError if a rule names an axis that no mesh has."""
+    for name, target in rules.items():
+        axes = [] if target is None else [target] if isinstance(target, str) else list(target)
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise ValueError(
+                    f"{key}.{name}: mesh axis {axis!r} does not exist; expected one of {list(MESH_AXES)} or null"
+                )
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules):
+    """Makes `rules` the table used by `logical_to_spec` and `constrain` inside the block."""
+    check_rules(rules)
+    token = _ACTIVE_RULES.set(dict(rules))
+    try:
+        yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+def active_rules() -> Rules:
+    return _ACTIVE_RULES.get()
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    mesh_axis_sizes: Mapping[str, int],
+    *,
+    shape: Sequence[int] | None = None,
+    rules: Rules | None = None,
+    what: str = "array",
+) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec on a mesh with the given axis sizes.
+
+    Mesh axes of size 1 are dropped, and a mesh axis already used by an earlier dimension is not
+    used again. With `shape`, a dimension that its mesh axes do not divide is an error naming `what`.
+    """
+    rules = active_rules() if rules is None else rules
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(names):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in rules:
+            raise ValueError(
+                f"{what}: logical axis {name!r} has no rule in sharding.rules; known: {sorted(rules)}"
+            )
+        target = rules[name]
+        axes = [] if target is None else [target] if isinstance(target, str) else list(target)
+        axes = [a for a in axes if mesh_axis_sizes.get(a, 1) > 1 and a not in used]
+        if shape is not None and axes:
+            size = 1
+            for a in axes:
+                size *= mesh_axis_sizes[a]
+            if shape[dim] % size:
+                raise ValueError(
+                    f"{what}: dimension {dim} ({name!r}, size {shape[dim]}) is not divisible by mesh axes "
+                    f"{axes} (product {size}); change the mesh or the rule for {name!r}"
+                )
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on an activation by logical names; a no-op outside a mesh context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    spec = logical_to_spec(names, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, spec)

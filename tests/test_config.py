@@ -1,0 +1,99 @@
+"""Presets load; every kind of bad input is one clear error (and exit code 2 from the CLI)."""
+
+import pytest
+
+from launch.cli import main
+from orchestrator.config import ConfigError, list_presets, load_config, parse_overrides, validate
+
+REQUIRED_PRESETS = {"llama3-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b"}
+
+
+def test_required_presets_exist():
+    assert set(list_presets()) >= REQUIRED_PRESETS
+
+
+@pytest.mark.parametrize("preset", list_presets())
+def test_every_preset_loads_and_validates(preset):
+    config = load_config(preset)
+    config.model.validate()
+    assert config.model.num_layers > 0
+
+
+def test_real_sizes_match_public_configs():
+    l8 = load_config("llama3-8b").model
+    assert (l8.vocab_size, l8.hidden_size, l8.intermediate_size, l8.num_layers, l8.num_heads, l8.num_kv_heads) == (
+        128256, 4096, 14336, 32, 32, 8)
+    assert (l8.rope.rope_type, l8.rope.factor, l8.rope.theta) == ("llama3", 8.0, 500000.0)
+    l70 = load_config("llama3-70b").model
+    assert (l70.hidden_size, l70.intermediate_size, l70.num_layers, l70.num_heads) == (8192, 28672, 80, 64)
+    q8 = load_config("qwen3-8b").model
+    assert (q8.vocab_size, q8.intermediate_size, q8.num_layers, q8.qk_norm) == (151936, 12288, 36, True)
+    q32 = load_config("qwen3-32b").model
+    assert (q32.hidden_size, q32.intermediate_size, q32.num_layers, q32.num_heads, q32.head_dim) == (
+        5120, 25600, 64, 64, 128)
+
+
+def test_overrides_apply_in_order_and_parse_types():
+    config = load_config("llama3-tiny", ["model.num_layers=3", "model.rope.theta=1e6", "sharding.rules.mlp=null"])
+    assert config.model.num_layers == 3
+    assert config.model.rope.theta == 1e6
+    assert config.sharding.rules["mlp"] is None
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.num_layer=3"], "unknown key 'model.num_layer'; did you mean 'model.num_layers'"),
+        (["train.steps=abc"], "'train.steps' expects int, found 'abc'"),
+        (["model.remat=fast"], "valid policies: none, full, dots"),
+        (["mesh.tp=3"], "model.num_heads=8 is not divisible by mesh.tp=3"),
+        (["model.num_kv_heads=2", "mesh.tp=4"], "model.num_kv_heads=2 is not divisible by mesh.tp=4"),
+        (["model.num_layers=1", "model.num_layers=2"], "given twice"),
+        (["sharding.rules.mlp=xp"], "mesh axis 'xp' does not exist"),
+        (["model.num_layers"], "expected key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config("llama3-tiny", overrides)
+    assert needle in str(info.value)
+
+
+def test_mesh_product_must_match_devices():
+    config = load_config("llama3-tiny", ["mesh.fsdp=2", "mesh.tp=2"])
+    with pytest.raises(ConfigError) as info:
+        validate(config, num_devices=8)
+    assert "= 4 devices, but 8 devices are present" in str(info.value)
+    assert validate(config, num_devices=4) == {"dp": 1, "fsdp": 2, "ep": 1, "tp": 2}
+    assert validate(load_config("llama3-tiny", ["mesh.tp=2"]), num_devices=8)["fsdp"] == 4
+
+
+def test_unknown_preset_and_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'llama3-tiny'"):
+        load_config("llama3-tny")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_sise: 3\n")
+    with pytest.raises(ConfigError, match=f"config file {bad}: unknown key 'model.hidden_sise'"):
+        load_config(str(bad))
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+
+
+def test_parse_overrides_nests():
+    assert parse_overrides(["a.b=1", "a.c=[x, y]", "d=text"]) == {"a": {"b": 1, "c": ["x", "y"]}, "d": "text"}
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["plan", "-c", "llama3-tiny", "model.num_layer=2"], "did you mean 'model.num_layers'"),
+        (["plan", "-c", "llama3-tiny", "mesh.fsdp=3"], "devices are present"),
+        (["plan", "-c", "llama3-tiny", "model.remat=bogus"], "unknown remat policy 'bogus'"),
+    ],
+)
+def test_cli_turns_config_errors_into_one_line_and_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("podtrain: error: ") and needle in err
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -1,0 +1,246 @@
+"""HF checkpoints: logits parity with transformers, exact HF -> podtrain -> HF round trips, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hf_fixtures import KINDS, hf_logits, make_hf_model, save_hf_model
+from safetensors.numpy import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import models.hf
+from models.hf import INDEX_FILE, config_from_hf, config_to_hf, from_hf, to_hf
+from sharding.mesh import build_mesh
+from sharding.rules import DEFAULT_RULES, use_rules
+
+KIND_NAMES = list(KINDS)
+MESH_SIZES = dict(dp=1, fsdp=2, tp=2, ep=2)
+# Rows 0 and 3 are unpadded, rows 1 and 2 right-padded; batch 4 divides the mesh's batch axes (dp * fsdp * ep).
+LENGTHS = (12, 9, 5, 12)
+# Shards more axes than the defaults, including head_dim, which q_proj's rows flatten inside heads.
+SHARD_EVERYTHING = {**DEFAULT_RULES, "head_dim": "ep", "norm": "fsdp", "vocab": ["tp", "ep"]}
+
+
+def _mesh_or_skip():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    return build_mesh(MESH_SIZES, jax.devices()[:8])
+
+
+def _batch(vocab_size: int):
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(0, vocab_size, size=(len(LENGTHS), max(LENGTHS)), dtype=np.int64)
+    attention_mask = (np.arange(max(LENGTHS))[None, :] < np.array(LENGTHS)[:, None]).astype(np.int64)
+    return input_ids, attention_mask
+
+
+def _our_logits(model, input_ids, attention_mask, mesh):
+    forward = jax.jit(lambda m, ids, mask: m(ids, attention_mask=mask))
+    ids, mask = np.asarray(input_ids, np.int32), np.asarray(attention_mask, np.int32)
+    if mesh is None:
+        return np.asarray(forward(model, ids, mask))
+    with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
+        return np.asarray(forward(model, ids, mask))
+
+
+def _tensors(directory) -> dict[str, np.ndarray]:
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out |= load_file(file)
+    return out
+
+
+def _rewrite_weights(directory, change) -> None:
+    """Applies `change(tensors)` to the single-file checkpoint in `directory`."""
+    file = directory / "model.safetensors"
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+@pytest.mark.parametrize("placement", ["one_device", "mesh_fsdp2_tp2_ep2"])
+def test_from_hf_logits_match_transformers(kind, placement, tmp_path):
+    mesh = _mesh_or_skip() if placement != "one_device" else None
+    # The mesh case also reads a checkpoint split over several files with an index.
+    hf_model = save_hf_model(kind, tmp_path, max_shard_size=None if mesh is None else "40KB")
+    assert (tmp_path / INDEX_FILE).exists() == (mesh is not None)
+    config, model = from_hf(tmp_path, mesh=mesh)
+    input_ids, attention_mask = _batch(config.vocab_size)
+    real = attention_mask.astype(bool)
+    ours = _our_logits(model, input_ids, attention_mask, mesh)[real]
+    np.testing.assert_allclose(ours, hf_logits(hf_model, input_ids, attention_mask)[real], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_from_hf_reads_each_shard_into_place(kind, tmp_path):
+    mesh = _mesh_or_skip()
+    save_hf_model(kind, tmp_path, max_shard_size="40KB")
+    _, reference = from_hf(tmp_path)
+    _, model = from_hf(tmp_path, mesh=mesh, rules=SHARD_EVERYTHING)
+    wq = model.layers.attn.wq[...]
+    assert tuple(wq.sharding.spec) == (None, "fsdp", "tp", "ep")
+    assert wq.addressable_shards[0].data.size == wq.size // 8
+    expected = dict(nnx.to_flat_state(nnx.state(reference)))
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        assert var.get_value().sharding.mesh == mesh, path
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(expected[path].get_value()), err_msg=path)
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_hf_podtrain_hf_round_trip_is_byte_identical(kind, dtype, tmp_path):
+    mesh = _mesh_or_skip()
+    source, exported = tmp_path / "source", tmp_path / "exported"
+    save_hf_model(kind, source, dtype=dtype, max_shard_size="40KB")
+    config, model = from_hf(source, mesh=mesh)
+    assert config.param_dtype == str(dtype).removeprefix("torch.")
+    to_hf(model, config, exported, max_shard_bytes=30_000)
+
+    files = sorted(p.name for p in exported.glob("*.safetensors"))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((exported / INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    before, after = _tensors(source), _tensors(exported)
+    assert sorted(after) == sorted(before) == sorted(index["weight_map"])
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and after[name].shape == tensor.shape, name
+        assert after[name].tobytes() == tensor.tobytes(), name
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_to_hf_export_loads_in_transformers(kind, tmp_path):
+    source, exported = tmp_path / "source", tmp_path / "exported"
+    hf_model = save_hf_model(kind, source)
+    config, model = from_hf(source)
+    to_hf(model, config, exported)
+
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
+    reloaded = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
+    assert type(reloaded) is type(hf_model)
+    input_ids, attention_mask = _batch(config.vocab_size)
+    np.testing.assert_array_equal(
+        hf_logits(reloaded, input_ids, attention_mask), hf_logits(hf_model, input_ids, attention_mask)
+    )
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_config_round_trips_through_hf(kind, tmp_path):
+    save_hf_model(kind, tmp_path)
+    config = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert config_from_hf(config_to_hf(config)) == config
+    assert config.qk_norm == (kind == "qwen3")
+
+
+def test_config_from_hf_reads_old_rope_keys_and_defaults():
+    new = config_to_hf(config_from_hf(make_hf_model("llama").config.to_dict()))
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "head_dim", "dtype")}
+    rope = dict(new["rope_parameters"])
+    old |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "torch_dtype": "bfloat16"}
+    config = config_from_hf(old)
+    assert config.rope == config_from_hf(new).rope
+    assert config.rope.rope_type == "llama3" and config.rope.factor == 8.0
+    assert config.head_dim == new["hidden_size"] // new["num_attention_heads"]
+    assert config.param_dtype == "bfloat16"
+    assert config_from_hf(old, dtype="float32").param_dtype == "float32"
+
+
+def test_from_hf_dtype_argument_casts_params(tmp_path):
+    save_hf_model("qwen3", tmp_path)
+    _, reference = from_hf(tmp_path)
+    config, model = from_hf(tmp_path, dtype="bfloat16")
+    assert config.param_dtype == "bfloat16"
+    scale = model.layers.attn.q_norm.scale[...]
+    assert scale.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(reference.layers.attn.q_norm.scale[...], jnp.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("kind", "changes", "message"),
+    [
+        ("llama", {"model_type": "mistral"}, r"model_type: expected one of \['llama', 'qwen3'\], found 'mistral'"),
+        ("qwen3", {"use_sliding_window": True}, "use_sliding_window: expected false"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+         r"rope_parameters\.rope_type: expected one of \['default', 'llama3'\], found 'yarn'"),
+        ("llama", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+         r"rope_scaling\.rope_type: .* found 'dynamic'"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act: expected 'silu', found 'gelu'"),
+        ("llama", {"dtype": "float64"}, r"dtype: expected one of .* found 'float64'"),
+    ],
+)
+def test_from_hf_rejects_unsupported_config(kind, changes, message, tmp_path):
+    save_hf_model(kind, tmp_path)
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | changes))
+    with pytest.raises(ValueError, match=message) as error:
+        from_hf(tmp_path)
+    assert str(config_file) in str(error.value)
+
+
+def test_from_hf_without_config_names_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"config\.json: not found") as error:
+        from_hf(tmp_path)
+    assert str(tmp_path / "config.json") in str(error.value)
+
+
+def test_from_hf_lists_every_tensor_problem_in_one_error(tmp_path):
+    save_hf_model("llama", tmp_path)
+
+    def damage(tensors):
+        del tensors["model.norm.weight"], tensors["model.layers.1.mlp.up_proj.weight"]
+        tensors["model.layers.0.self_attn.extra.weight"] = np.zeros(3, np.float32)
+        tensors["lm_head.bias"] = np.zeros(3, np.float32)
+        tensors["model.layers.1.self_attn.q_proj.weight"] = np.zeros((64, 64), np.float32)
+
+    _rewrite_weights(tmp_path, damage)
+    with pytest.raises(ValueError) as error:
+        from_hf(tmp_path)
+    message = str(error.value)
+    assert str(tmp_path) in message
+    assert "missing tensors: model.layers.1.mlp.up_proj.weight, model.norm.weight" in message
+    assert "unexpected tensors: lm_head.bias, model.layers.0.self_attn.extra.weight" in message
+    assert "model.layers.1.self_attn.q_proj.weight in model.safetensors: expected (128, 64), found (64, 64)" in message
+
+
+def test_from_hf_skips_tensors_transformers_skips(tmp_path):
+    save_hf_model("llama_tied_bias", tmp_path)
+
+    def add_ignored(tensors):
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+
+    _rewrite_weights(tmp_path, add_ignored)
+    config, _ = from_hf(tmp_path)
+    assert config.tie_word_embeddings
+
+
+def test_to_hf_refuses_a_non_empty_directory(tmp_path):
+    save_hf_model("llama", tmp_path / "source")
+    config, model = from_hf(tmp_path / "source")
+    with pytest.raises(ValueError, match="exists and is not empty") as error:
+        to_hf(model, config, tmp_path / "source")
+    assert str(tmp_path / "source") in str(error.value)
+
+
+def test_to_hf_failure_leaves_no_directory(tmp_path, monkeypatch):
+    save_hf_model("llama", tmp_path / "source")
+    config, model = from_hf(tmp_path / "source")
+    written = []
+
+    def fail_on_second_file(tensors, file, metadata):
+        if written:
+            raise OSError("disk full")
+        written.append(file)
+        save_file(tensors, file, metadata=metadata)
+
+    monkeypatch.setattr(models.hf, "save_file", fail_on_second_file)
+    with pytest.raises(OSError, match="disk full"):
+        to_hf(model, config, tmp_path / "exported", max_shard_bytes=30_000)
+    assert written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]

@@ -1,0 +1,140 @@
+"""The stacked model: remat policies, scan vs loop, cache, masks, sharded vs single device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import KVCache, Llama, ModelConfig, RopeConfig, causal_lm_loss
+from models.config import REMAT_POLICIES
+from sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
+
+TINY = ModelConfig(
+    vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24,
+    rope=RopeConfig(rope_type="llama3", theta=500000.0, factor=8.0, original_max_position_embeddings=64),
+)
+QWEN = TINY.replace(model_type="qwen3", qk_norm=True, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+
+
+def tokens(batch=2, seq=12, seed=0, vocab=97):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (batch, seq)), jnp.int32)
+
+
+def loss_and_grads(model, ids, **kwargs):
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(ids[:, :-1], **kwargs)
+        return causal_lm_loss(logits, ids[:, 1:])[0]
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_layers_are_stacked_at_creation():
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    shapes = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(nnx.state(model))}
+    assert shapes["layers.attn.wq"] == (3, 64, 4, 24)
+    assert shapes["layers.mlp.w_down"] == (3, 96, 64)
+    assert shapes["layers.input_norm.scale"] == (3, 64)
+    # Every layer got its own random draw.
+    wq = np.asarray(model.layers.attn.wq[...])
+    assert not np.allclose(wq[0], wq[1])
+
+
+@pytest.mark.parametrize("config", [TINY, QWEN], ids=["llama", "qwen3"])
+def test_remat_policies_give_equal_logits_and_gradients(config):
+    ids = tokens()
+    reference = None
+    for policy in REMAT_POLICIES:
+        model = Llama(config.replace(remat=policy), rngs=nnx.Rngs(0))
+        loss, grads = loss_and_grads(model, ids)
+        if reference is None:
+            reference = (loss, grads)
+            continue
+        np.testing.assert_allclose(loss, reference[0], rtol=1e-6, err_msg=policy)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference[1]), strict=True):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7, err_msg=policy)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scan_equals_plain_layer_loop(remat):
+    model = Llama(QWEN.replace(remat=remat), rngs=nnx.Rngs(1))
+    ids = tokens(seed=1)
+    np.testing.assert_allclose(model(ids, scan=True), model(ids, scan=False), rtol=1e-5, atol=1e-6)
+    scanned, loop = loss_and_grads(model, ids, scan=True), loss_and_grads(model, ids, scan=False)
+    np.testing.assert_allclose(scanned[0], loop[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(scanned[1]), jax.tree.leaves(loop[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_cached_decode_equals_full_forward():
+    model = Llama(TINY, rngs=nnx.Rngs(2))
+    ids = tokens(seq=10, seed=2)
+    full = model(ids)
+    cache = model.init_cache(batch=2, max_len=16)
+    assert isinstance(cache, KVCache) and cache.k.shape == (3, 2, 16, 2, 24)
+    logits, cache = model(ids[:, :6], kv_cache=cache)
+    steps = [logits]
+    for t in range(6, 10):
+        logits, cache = model(ids[:, t:t + 1], kv_cache=cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+    assert int(cache.index) == 10
+
+
+def test_padding_and_segments_do_not_leak():
+    model = Llama(TINY, rngs=nnx.Rngs(3))
+    ids = tokens(batch=1, seq=8, seed=3)
+    other = ids.at[:, :4].set((ids[:, :4] + 1) % 97)
+    segments = jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 2]])
+    positions = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 3]])
+    a = model(ids, positions=positions, segment_ids=segments)
+    b = model(other, positions=positions, segment_ids=segments)
+    np.testing.assert_allclose(a[:, 4:], b[:, 4:], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(a[:, :4], b[:, :4])
+    # Right padding: real positions are unaffected by what the padding holds.
+    mask = jnp.asarray([[1, 1, 1, 1, 1, 0, 0, 0]])
+    pad_a = model(ids, attention_mask=mask)
+    pad_b = model(ids.at[:, 5:].set(0), attention_mask=mask)
+    np.testing.assert_allclose(pad_a[:, :5], pad_b[:, :5], rtol=1e-6, atol=1e-6)
+    assert np.all(np.isfinite(pad_a))
+
+
+def test_loss_ignores_masked_positions():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 4, 5)), jnp.float32)
+    targets = jnp.asarray([[1, 2, 3, 4]])
+    weights = jnp.asarray([[1, 1, 0, 0]])
+    loss, count = causal_lm_loss(logits, targets, weights)
+    expected = -jnp.mean(jax.nn.log_softmax(logits[0, :2])[jnp.arange(2), targets[0, :2]])
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    assert int(count) == 2
+    loss_bf16, _ = causal_lm_loss(logits.astype(jnp.bfloat16), targets, weights)
+    assert loss_bf16.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("sizes", [dict(fsdp=8), dict(fsdp=2, tp=2, ep=2), dict(dp=2, fsdp=2, tp=2)])
+def test_sharded_model_equals_single_device(sizes):
+    config = QWEN.replace(tie_word_embeddings=False, num_heads=4, num_kv_heads=2, vocab_size=96)
+    # Born sharded or on one device, the same seed gives the same params (jitted init both times).
+    reference = create_sharded(lambda: Llama(config, rngs=nnx.Rngs(4)), build_mesh({}, jax.devices()[:1]))
+    ids = tokens(batch=8, seq=8, seed=4, vocab=96)
+    mesh = build_mesh(sizes)
+    sharded = create_sharded(lambda: Llama(config, rngs=nnx.Rngs(4)), mesh)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(reference)), nnx.to_flat_state(nnx.state(sharded)),
+                                 strict=True):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), rtol=1e-6, atol=1e-9, err_msg=str(path))
+    with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
+        logits = jax.jit(lambda m, x: m(x))(sharded, ids)
+    np.testing.assert_allclose(logits, reference(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_compute_runs_and_stays_close():
+    model32 = Llama(TINY, rngs=nnx.Rngs(5))
+    model16 = Llama(TINY.replace(dtype="bfloat16", param_dtype="bfloat16"), rngs=nnx.Rngs(5))
+    nnx.update(model16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model32)))
+    ids = tokens(seed=5)
+    out16 = model16(ids)
+    assert out16.dtype == jnp.bfloat16
+    assert model16.layers.attn.wq[...].dtype == jnp.bfloat16
+    np.testing.assert_allclose(out16.astype(jnp.float32), model32(ids), atol=0.05)
