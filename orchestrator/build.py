@@ -76,7 +76,11 @@ class Training:
             "targets": tokens[:, 1:],
             "weights": np.ones((t.batch_size, t.seq_len), np.float32),
         }
-        return {k: jax.device_put(v, self.batch_sharding) for k, v in batch.items()}
+        # Each process places only the rows its devices hold (multi-process correct).
+        return {
+            k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda index, v=v: v[index])
+            for k, v in batch.items()
+        }
 
 
 def build_training(config: Config, devices: Sequence[jax.Device] | None = None) -> Training:

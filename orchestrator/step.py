@@ -87,7 +87,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) ->
         (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": num_tokens}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": num_tokens}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

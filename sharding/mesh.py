@@ -44,34 +44,43 @@ def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int, *, key: str =
     return resolved
 
 
+def device_grid(
+    sizes: Mapping[str, int],
+    devices: Sequence[jax.Device],
+    *,
+    num_slices: int | None = None,
+) -> np.ndarray:
+    """Arranges `devices` into an array of shape (dp, fsdp, ep, tp), tp innermost.
+
+    On several slices (devices carry `slice_index`), `dp` spans the slices: each slice holds
+    `dp // num_slices` of it and the other axes stay inside a slice (fast interconnect).
+    """
+    devices = list(devices)
+    resolved = resolve_axis_sizes(sizes, len(devices))
+    shape = [resolved[a] for a in MESH_AXES]
+    if num_slices is None:
+        num_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if num_slices <= 1:
+        return np.asarray(mesh_utils.create_device_mesh(shape, devices))
+    if resolved["dp"] % num_slices:
+        raise ValueError(
+            f"mesh.dp={resolved['dp']} must be a multiple of the number of slices ({num_slices}): "
+            "the dp axis spans the slices"
+        )
+    ici = [resolved["dp"] // num_slices] + shape[1:]
+    dcn = [num_slices] + [1] * (len(shape) - 1)
+    return np.asarray(mesh_utils.create_hybrid_device_mesh(ici, dcn, devices))
+
+
 def build_mesh(
     sizes: Mapping[str, int],
     devices: Sequence[jax.Device] | None = None,
     *,
     num_slices: int | None = None,
 ) -> Mesh:
-    """Builds a Mesh with axes (dp, fsdp, ep, tp), tp innermost, every axis `AxisType.Auto`.
-
-    On several slices (devices carry `slice_index`), `dp` spans the slices: each slice holds
-    `dp // num_slices` of it and the other axes stay inside a slice (fast interconnect).
-    """
-    devices = list(jax.devices() if devices is None else devices)
-    resolved = resolve_axis_sizes(sizes, len(devices))
-    shape = [resolved[a] for a in MESH_AXES]
-    if num_slices is None:
-        num_slices = len({getattr(d, "slice_index", 0) for d in devices})
-    if num_slices > 1:
-        if resolved["dp"] % num_slices:
-            raise ValueError(
-                f"mesh.dp={resolved['dp']} must be a multiple of the number of slices ({num_slices}): "
-                "the dp axis spans the slices"
-            )
-        ici = [resolved["dp"] // num_slices] + shape[1:]
-        dcn = [num_slices] + [1] * (len(shape) - 1)
-        device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
-    else:
-        device_array = mesh_utils.create_device_mesh(shape, devices)
-    return Mesh(np.asarray(device_array), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    """Builds a Mesh with axes (dp, fsdp, ep, tp) over `devices` (default: all), every axis `Auto`."""
+    grid = device_grid(sizes, jax.devices() if devices is None else devices, num_slices=num_slices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def describe_mesh(mesh: Mesh) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -57,35 +58,54 @@ def abstract_model(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules |
     return graphdef, abstract
 
 
-def _sharded_init(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None):
+def _shard_bytes(value: jax.ShapeDtypeStruct) -> int:
+    shape = value.sharding.shard_shape(value.shape)
+    return math.prod(shape) * value.dtype.itemsize
+
+
+def _per_variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None):
+    """One jitted init per variable, each with that variable's output sharding.
+
+    Each program builds the whole model but returns one variable, so XLA drops every other
+    initialiser: at any time a device holds the variables made so far plus the random-number
+    scratch of one variable's shard (one program for all would keep many of those alive at once;
+    on CPU, JAX's rolled threefry loop needs about 3x the shard in scratch). The largest shards
+    come first, while the device holds the least.
+    """
     graphdef, abstract = abstract_model(factory, mesh, rules)
-    shardings = jax.tree.map(lambda v: v.replace(v.get_value().sharding), abstract, is_leaf=_is_var)
+    inits = []
+    by_size = sorted(nnx.to_flat_state(abstract), key=lambda item: -_shard_bytes(item[1].get_value()))
+    for path, var in by_size:
 
-    def init():
-        with nnx.use_eager_sharding(False):
-            return nnx.state(factory())
+        def init(path=path):
+            with nnx.use_eager_sharding(False):
+                state = nnx.state(factory())
+            return dict(nnx.to_flat_state(state))[path].get_value()
 
-    return graphdef, jax.jit(init, out_shardings=shardings)
+        inits.append((path, var, jax.jit(init, out_shardings=var.get_value().sharding)))
+    return graphdef, inits
 
 
 def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None = None) -> nnx.Module:
-    """Builds the model inside one jitted init whose outputs are already sharded.
+    """Builds the model with every parameter born sharded: no device holds more than its shards."""
+    graphdef, inits = _per_variable_inits(factory, mesh, rules)
+    with jax.set_mesh(mesh):
+        flat = [(path, var.replace(init())) for path, var, init in inits]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
-    No device ever holds more than its shard of a parameter: each random initialiser runs under
-    `jit` with `out_shardings`, so XLA generates only the local piece.
+
+def init_peak_bytes(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None = None) -> dict:
+    """Per-device bytes of the sharded init from the compiled programs' `memory_analysis()`.
+
+    Returns:
+        {"param_bytes": bytes of all variables, "peak_bytes": the most held at once (variables
+        already made, plus the current program's output and scratch)}.
     """
-    graphdef, init = _sharded_init(factory, mesh, rules)
+    _, inits = _per_variable_inits(factory, mesh, rules)
+    made = peak = 0
     with jax.set_mesh(mesh):
-        state = init()
-    return nnx.merge(graphdef, state)
-
-
-def compiled_init(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None = None):
-    """The compiled sharded init (for `memory_analysis()`), without running it."""
-    _, init = _sharded_init(factory, mesh, rules)
-    with jax.set_mesh(mesh):
-        return init.lower().compile()
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
+        for _, _, init in inits:
+            mem = init.lower().compile().memory_analysis()
+            peak = max(peak, made + mem.output_size_in_bytes + mem.temp_size_in_bytes)
+            made += mem.output_size_in_bytes
+    return {"param_bytes": made, "peak_bytes": peak}

@@ -1,0 +1,1 @@
+"""The training job: config schema, the Ray control plane, the train loop, steps, data, checkpoints."""

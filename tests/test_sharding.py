@@ -1,0 +1,137 @@
+"""Meshes, the rule table, the golden sharding of every parameter, no drift, params born sharded."""
+
+import json
+import os
+import types
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from orchestrator.build import build_training, model_factory
+from orchestrator.config import load_config
+from orchestrator.plan import make_plan, sharding_table
+from sharding import DEFAULT_RULES, build_mesh, logical_to_spec, resolve_axis_sizes
+from sharding.mesh import device_grid
+from sharding.place import init_peak_bytes
+
+GOLDEN = Path(__file__).parent / "golden" / "sharding.json"
+GOLDEN_MESH = ["mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]
+
+
+def golden_table(preset):
+    training = build_training(load_config(preset, GOLDEN_MESH))
+    return {row["path"]: {"shape": row["shape"], "spec": row["spec"]} for row in sharding_table(training)}
+
+
+def test_golden_sharding_file():
+    """Every parameter's path, shape and PartitionSpec on a (dp=1, fsdp=2, tp=2, ep=2) mesh.
+
+    After a deliberate change, rewrite it with PODTRAIN_UPDATE_GOLDEN=1 and review the diff.
+    """
+    actual = {preset: golden_table(preset) for preset in ("llama3-tiny", "qwen3-tiny")}
+    if os.environ.get("PODTRAIN_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(actual, indent=1, sort_keys=True) + "\n")
+    assert actual == json.loads(GOLDEN.read_text())
+
+
+def test_no_sharding_drift_after_train_steps():
+    training = build_training(load_config("qwen3-tiny", GOLDEN_MESH + ["model.num_layers=2"]))
+    state = training.init_state()
+    batch = training.random_batch()
+    for _ in range(2):
+        state, metrics = training.step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    expected = jax.tree.leaves(training.state_shardings)
+    assert len(leaves) == len(expected)
+    for (path, leaf), sharding in zip(leaves, expected, strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), jax.tree_util.keystr(path)
+    # The optimizer moments are sharded like their params, not replicated.
+    mu = state.opt_state[1][0].mu
+    assert mu["layers"]["mlp"]["w_up"].get_value().sharding.spec == state.params["layers"]["mlp"]["w_up"].get_value().sharding.spec
+
+
+def test_params_are_born_sharded():
+    """The compiled init never holds a replica: made params plus one shard's RNG scratch at most.
+
+    The issue's target is 1.25x the sharded param bytes; on CPU, JAX's rolled threefry loop needs
+    about 3x a shard in scratch, which puts llama3-tiny on 8 devices at about 1.26x (see the README).
+    """
+    config = load_config("llama3-tiny", ["mesh.fsdp=4", "mesh.tp=2"])
+    training = build_training(config)
+    rows = sharding_table(training)
+    param_bytes = sum(row["bytes_per_device"] for row in rows)
+    largest_shard = max(row["bytes_per_device"] for row in rows)
+    largest_param = max(row["bytes_per_device"] * 8 for row in rows if row["spec"].count(None) < len(row["spec"]))
+    init = init_peak_bytes(model_factory(config.model), training.mesh, config.sharding.rules)
+    assert init["param_bytes"] == pytest.approx(param_bytes, rel=0.001)
+    assert init["peak_bytes"] <= param_bytes + 3.2 * largest_shard, (init, param_bytes, largest_shard)
+    assert init["peak_bytes"] < param_bytes + largest_param - largest_shard  # no full copy of any param
+
+
+def test_resolve_axis_sizes():
+    assert resolve_axis_sizes({"fsdp": -1, "tp": 2}, 8) == {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}
+    with pytest.raises(ValueError, match="at most one axis may be -1"):
+        resolve_axis_sizes({"fsdp": -1, "tp": -1}, 8)
+    with pytest.raises(ValueError, match="does not divide the 8 devices"):
+        resolve_axis_sizes({"fsdp": -1, "tp": 3}, 8)
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        resolve_axis_sizes({"model": 2}, 8)
+
+
+def test_mesh_axes_and_order():
+    mesh = build_mesh({"dp": 2, "fsdp": 2, "tp": 2})
+    assert mesh.axis_names == ("dp", "fsdp", "ep", "tp")
+    assert dict(mesh.shape) == {"dp": 2, "fsdp": 2, "ep": 1, "tp": 2}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_multislice_dp_spans_slices():
+    """With devices on two slices, each slice holds half of dp and all of the other axes."""
+    devices = [
+        types.SimpleNamespace(id=i, slice_index=i // 4, process_index=i // 2, platform="tpu-fake",
+                              device_kind="fake")
+        for i in range(8)
+    ]
+    grid = device_grid({"dp": 2, "fsdp": 2, "tp": 2}, devices)
+    assert grid.shape == (2, 2, 1, 2)
+    slices = np.vectorize(lambda d: d.slice_index)(grid)
+    assert (slices[0] == 0).all() and (slices[1] == 1).all()
+    with pytest.raises(ValueError, match="multiple of the number of slices"):
+        device_grid({"dp": 1, "fsdp": 8}, devices)
+
+
+def test_rules_map_logical_names():
+    sizes = {"dp": 2, "fsdp": 2, "ep": 1, "tp": 2}
+    spec = logical_to_spec(("layers", "embed", "mlp"), sizes, rules=DEFAULT_RULES)
+    assert tuple(spec) == (None, "fsdp", "tp")
+    assert tuple(logical_to_spec(("batch", None), sizes, rules=DEFAULT_RULES)) == (("dp", "fsdp"), None)
+    with pytest.raises(ValueError, match="not divisible"):
+        logical_to_spec(("heads",), sizes, shape=(3,), rules=DEFAULT_RULES, what="wq")
+    with pytest.raises(ValueError, match="has no rule"):
+        logical_to_spec(("nope",), sizes, rules=DEFAULT_RULES)
+
+
+def test_plan_json_has_the_promised_fields(capsys):
+    from launch.cli import main
+
+    assert main(["plan", "-c", "llama3-tiny", "--json", "mesh.tp=2", "model.num_layers=2"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in ("param_count", "flops_per_token", "mesh"):
+        assert key in plan
+    for key in ("argument_bytes", "output_bytes", "temp_bytes"):
+        assert plan["memory"][key] > 0
+    assert plan["mesh"]["axes"] == {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}
+    c = load_config("llama3-tiny", ["model.num_layers=2"]).model
+    expected_params = c.vocab_size * c.hidden_size * 2 + c.hidden_size + 2 * (
+        2 * c.hidden_size + c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+        + 3 * c.hidden_size * c.intermediate_size)
+    assert plan["param_count"] == expected_params
+
+
+def test_plan_of_a_real_size_compiles_without_allocating():
+    plan = make_plan(build_training(load_config("llama3-8b", ["train.batch_size=8", "train.seq_len=512"])))
+    assert 8.0e9 < plan["param_count"] < 8.1e9
+    assert plan["memory"]["argument_bytes"] > plan["param_bytes_per_device"]
