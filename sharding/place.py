@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from sharding.rules import Rules, logical_to_spec
 
