@@ -8,9 +8,12 @@ policy.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from models.config import REMAT_POLICIES
@@ -33,19 +36,40 @@ _POLICIES = {
 assert set(_POLICIES) | {"none"} == set(REMAT_POLICIES)
 
 
+_ONLY_LAYER: contextvars.ContextVar = contextvars.ContextVar("podtrain_only_layer", default=None)
+
+
+@contextlib.contextmanager
+def only_layer(index):
+    """Inside the block, `stack_layers` creates only layer `index` of each stack.
+
+    The result has a leading axis of size 1 and exactly the values the full stack holds at
+    `index` (same per-layer key). `index` may be traced, so one compiled program can create any
+    layer: this is how `sharding.create_sharded` fills a stacked parameter one layer at a time.
+    """
+    token = _ONLY_LAYER.set(index)
+    try:
+        yield
+    finally:
+        _ONLY_LAYER.reset(token)
+
+
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
     """Creates `num_layers` independent layers as one module whose params are `(num_layers, ...)`.
 
-    Each layer gets its own split of `rngs`, so the stack equals `num_layers` separately created
-    layers; the leading axis is annotated with the logical name "layers".
+    Layer `i` is `make_layer(nnx.Rngs(params=keys[i]))` for `keys = split(rngs.params(), num_layers)`,
+    created under `nnx.vmap`; the leading axis is annotated with the logical name "layers".
     """
+    keys = jax.random.split(rngs.params(), num_layers)
+    index = _ONLY_LAYER.get()
+    if index is not None:
+        keys = jax.lax.dynamic_slice_in_dim(keys, jnp.minimum(index, num_layers - 1), 1)
 
-    @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(layer_rngs: nnx.Rngs) -> nnx.Module:
-        return make_layer(layer_rngs)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(key: jax.Array) -> nnx.Module:
+        return make_layer(nnx.Rngs(params=key))
 
-    return create(rngs)
+    return create(keys)
 
 
 def run_layers(

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from models import ARCHITECTURES, ModelConfig
+from models.runner import only_layer
 from orchestrator.config import Config, validate
 from orchestrator.step import (
     ShardedStep,
@@ -64,7 +65,7 @@ class Training:
     def init_state(self) -> TrainState:
         """Creates params born sharded from `train.seed`, then the optimizer state."""
         model = create_sharded(model_factory(self.config.model, self.config.train.seed), self.mesh,
-                               self.config.sharding.rules)
+                               self.config.sharding.rules, layer_slice=only_layer)
         return init_train_state(nnx.state(model), self.tx, self.state_shardings)
 
     def random_batch(self, seed: int = 0) -> dict:

@@ -8,6 +8,7 @@ from flax import nnx
 
 from models import KVCache, Llama, ModelConfig, RopeConfig, causal_lm_loss
 from models.config import REMAT_POLICIES
+from models.runner import only_layer
 from sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
 
 TINY = ModelConfig(
@@ -116,11 +117,11 @@ def test_loss_ignores_masked_positions():
 @pytest.mark.parametrize("sizes", [dict(fsdp=8), dict(fsdp=2, tp=2, ep=2), dict(dp=2, fsdp=2, tp=2)])
 def test_sharded_model_equals_single_device(sizes):
     config = QWEN.replace(tie_word_embeddings=False, num_heads=4, num_kv_heads=2, vocab_size=96)
-    # Born sharded or on one device, the same seed gives the same params (jitted init both times).
+    # Born sharded layer by layer, or in one piece on one device: the same seed, the same params.
     reference = create_sharded(lambda: Llama(config, rngs=nnx.Rngs(4)), build_mesh({}, jax.devices()[:1]))
     ids = tokens(batch=8, seq=8, seed=4, vocab=96)
     mesh = build_mesh(sizes)
-    sharded = create_sharded(lambda: Llama(config, rngs=nnx.Rngs(4)), mesh)
+    sharded = create_sharded(lambda: Llama(config, rngs=nnx.Rngs(4)), mesh, layer_slice=only_layer)
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(reference)), nnx.to_flat_state(nnx.state(sharded)),
                                  strict=True):
         np.testing.assert_allclose(a.get_value(), b.get_value(), rtol=1e-6, atol=1e-9, err_msg=str(path))
