@@ -38,6 +38,7 @@ class Llama(nnx.Module):
         *,
         segment_ids: jax.Array | None = None,
         scan: bool | None = None,
+        return_hidden: bool = False,
     ):
         """Logits for `input_ids` (batch, seq).
 
@@ -49,6 +50,8 @@ class Llama(nnx.Module):
             segment_ids: packed-document ids (B, T); tokens attend only within their segment.
             scan: False runs the layers in an unrolled Python loop (reference and benchmarks);
                 None follows `config.scan_layers`.
+            return_hidden: return the final-normed hidden state (B, T, hidden) instead of the
+                logits (for a loss that applies `head()` chunk by chunk).
 
         Returns:
             logits (B, T, vocab) in the compute dtype, or (logits, new_cache) with a cache.
@@ -82,9 +85,13 @@ class Llama(nnx.Module):
             )
             new_cache = KVCache(k=k, v=v, positions=slot_positions, index=kv_cache.index + t)
         h = self.final_norm(h)
+        out = h if return_hidden else constrain(h @ self.head(), ("batch", "seq", "act_vocab"))
+        return out if kv_cache is None else (out, new_cache)
+
+    def head(self) -> jax.Array:
+        """The output projection (hidden, vocab) in the compute dtype (the embedding when tied)."""
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = constrain(h @ head.astype(dtype), ("batch", "seq", "act_vocab"))
-        return logits if kv_cache is None else (logits, new_cache)
+        return head.astype(dtype_of(self.config.dtype))
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         c = self.config

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -24,3 +26,38 @@ def causal_lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax
     weights = jnp.ones_like(nll) if weights_BT is None else weights_BT.astype(jnp.float32)
     num_tokens = jnp.sum(weights)
     return jnp.sum(nll * weights) / jnp.maximum(num_tokens, 1.0), num_tokens
+
+
+def chunked_causal_lm_loss(
+    h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array | None = None, *,
+    chunk: int,
+):
+    """`causal_lm_loss(h @ head, ...)` without materialising the (B, T, vocab) logits.
+
+    A rematerialised scan over sequence chunks of `chunk` positions computes each chunk's logits,
+    log-partition and target logit; the backward pass recomputes them chunk by chunk. The batch
+    axis stays whole in every chunk, so its sharding is untouched.
+
+    Returns:
+        (loss, num_tokens), as `causal_lm_loss`.
+    """
+    b, t, d = h_BTD.shape
+    if t % chunk:
+        raise ValueError(f"train.loss_chunk={chunk} must divide the sequence length {t}")
+    weights_BT = jnp.ones((b, t), jnp.float32) if weights_BT is None else weights_BT.astype(jnp.float32)
+    n = t // chunk
+    h_NBCD = h_BTD.reshape(b, n, chunk, d).swapaxes(0, 1)
+    targets_NBC = targets_BT.reshape(b, n, chunk).swapaxes(0, 1)
+    weights_NBC = weights_BT.reshape(b, n, chunk).swapaxes(0, 1)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one_chunk(total, xs):
+        h, targets, weights = xs
+        logits = (h @ head_DV).astype(jnp.float32)
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+        return total + jnp.sum(nll * weights), None
+
+    total, _ = jax.lax.scan(one_chunk, jnp.zeros((), jnp.float32), (h_NBCD, targets_NBC, weights_NBC))
+    num_tokens = jnp.sum(weights_BT)
+    return total / jnp.maximum(num_tokens, 1.0), num_tokens

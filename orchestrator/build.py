@@ -97,7 +97,8 @@ def build_training(config: Config, devices: Sequence[jax.Device] | None = None) 
     tx = make_optimizer(config.optimizer)
     state_shardings = train_state_shardings(param_shardings, abstract, tx, mesh)
     batch_sharding = batch_shardings(mesh, rules, config.train.batch_size)
-    step = ShardedStep(make_train_step(graphdef, tx), mesh, rules, state_shardings, batch_sharding)
+    step = ShardedStep(make_train_step(graphdef, tx, loss_chunk=config.train.loss_chunk), mesh, rules,
+                       state_shardings, batch_sharding)
     return Training(config, mesh, graphdef, abstract, tx, state_shardings, batch_sharding, step)
 
 

@@ -61,12 +61,14 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Batch geometry and seed."""
+    """Batch geometry and seed; `loss_chunk` > 0 computes the loss over sequence chunks of that
+    length without materialising the full logits (it must divide `seq_len`)."""
 
     seed: int = 0
     batch_size: int = 8
     seq_len: int = 256
     steps: int = 100
+    loss_chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,9 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     for name in ("batch_size", "seq_len", "steps"):
         if getattr(config.train, name) <= 0:
             raise ConfigError(f"train.{name}: expected a positive integer, found {getattr(config.train, name)}")
+    chunk = config.train.loss_chunk
+    if chunk < 0 or (chunk and config.train.seq_len % chunk):
+        raise ConfigError(f"train.loss_chunk={chunk} must be 0 (off) or divide train.seq_len={config.train.seq_len}")
     if num_devices is None:
         return None
     try:

@@ -12,6 +12,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import causal_lm_loss
+from models.loss import chunked_causal_lm_loss
 from orchestrator.config import OptimizerConfig
 from sharding.rules import Rules, logical_to_spec, use_rules
 
@@ -71,17 +72,20 @@ def init_train_state(params: nnx.State, tx, shardings: TrainState) -> TrainState
     return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable:
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_chunk: int = 0) -> Callable:
     """The pure step: forward, float32 causal-LM loss, backward, optimizer update.
 
     The batch holds `inputs`, `targets` and `weights` (B, T), optionally `positions` and
-    `segment_ids`.
+    `segment_ids`. `loss_chunk` > 0 computes the loss chunk by chunk (no full logits).
     """
 
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, params)
-        logits = model(batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
-        return causal_lm_loss(logits, batch["targets"], batch["weights"])
+        kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids")}
+        if loss_chunk:
+            h = model(batch["inputs"], return_hidden=True, **kwargs)
+            return chunked_causal_lm_loss(h, model.head(), batch["targets"], batch["weights"], chunk=loss_chunk)
+        return causal_lm_loss(model(batch["inputs"], **kwargs), batch["targets"], batch["weights"])
 
     def train_step(state: TrainState, batch: dict):
         (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from models import KVCache, Llama, ModelConfig, RopeConfig, causal_lm_loss
+from models.loss import chunked_causal_lm_loss
 from models.config import REMAT_POLICIES
 from models.runner import only_layer
 from sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
@@ -139,3 +140,26 @@ def test_bf16_compute_runs_and_stays_close():
     assert out16.dtype == jnp.bfloat16
     assert model16.layers.attn.wq[...].dtype == jnp.bfloat16
     np.testing.assert_allclose(out16.astype(jnp.float32), model32(ids), atol=0.05)
+
+
+def test_chunked_loss_equals_full_loss_and_gradients():
+    model = Llama(TINY.replace(tie_word_embeddings=True), rngs=nnx.Rngs(6))
+    ids = tokens(batch=2, seq=17, seed=6)
+    weights = jnp.ones((2, 16)).at[1, 10:].set(0)
+    graphdef, params = nnx.split(model)
+
+    def full(params):
+        m = nnx.merge(graphdef, params)
+        return causal_lm_loss(m(ids[:, :-1]), ids[:, 1:], weights)[0]
+
+    def chunked(params):
+        m = nnx.merge(graphdef, params)
+        h = m(ids[:, :-1], return_hidden=True)
+        return chunked_causal_lm_loss(h, m.head(), ids[:, 1:], weights, chunk=4)[0]
+
+    (a, ga), (b, gb) = jax.value_and_grad(full)(params), jax.value_and_grad(chunked)(params)
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="must divide the sequence length 16"):
+        chunked_causal_lm_loss(jnp.zeros((1, 16, 64)), jnp.zeros((64, 97)), ids[:1, 1:], chunk=5)
