@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from models import KVCache, Llama, ModelConfig, RopeConfig, causal_lm_loss
-from models.loss import chunked_causal_lm_loss
 from models.config import REMAT_POLICIES
+from models.loss import chunked_causal_lm_loss
 from models.runner import only_layer
 from sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
 
