@@ -126,9 +126,13 @@ def machine_description() -> dict:
     }
 
 
+def table_row(row: dict, columns: Sequence[tuple[str, str, str]]) -> str:
+    """One Markdown table row; `columns` holds (key, header, format spec) triples."""
+    return "| " + " | ".join(format(row[k], f) for k, _, f in columns) + " |"
+
+
 def format_table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> str:
-    """Rows as a Markdown table; `columns` holds (key, header, format spec) triples."""
+    """A Markdown table: header, rule, then one line per row (just the header for no rows)."""
     header = "| " + " | ".join(h for _, h, _ in columns) + " |"
     rule = "|" + "|".join("-" * (len(h) + 2) for _, h, _ in columns) + "|"
-    body = ["| " + " | ".join(format(row[k], f) for k, _, f in columns) + " |" for row in rows]
-    return "\n".join([header, rule, *body])
+    return "\n".join([header, rule, *(table_row(row, columns) for row in rows)])

@@ -60,7 +60,7 @@ class Training:
         t = self.config.train
         ids = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=self.batch_sharding)
         weights = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.float32, sharding=self.batch_sharding)
-        return {"inputs": ids, "targets": ids, "weights": weights}
+        return {"inputs": ids, "targets": ids, "weights": weights, "positions": ids, "segment_ids": ids}
 
     def init_state(self) -> TrainState:
         """Creates params born sharded from `train.seed`, then the optimizer state."""
@@ -69,13 +69,15 @@ class Training:
         return init_train_state(nnx.state(model), self.tx, self.state_shardings)
 
     def random_batch(self, seed: int = 0) -> dict:
-        """A batch of uniformly random tokens, placed with the batch sharding."""
+        """A batch of uniformly random tokens (one document per row), placed with the batch sharding."""
         t, vocab = self.config.train, self.config.model.vocab_size
         tokens = np.random.default_rng(seed).integers(0, vocab, (t.batch_size, t.seq_len + 1), dtype=np.int32)
         batch = {
             "inputs": tokens[:, :-1],
             "targets": tokens[:, 1:],
             "weights": np.ones((t.batch_size, t.seq_len), np.float32),
+            "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), (t.batch_size, t.seq_len)),
+            "segment_ids": np.ones((t.batch_size, t.seq_len), np.int32),
         }
         # Each process places only the rows its devices hold (multi-process correct).
         return {

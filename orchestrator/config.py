@@ -71,6 +71,68 @@ class TrainConfig:
     loss_chunk: int = 0
 
 
+DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "array_record", "tokens")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the documents come from and how they are tokenised, split, shuffled and read.
+
+    Attributes:
+        source: "stdlib" (the running Python's standard library `*.py` files; needs no path), "text"
+            (one document per file), "jsonl" (one per line), "parquet" (one per row), "array_record"
+            (one UTF-8 document per record) or "tokens" (`.npy` arrays of pre-tokenised ids, 1-D or
+            one stream per row of a 2-D array, cut into rows of seq_len+1 ids; a document ends at
+            each of the tokeniser's EOS ids).
+        path: a file, a directory (searched recursively for the source's suffix, hidden entries
+            skipped; any file for "text") or a glob.
+        text_field: the JSON key ("jsonl") or column ("parquet") holding the text.
+        tokenizer: "byte" (`ByteTokenizer`, vocabulary 259) or a `tokenizer.json` path.
+        eos_token: the EOS token of a `tokenizer.json` tokeniser (e.g. "<|end_of_text|>").
+        bos_token: its BOS token; required with `add_bos`.
+        add_bos: start every text document with BOS.
+        seed: the seed of the per-epoch document shuffle.
+        eval_fraction: the share of documents held out for eval, spread evenly over the corpus order.
+        epochs: passes over the training documents; None repeats forever.
+        read_threads: threads reading and tokenising documents in parallel (0: the prefetch thread does it).
+        prefetch: batches prepared ahead on a background thread (0: on the caller's thread).
+    """
+
+    source: str = "stdlib"
+    path: str | None = None
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    eos_token: str | None = None
+    bos_token: str | None = None
+    add_bos: bool = False
+    seed: int = 0
+    eval_fraction: float = 0.01
+    epochs: int | None = None
+    read_threads: int = 0
+    prefetch: int = 2
+
+    def validate(self, prefix: str = "data") -> None:
+        """Raises ValueError naming the key when a field is out of range or fields contradict."""
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"{prefix}.source: expected one of {list(DATA_SOURCES)}, found {self.source!r}")
+        if (self.path is None) != (self.source == "stdlib"):
+            need = "no path" if self.source == "stdlib" else "a file, directory or glob"
+            raise ValueError(f"{prefix}.path: {prefix}.source={self.source!r} takes {need}, found {self.path!r}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"{prefix}.eval_fraction: expected a number in [0, 1), found {self.eval_fraction}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"{prefix}.epochs: expected a positive integer or null (forever), found {self.epochs}")
+        for name in ("read_threads", "prefetch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{prefix}.{name}: expected an integer >= 0, found {getattr(self, name)}")
+        if self.tokenizer == "byte" and (self.eos_token or self.bos_token):
+            raise ValueError(f"{prefix}.eos_token/bos_token: the byte tokenizer has fixed special tokens; unset them")
+        if self.add_bos and self.source == "tokens":
+            raise ValueError(f"{prefix}.add_bos: pre-tokenised data ({prefix}.source='tokens') is used as is; unset it")
+        if self.add_bos and self.tokenizer != "byte" and self.bos_token is None:
+            raise ValueError(f"{prefix}.bos_token: required with {prefix}.add_bos=true and a tokenizer.json tokenizer")
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a run needs, as plain data (runtime objects are built from it, never stored in it)."""
@@ -80,6 +142,7 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
 
 def list_presets() -> list[str]:
@@ -204,6 +267,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     """
     try:
         config.model.validate()
+        config.data.validate()
         check_rules(config.sharding.rules)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -1,0 +1,272 @@
+"""Orbax checkpoints of a training run: async saves, the last K kept, resume that skips corrupt steps.
+
+A `Checkpointer` wraps one `ocp.CheckpointManager`. Every process calls `save` at every step and
+Orbax decides whether the step is saved (every `every_steps` steps, or when JAX reports a
+preemption). Each process writes only the shards it holds; JSON metadata is written by process 0.
+
+Directory layout (Orbax builds a step in `<step>.orbax-checkpoint-tmp/` and renames it to `<step>/`
+once every process has finished, so a folder named by a bare integer is a committed step)::
+
+    <dir>/
+      <step>/
+        _CHECKPOINT_METADATA            Orbax: the items and their handlers, commit time
+        state/                          the TrainState (step, params, opt_state), via StandardSave
+          _METADATA                     tree structure, shapes and dtypes
+          _sharding                     the shardings it was saved with (the restore target decides)
+          manifest.ocdbt, d/<hash>      the OCDBT database that each process's shards are merged into
+          ocdbt.process_<i>/            the shards process i wrote
+          array_metadatas/process_<i>
+        meta/metadata                   JSON: step, seed, config_yaml, mesh, and the caller's extras
+        data/process_<i>-of-<n>.json    grain iterator state of process i (only when an iterator was given)
+      <step>.orbax-checkpoint-tmp/      a save in flight or interrupted: never listed, never restored
+
+Resuming (`checkpoint.resume`): `auto` restores the newest step that restores; a step that fails
+(a truncated or missing array file, broken metadata) is logged and the step before it is tried.
+Nothing is ever deleted by a restore. With no checkpoint the run starts fresh; when checkpoints
+exist but none restores, `NoRestorableCheckpointError` lists every step with its error, because
+silently starting over would throw away a run. `none` starts fresh and refuses a directory that
+already holds checkpoints; a step number restores exactly that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from orchestrator.config import Config, to_yaml
+
+logger = logging.getLogger(__name__)
+
+# What a damaged step raises: tensorstore reports DATA_LOSS, OUT_OF_RANGE and NOT_FOUND as
+# ValueError, a broken JSON file is a ValueError, a missing file an OSError, a missing item a KeyError.
+_DAMAGED_STEP_ERRORS = (ValueError, OSError, KeyError)
+
+RESUME_MODES = ("auto", "none")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint, how many steps to keep, what to resume from.
+
+    `dir` is relative to the run directory unless absolute. `resume` is `auto` (the newest step
+    that restores, else a fresh start), `none` (a fresh start into an empty `dir`) or a step number.
+    """
+
+    dir: str = "checkpoints"
+    every_steps: int = 1000
+    keep: int = 3
+    async_save: bool = True
+    resume: str = "auto"
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        """Raises ValueError naming the key when a field is out of range."""
+        for name in ("every_steps", "keep"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
+        if self.resume not in RESUME_MODES and not self.resume.isdigit():
+            raise ValueError(f"{prefix}.resume: expected 'auto', 'none' or a step number, found {self.resume!r}")
+
+
+class NoRestorableCheckpointError(RuntimeError):
+    """Checkpoints exist but none of them restores.
+
+    Attributes:
+        failures: each step tried (newest first) and the error its restore raised.
+    """
+
+    def __init__(self, directory: str, failures: Mapping[int, Exception]):
+        self.failures = dict(failures)
+        listed = "; ".join(f"step {step}: {_describe(error)}" for step, error in self.failures.items())
+        super().__init__(
+            f"no checkpoint in {directory} can be restored ({listed}). Nothing was deleted: move the "
+            "broken step folders away to resume from an older one, or start over with a new checkpoint.dir"
+        )
+
+
+def _describe(error: Exception, max_chars: int = 300) -> str:
+    """The error's type and first line, cut short (tensorstore appends its whole spec as JSON)."""
+    text = (str(error).splitlines() or [""])[0]
+    if len(text) > max_chars:
+        text = text[:max_chars] + "..."
+    return f"{type(error).__name__}: {text}"
+
+
+def describe_mesh(mesh: Mesh) -> dict[str, Any]:
+    """The mesh as JSON: axis sizes in order, device and process counts, device kind."""
+    return {
+        "axes": {name: int(size) for name, size in mesh.shape.items()},
+        "num_devices": int(mesh.size),
+        "num_processes": jax.process_count(),
+        "device_kind": mesh.devices.flat[0].device_kind,
+    }
+
+
+def run_metadata(config: Config, mesh: Mesh) -> dict[str, Any]:
+    """What every checkpoint of a run records about it: seed, resolved config YAML, mesh."""
+    return {"seed": config.train.seed, "config_yaml": to_yaml(config), "mesh": describe_mesh(mesh)}
+
+
+def _manager_options(config: CheckpointConfig) -> ocp.CheckpointManagerOptions:
+    policies = ocp.checkpoint_managers
+    return ocp.CheckpointManagerOptions(
+        save_decision_policy=policies.AnySavePolicy(
+            [policies.FixedIntervalPolicy(config.every_steps), policies.PreemptionCheckpointingPolicy()]
+        ),
+        preservation_policy=policies.LatestN(n=config.keep),
+        enable_async_checkpointing=config.async_save,
+    )
+
+
+class Checkpointer:
+    """Saves and restores a run's TrainState, metadata and (optionally) its grain data iterator.
+
+    Args:
+        directory: where the step folders live (a local path or any path Orbax accepts).
+        config: interval, how many steps to keep, async or not, the resume mode.
+        run_meta: JSON-able facts written into every step's `meta` (see `run_metadata`).
+    """
+
+    def __init__(self, directory: str | os.PathLike, config: CheckpointConfig, *, run_meta: Mapping | None = None):
+        config.validate()
+        self.config = config
+        self.directory = directory
+        self._run_meta = dict(run_meta or {})
+        self._manager = ocp.CheckpointManager(directory, options=_manager_options(config))
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def all_steps(self) -> list[int]:
+        """Every step on disk or being saved, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest step on disk or being saved (`wait()` first for a committed one); None if none."""
+        return self._manager.latest_step()
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        data_iterator: Any = None,
+        meta: Mapping | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves `state` at `step` if `every_steps` or a preemption notice asks for it, or if `force`.
+
+        Call it on every process at every step (the preemption check is a collective). With
+        `async_save` it returns once the arrays are copied to host memory, so the caller may donate
+        `state` right away; the write finishes in the background.
+
+        Args:
+            step: the step `state` is at.
+            state: a pytree of (sharded) arrays, normally the TrainState.
+            data_iterator: a grain iterator whose position is saved per process, or None.
+            meta: JSON-able extras for this step's `meta` (e.g. a data position shared by all processes).
+            force: save regardless of the interval (final step, preemption handled by the caller).
+
+        Returns:
+            True if a save was started; False if not due or `step` is already saved.
+        """
+        if step in self._manager.all_steps():
+            return False
+        items = {
+            "state": ocp.args.StandardSave(state),
+            "meta": ocp.args.JsonSave({**self._run_meta, **(meta or {}), "step": step}),
+        }
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+        return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+    def wait(self) -> None:
+        """Blocks until every save started so far is committed (raises what a background save raised)."""
+        self._manager.wait_until_finished()
+
+    def restore(self, abstract_state: Any, *, step: int | None = None, data_iterator: Any = None):
+        """Restores one step onto the shardings `abstract_state` asks for (any mesh).
+
+        Args:
+            abstract_state: the state's tree of `jax.ShapeDtypeStruct`s with concrete NamedShardings
+                (`Training.abstract_state()`); arrays are read shard by shard onto that layout.
+            step: the step to restore; the newest one if None.
+            data_iterator: a grain iterator to set to the saved position, in place; or None.
+
+        Returns:
+            (state, meta, step).
+
+        Raises:
+            FileNotFoundError: there is no checkpoint in the directory.
+            ValueError, OSError, KeyError: the step is damaged or does not match `abstract_state`.
+        """
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return restored.state, dict(restored.meta), step
+
+    def restore_latest(self, abstract_state: Any, *, data_iterator: Any = None):
+        """Restores the newest step that restores, falling back past damaged ones (logged, kept on disk).
+
+        Returns:
+            (state, meta, step), or None when the directory holds no checkpoint.
+
+        Raises:
+            NoRestorableCheckpointError: checkpoints exist but every one of them fails.
+        """
+        failures = {}
+        for step in reversed(self.all_steps()):
+            try:
+                return self.restore(abstract_state, step=step, data_iterator=data_iterator)
+            except _DAMAGED_STEP_ERRORS as error:
+                failures[step] = error
+                _warn("checkpoint step %d in %s cannot be restored (%s); trying an older step",
+                      step, self.directory, _describe(error))
+        if failures:
+            raise NoRestorableCheckpointError(str(self.directory), failures)
+        return None
+
+    def resume(self, abstract_state: Any, *, data_iterator: Any = None):
+        """Restores what `config.resume` asks for.
+
+        Returns:
+            (state, meta, step), or None for a fresh start.
+
+        Raises:
+            ValueError: `resume` is `none` but the directory already holds checkpoints.
+        """
+        if self.config.resume == "auto":
+            return self.restore_latest(abstract_state, data_iterator=data_iterator)
+        if self.config.resume == "none":
+            if self.all_steps():
+                raise ValueError(
+                    f"checkpoint.resume=none, but {self.directory} already holds steps {self.all_steps()}: "
+                    "use resume=auto to continue that run, or a new checkpoint.dir to start over"
+                )
+            return None
+        return self.restore(abstract_state, step=int(self.config.resume), data_iterator=data_iterator)
+
+    def close(self) -> None:
+        """Waits for pending saves, then releases Orbax's threads."""
+        self._manager.close()
+
+
+def _warn(msg: str, *args) -> None:
+    if jax.process_index() == 0:
+        logger.warning(msg, *args)

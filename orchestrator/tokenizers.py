@@ -1,0 +1,106 @@
+"""Tokenisers for the data pipeline: a built-in byte-level one and any HF `tokenizer.json`.
+
+Both give `encode(text) -> int32 ids` without special tokens (the pipeline adds BOS and EOS itself),
+`decode(ids)`, the ids of their special tokens and `vocab_size`, one more than the largest id they
+can produce. `check_vocab` compares that with the model's embedding table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+import numpy as np
+import tokenizers
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokeniser."""
+
+    vocab_size: int
+    pad_id: int
+    bos_id: int | None
+    eos_id: int
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then PAD=256, BOS=257, EOS=258: `vocab_size` is 259. Needs no files."""
+
+    pad_id: ClassVar[int] = 256
+    bos_id: ClassVar[int] = 257
+    eos_id: ClassVar[int] = 258
+    vocab_size: ClassVar[int] = 259
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        """The text of the byte ids; special ids are dropped and broken UTF-8 becomes U+FFFD."""
+        ids = np.asarray(ids)
+        return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokeniser read from a `tokenizer.json` file.
+
+    Padding (which always has loss weight 0) uses the EOS id.
+    """
+
+    def __init__(self, path: str | Path, *, eos_token: str, bos_token: str | None = None):
+        self.path = Path(path)
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"data.tokenizer={str(path)!r}: not a valid tokenizer.json ({e})") from None
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        self.eos_id = self._special_id(vocab, "eos_token", eos_token)
+        self.bos_id = None if bos_token is None else self._special_id(vocab, "bos_token", bos_token)
+        self.pad_id = self.eos_id
+
+    def _special_id(self, vocab: dict[str, int], key: str, token: str) -> int:
+        if token not in vocab:
+            raise ValueError(f"data.{key}={token!r} is not in the vocabulary of {self.path}; give a token it has")
+        return vocab[token]
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def load_tokenizer(name: str, *, eos_token: str | None = None, bos_token: str | None = None) -> Tokenizer:
+    """The tokeniser `data.tokenizer` names.
+
+    Args:
+        name: "byte" for `ByteTokenizer`, or a `tokenizer.json` file (or a directory holding one).
+        eos_token: the end-of-document token of a `tokenizer.json` tokeniser (required for one).
+        bos_token: its beginning-of-document token (needed only when documents start with BOS).
+
+    Raises:
+        ValueError: naming the key, when the file is missing or a special token is not in the vocabulary.
+    """
+    if name == "byte":
+        return ByteTokenizer()
+    path = Path(name)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"data.tokenizer={name!r}: expected 'byte' or a tokenizer.json file, found no such file")
+    if eos_token is None:
+        raise ValueError(f"data.eos_token: required with data.tokenizer={name!r} (e.g. '</s>' or '<|end_of_text|>')")
+    return HFTokenizer(path, eos_token=eos_token, bos_token=bos_token)
+
+
+def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+    """Raises ValueError when the tokeniser can produce ids the model's embedding table lacks."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ValueError(
+            f"the tokenizer's vocabulary ({tokenizer.vocab_size} ids) exceeds model.vocab_size={model_vocab_size}; "
+            f"set model.vocab_size >= {tokenizer.vocab_size} or use a smaller tokenizer"
+        )

@@ -1,0 +1,243 @@
+"""Orbax checkpoints: bit-exact round trips and resume, keep-last-K, damaged steps, other meshes."""
+
+import logging
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from orchestrator.build import build_training
+from orchestrator.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    NoRestorableCheckpointError,
+    run_metadata,
+)
+from orchestrator.config import load_config
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
+        "model.head_dim=16", "model.num_heads=4", "model.num_kv_heads=2", "train.batch_size=8", "train.seq_len=16"]
+
+
+@pytest.fixture(scope="module")
+def training():
+    """fsdp=4 x tp=2 on the 8 fake devices."""
+    return build_training(load_config("llama3-tiny", TINY + ["mesh.fsdp=4", "mesh.tp=2"]))
+
+
+def random_state(training, seed):
+    """Random values in every leaf, placed with the state's shardings, without compiling the model's init.
+
+    Non-negative floats keep Adam's second moments valid, so the state also trains.
+    """
+    rng = np.random.default_rng(seed)
+
+    def leaf(abstract):
+        if np.issubdtype(abstract.dtype, np.integer):
+            value = np.zeros(abstract.shape, abstract.dtype)
+        else:
+            value = (0.02 * np.abs(rng.standard_normal(abstract.shape))).astype(abstract.dtype)
+        return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda index: value[index])
+
+    return jax.tree.map(leaf, training.abstract_state())
+
+
+def assert_bit_equal(actual, expected):
+    actual_leaves, actual_tree = jax.tree.flatten(actual)
+    expected_leaves, expected_tree = jax.tree.flatten(expected)
+    assert actual_tree == expected_tree
+    for a, e in zip(actual_leaves, expected_leaves, strict=True):
+        assert a.dtype == e.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), strict=True)
+
+
+def checkpointer(path, **changes):
+    return Checkpointer(path, CheckpointConfig(**{"every_steps": 2, "keep": 5} | changes))
+
+
+def files(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_round_trip_is_bit_exact_and_meta_round_trips(training, tmp_path):
+    state = random_state(training, seed=0)
+    run_meta = run_metadata(training.config, training.mesh)
+    with Checkpointer(tmp_path, CheckpointConfig(), run_meta=run_meta) as ckpt:
+        assert ckpt.save(7, state, meta={"data_position": 123}, force=True)
+        ckpt.wait()
+        restored, meta, step = ckpt.restore(training.abstract_state())
+    assert step == 7
+    assert_bit_equal(restored, state)
+    for r, s in zip(jax.tree.leaves(restored), jax.tree.leaves(training.state_shardings), strict=True):
+        assert r.sharding == s
+    assert meta == run_meta | {"data_position": 123, "step": 7}
+    assert meta["mesh"]["axes"] == {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}
+    assert yaml.safe_load(meta["config_yaml"])["model"]["hidden_size"] == 64
+
+
+def test_training_continues_bit_identically_after_restore(training, tmp_path):
+    """Save asynchronously, keep training (donating the state), then replay the same batches from the checkpoint."""
+    batches = [training.random_batch(seed) for seed in range(4)]
+    state, _ = training.step(random_state(training, seed=1), batches[0])
+    with checkpointer(tmp_path) as ckpt:
+        assert ckpt.save(1, state, force=True)
+        uninterrupted = []
+        for batch in batches[1:]:
+            state, metrics = training.step(state, batch)
+            uninterrupted.append(np.asarray(metrics["loss"]))
+        ckpt.wait()
+        resumed_state, _, step = ckpt.restore(training.abstract_state())
+    assert step == 1
+    resumed = []
+    for batch in batches[1:]:
+        resumed_state, metrics = training.step(resumed_state, batch)
+        resumed.append(np.asarray(metrics["loss"]))
+    np.testing.assert_array_equal(resumed, uninterrupted, strict=True)
+    assert_bit_equal(resumed_state, state)
+    assert int(resumed_state.step) == 4
+
+
+def test_saves_every_n_steps_and_keeps_the_last_k(training, tmp_path):
+    state = random_state(training, seed=0)
+    with checkpointer(tmp_path, keep=2) as ckpt:
+        saved = [step for step in range(1, 8) if ckpt.save(step, state)]
+        ckpt.wait()
+        assert saved == [2, 4, 6]
+        assert ckpt.all_steps() == [4, 6]
+        assert not ckpt.save(6, state, force=True), "an existing step is never overwritten"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["4", "6"]
+
+
+def test_async_save_commits_after_wait(training, tmp_path):
+    with checkpointer(tmp_path) as ckpt:
+        assert ckpt.save(2, random_state(training, seed=0))
+        ckpt.wait()
+        assert ckpt.latest_step() == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["2"]
+    assert (tmp_path / "2" / "state" / "_METADATA").is_file()
+
+
+def truncate_array_files(step_dir: Path):
+    for path in (step_dir / "state" / "d").iterdir():
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def delete_array_files(step_dir: Path):
+    for path in (step_dir / "state" / "d").iterdir():
+        path.unlink()
+
+
+def break_metadata(step_dir: Path):
+    (step_dir / "state" / "_METADATA").write_text('{"tree_metadata": ')
+
+
+@pytest.mark.parametrize("damage", [truncate_array_files, delete_array_files, break_metadata])
+def test_damaged_latest_step_falls_back_to_the_previous_one(training, tmp_path, caplog, damage):
+    older, newer = random_state(training, seed=2), random_state(training, seed=3)
+    with checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, older)
+        ckpt.save(4, newer)
+        ckpt.wait()
+    damage(tmp_path / "4")
+    before = files(tmp_path)
+    with checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, logger="orchestrator.checkpoint"):
+        restored, meta, step = ckpt.restore_latest(training.abstract_state())
+    assert (step, meta["step"]) == (2, 2)
+    assert_bit_equal(restored, older)
+    [record] = [r for r in caplog.records if r.name == "orchestrator.checkpoint"]
+    assert "checkpoint step 4" in record.getMessage() and "Error" in record.getMessage()
+    assert files(tmp_path) == before, "a restore never deletes or changes anything"
+
+
+def test_all_steps_damaged_is_a_clear_error(training, tmp_path):
+    state = random_state(training, seed=0)
+    with checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, state)
+        ckpt.save(4, state)
+        ckpt.wait()
+    truncate_array_files(tmp_path / "2")
+    delete_array_files(tmp_path / "4")
+    with checkpointer(tmp_path) as ckpt, pytest.raises(NoRestorableCheckpointError) as raised:
+        ckpt.restore_latest(training.abstract_state())
+    assert list(raised.value.failures) == [4, 2]
+    assert f"no checkpoint in {tmp_path} can be restored (step 4: ValueError" in str(raised.value)
+    assert "; step 2: ValueError" in str(raised.value)
+
+
+def test_uncommitted_tmp_dir_is_ignored(training, tmp_path):
+    state = random_state(training, seed=0)
+    with checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, state)
+    interrupted = tmp_path / "8.orbax-checkpoint-tmp" / "state"
+    interrupted.mkdir(parents=True)
+    (interrupted / "_METADATA").write_text("half written")
+    with checkpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == [2]
+        _, _, step = ckpt.restore_latest(training.abstract_state())
+    assert step == 2
+    assert (interrupted / "_METADATA").read_text() == "half written"
+
+
+@pytest.mark.parametrize("mesh, num_devices", [(["mesh.fsdp=2", "mesh.tp=2"], 4), (["mesh.fsdp=1", "mesh.dp=8"], 8)])
+def test_restore_onto_another_mesh_is_bit_equal(training, tmp_path, mesh, num_devices):
+    state = random_state(training, seed=4)
+    with checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, state)
+        ckpt.wait()
+    other = build_training(load_config("llama3-tiny", TINY + mesh), jax.devices()[:num_devices])
+    with checkpointer(tmp_path) as ckpt:
+        restored, _, _ = ckpt.restore(other.abstract_state())
+    assert_bit_equal(restored, state)
+    for r, s in zip(jax.tree.leaves(restored), jax.tree.leaves(other.state_shardings), strict=True):
+        assert r.sharding == s
+
+
+def test_data_iterator_position_round_trips(training, tmp_path):
+    def iterator():
+        return grain.MapDataset.range(100).seed(0).shuffle().batch(4).to_iter_dataset().__iter__()
+
+    data = iterator()
+    for _ in range(3):
+        next(data)
+    with checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, random_state(training, seed=0), data_iterator=data)
+        ckpt.wait()
+        expected = [next(data) for _ in range(2)]
+        resumed = iterator()
+        ckpt.restore(training.abstract_state(), data_iterator=resumed)
+    np.testing.assert_array_equal([next(resumed) for _ in range(2)], expected)
+    assert (tmp_path / "2" / "data" / "process_0-of-1.json").is_file()
+
+
+def resume(path, mode, abstract):
+    with checkpointer(path, resume=mode) as ckpt:
+        return ckpt.resume(abstract)
+
+
+def test_resume_modes(training, tmp_path):
+    abstract = training.abstract_state()
+    assert resume(tmp_path, "auto", abstract) is None
+    assert resume(tmp_path, "none", abstract) is None
+    with checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, random_state(training, seed=0))
+        ckpt.save(4, random_state(training, seed=1))
+    assert resume(tmp_path, "2", abstract)[2] == 2
+    assert resume(tmp_path, "auto", abstract)[2] == 4
+    with pytest.raises(ValueError, match=r"checkpoint.resume=none, but .* already holds steps \[2, 4\]"):
+        resume(tmp_path, "none", abstract)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"resume": "latest"}, "checkpoint.resume: expected 'auto', 'none' or a step number, found 'latest'"),
+        ({"keep": 0}, "checkpoint.keep: expected a positive integer, found 0"),
+        ({"every_steps": -1}, "checkpoint.every_steps: expected a positive integer, found -1"),
+    ],
+)
+def test_config_errors_name_the_key(changes, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointConfig(**changes).validate()

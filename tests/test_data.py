@@ -1,0 +1,364 @@
+"""The data pipeline: every source, packing, process sharding, eval split, exact resume, errors, tokenisers."""
+
+import dataclasses
+import json
+
+import grain
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tokenizers
+from array_record.python.array_record_module import ArrayRecordWriter
+from jax.sharding import NamedSharding, PartitionSpec
+from omegaconf import OmegaConf
+
+from orchestrator.data import DataConfig, document_indices, make_dataset, open_corpus, to_global_batch
+from orchestrator.tokenizers import ByteTokenizer, check_vocab, load_tokenizer
+
+BYTE = ByteTokenizer()
+DOCS = [f"document {i}: " + "xyz" * (i % 7) for i in range(20)]
+
+
+def _dataset(config: DataConfig, *, seq_len=16, global_batch=2, tokenizer=BYTE, **kwargs) -> grain.IterDataset:
+    return make_dataset(config, tokenizer, seq_len=seq_len, global_batch=global_batch, **kwargs)
+
+
+def _batches(dataset: grain.IterDataset, n: int | None = None) -> list[dict]:
+    """`n` batches (all of them when None) of a fresh iterator, which is closed afterwards."""
+    iterator = iter(dataset)
+    try:
+        return [next(iterator) for _ in range(n)] if n else list(iterator)
+    finally:
+        iterator.close()
+
+
+def _texts(batches: list[dict]) -> list[str]:
+    """The documents in byte-tokenised batches, rebuilt from the packed rows (padding dropped)."""
+    ids = np.concatenate([np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1).ravel() for b in batches])
+    ids = ids[ids != BYTE.pad_id]
+    ends = np.flatnonzero(ids == BYTE.eos_id)
+    return [BYTE.decode(doc) for doc in np.split(ids, ends + 1)[:-1]]
+
+
+def _write_text_files(root, docs=DOCS):
+    root.mkdir()
+    for i, doc in enumerate(docs):
+        (root / f"doc{i:02d}.txt").write_text(doc)
+    return root
+
+
+def _write_jsonl(path, docs=DOCS, field="text"):
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+# Tokenisers.
+
+
+def test_byte_tokenizer_round_trips_utf8_and_has_259_ids():
+    text = "héllo, wörld ✓"
+    ids = BYTE.encode(text)
+    assert ids.dtype == np.int32 and ids.max() < 256
+    assert BYTE.decode(np.concatenate([ids, [BYTE.eos_id]])) == text
+    assert (BYTE.vocab_size, BYTE.pad_id, BYTE.bos_id, BYTE.eos_id) == (259, 256, 257, 258)
+
+
+def test_check_vocab_names_both_sizes():
+    check_vocab(BYTE, 259)
+    with pytest.raises(ValueError, match=r"vocabulary \(259 ids\) exceeds model.vocab_size=256"):
+        check_vocab(BYTE, 256)
+
+
+@pytest.fixture
+def hf_tokenizer_file(tmp_path):
+    vocab = {"<unk>": 0, "</s>": 1, "<s>": 2, "hello": 3, "world": 4, "again": 5}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["</s>", "<s>"])
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_json_loads_and_feeds_the_pipeline(tmp_path, hf_tokenizer_file):
+    tokenizer = load_tokenizer(str(hf_tokenizer_file.parent), eos_token="</s>", bos_token="<s>")
+    assert (tokenizer.vocab_size, tokenizer.eos_id, tokenizer.bos_id) == (6, 1, 2)
+    assert tokenizer.encode("hello world again").tolist() == [3, 4, 5]
+    assert tokenizer.decode([3, 4]) == "hello world"
+    check_vocab(tokenizer, 6)
+    corpus = _write_text_files(tmp_path / "docs", ["hello world", "again hello"])
+    config = DataConfig(source="text", path=str(corpus), tokenizer=str(hf_tokenizer_file), eos_token="</s>",
+                        bos_token="<s>", add_bos=True, eval_fraction=0.0, epochs=1)
+    (batch,) = _batches(_dataset(config, tokenizer=tokenizer, seq_len=9, global_batch=1))
+    row = np.concatenate([batch["inputs"][0], batch["targets"][0, -1:]])
+    assert sorted([row[:4].tolist(), row[4:8].tolist()]) == [[2, 3, 4, 1], [2, 5, 3, 1]]
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, needle",
+    [
+        ("missing.json", {"eos_token": "</s>"}, "data.tokenizer='missing.json': expected 'byte' or a tokenizer.json"),
+        (None, {}, "data.eos_token: required with data.tokenizer="),
+        (None, {"eos_token": "<eos>"}, "data.eos_token='<eos>' is not in the vocabulary"),
+    ],
+)
+def test_tokenizer_errors_name_the_key(hf_tokenizer_file, name, kwargs, needle):
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(name or str(hf_tokenizer_file), **kwargs)
+    assert needle in str(info.value)
+
+
+# Sources: one epoch gives back every training document exactly once.
+
+
+def _source_config(tmp_path, source):
+    if source == "text":
+        return DataConfig(source="text", path=str(_write_text_files(tmp_path / "docs")))
+    if source == "glob":
+        _write_text_files(tmp_path / "docs")
+        (tmp_path / "docs" / "skip.md").write_text("not matched")
+        return DataConfig(source="text", path=str(tmp_path / "docs" / "*.txt"))
+    if source == "jsonl":
+        _write_jsonl(tmp_path / "a.jsonl", DOCS[:12])
+        with open(_write_jsonl(tmp_path / "b.jsonl", DOCS[12:]), "a") as f:
+            f.write("\n  \n")  # blank lines are skipped
+        return DataConfig(source="jsonl", path=str(tmp_path))
+    if source == "array_record":
+        writer = ArrayRecordWriter(str(tmp_path / "docs.array_record"), "group_size:1")
+        for doc in DOCS:
+            writer.write(doc.encode())
+        writer.close()
+        return DataConfig(source="array_record", path=str(tmp_path))
+    pq.write_table(pa.table({"id": range(len(DOCS)), "content": DOCS}), tmp_path / "docs.parquet", row_group_size=7)
+    return DataConfig(source="parquet", path=str(tmp_path / "docs.parquet"), text_field="content")
+
+
+@pytest.mark.parametrize("source", ["text", "glob", "jsonl", "parquet", "array_record"])
+def test_each_text_source_yields_every_document_once_per_epoch(tmp_path, source):
+    config = _source_config(tmp_path, source)
+    assert sorted(open_corpus(config, seq_len=16)[i] for i in range(len(DOCS))) == sorted(DOCS)
+    single = dataclasses.replace(config, eval_fraction=0.0, epochs=1)
+    assert sorted(_texts(_batches(_dataset(single, global_batch=3)))) == sorted(DOCS)
+
+
+@pytest.mark.parametrize("shape", [(1, 33), (3, 11)])
+def test_token_arrays_are_cut_into_rows_with_segments_at_eos(tmp_path, shape):
+    stream = np.arange(np.prod(shape), dtype=np.uint16).reshape(shape) % 200
+    stream[..., 4] = BYTE.eos_id
+    np.save(tmp_path / "tokens.npy", stream.squeeze(0) if shape[0] == 1 else stream)
+    config = DataConfig(source="tokens", path=str(tmp_path), eval_fraction=0.0, epochs=1)
+    batches = _batches(_dataset(config, seq_len=4, global_batch=3))
+    rows = np.concatenate([np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1) for b in batches])
+    windows = stream[:, : shape[1] // 5 * 5].reshape(-1, 5)
+    assert sorted(map(tuple, rows)) == sorted(map(tuple, windows))
+    for b in batches:
+        eos_input = b["inputs"] == BYTE.eos_id
+        np.testing.assert_array_equal(b["weights"], np.where(eos_input, 0.0, 1.0))
+        np.testing.assert_array_equal(b["segment_ids"], 1 + np.cumsum(eos_input, axis=1) - eos_input)
+        new_segment = np.diff(b["segment_ids"], axis=1) != 0
+        np.testing.assert_array_equal(b["positions"][:, 1:], np.where(new_segment, 0, b["positions"][:, :-1] + 1))
+
+
+# Packing.
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_packing_two_documents_by_hand(tmp_path, add_bos):
+    corpus = _write_text_files(tmp_path / "docs", ["ab", "cd"])
+    config = DataConfig(source="text", path=str(corpus), eval_fraction=0.0, epochs=1, add_bos=add_bos)
+    seq_len = 4 if add_bos else 3
+    (batch,) = _batches(_dataset(config, seq_len=seq_len, global_batch=2))
+    first, second = ("ab", "cd") if BYTE.decode(batch["inputs"][0]).startswith("a") else ("cd", "ab")
+    bos = [BYTE.bos_id] if add_bos else []
+    x, y = [*bos, *BYTE.encode(first)], [*bos, *BYTE.encode(second)]
+    e, p = BYTE.eos_id, BYTE.pad_id
+    tokens = np.array([x + [e] + y[:1], y[1:] + [e, p, p]])  # rows of seq_len + 1 tokens
+    np.testing.assert_array_equal(batch["inputs"], tokens[:, :-1])
+    np.testing.assert_array_equal(batch["targets"], tokens[:, 1:])
+    n = len(x)
+    np.testing.assert_array_equal(batch["segment_ids"], [[1] * (n + 1), [1] * n + [0]])
+    np.testing.assert_array_equal(batch["positions"], [list(range(n + 1)), list(range(n)) + [0]])
+    np.testing.assert_array_equal(batch["weights"], [[1] * n + [0], [1] * (n - 1) + [0, 0]])
+
+
+def test_packed_rows_restart_positions_per_document_and_never_weigh_across_one(tmp_path):
+    config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl")), eval_fraction=0.0, epochs=2)
+    batches = _batches(_dataset(config, seq_len=16, global_batch=4))
+    for b in batches:
+        assert {k: (v.shape, v.dtype) for k, v in b.items()} == {
+            **{k: ((4, 16), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")},
+            "weights": ((4, 16), np.float32),
+        }
+        seg, pos = b["segment_ids"], b["positions"]
+        new_segment = np.diff(seg, axis=1) != 0
+        np.testing.assert_array_equal(new_segment, b["inputs"][:, :-1] == BYTE.eos_id)
+        np.testing.assert_array_equal(pos[:, 1:], np.where(new_segment | (seg[:, 1:] == 0), 0, pos[:, :-1] + 1))
+        np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+        crosses = (b["inputs"] == BYTE.eos_id) | (b["targets"] == BYTE.pad_id)
+        np.testing.assert_array_equal(b["weights"], np.where(crosses, 0.0, 1.0))
+    assert sorted(_texts(batches)) == sorted(DOCS * 2)
+
+
+def test_epochs_are_reshuffled_with_the_seed(tmp_path):
+    config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl")), eval_fraction=0.0, epochs=2)
+    texts = _texts(_batches(_dataset(config, global_batch=1)))
+    assert texts[:20] != texts[20:] and sorted(texts[:20]) == sorted(texts[20:]) == sorted(DOCS)
+    assert texts == _texts(_batches(_dataset(config, global_batch=1)))
+    other_seed = dataclasses.replace(config, seed=1)
+    assert texts != _texts(_batches(_dataset(other_seed, global_batch=1)))
+
+
+# Sharding by process and the eval split.
+
+
+def test_document_indices_split_and_shard_disjointly_and_cover_the_corpus():
+    shares = lambda split: [
+        document_indices(103, eval_fraction=0.1, split=split, process_index=p, process_count=3) for p in range(3)
+    ]
+    train, held = shares("train"), shares("eval")
+    everything = np.concatenate(train + held)
+    assert sorted(everything) == list(range(103))
+    assert sum(map(len, held)) == 10 and max(map(len, train)) - min(map(len, train)) <= 1
+
+
+def test_processes_read_disjoint_documents_that_cover_the_split(tmp_path):
+    config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl")), eval_fraction=0.2, epochs=1)
+    per_process = []
+    for p in range(2):
+        batches = _batches(_dataset(config, global_batch=4, process_index=p, process_count=2))
+        assert batches[0]["inputs"].shape == (2, 16)
+        per_process.append(set(_texts(batches)))
+    held = set(_texts(_batches(_dataset(config, global_batch=1, split="eval"), 20)))
+    assert not per_process[0] & per_process[1] and not held & (per_process[0] | per_process[1])
+    assert per_process[0] | per_process[1] | held == set(DOCS) and len(held) == 4
+
+
+# Resume.
+
+
+@pytest.mark.parametrize("prefetch, read_threads", [(0, 0), (2, 2)])
+def test_restored_iterator_continues_with_identical_batches(tmp_path, prefetch, read_threads):
+    docs = ["x" * n + f" doc {n}" for n in np.random.default_rng(0).integers(0, 40, 30)]
+    config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl", docs)), prefetch=prefetch,
+                        read_threads=read_threads)
+    iterator = iter(_dataset(config))
+    for _ in range(7):
+        next(iterator)
+    state = json.loads(json.dumps(iterator.get_state()))
+    expected = [next(iterator) for _ in range(25)]  # past the end of the first epoch
+    iterator.close()
+    restored = iter(_dataset(config))
+    restored.set_state(state)
+    for want in expected:
+        got = next(restored)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+    restored.close()
+
+
+def test_iterator_checkpoints_inside_an_orbax_composite(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    dataset = _dataset(DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl"))))
+    iterator = iter(dataset)
+    for _ in range(3):
+        next(iterator)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(iterator)))
+        manager.wait_until_finished()
+        expected = next(iterator)
+        restored = iter(dataset)
+        manager.restore(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(restored)))
+    np.testing.assert_array_equal(next(restored)["inputs"], expected["inputs"])
+    iterator.close()
+    restored.close()
+
+
+# The embedded default and global arrays.
+
+
+def test_stdlib_default_yields_batches_and_fits_the_config_schema():
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), {"epochs": 2}))
+    assert config == DataConfig(epochs=2) and config.source == "stdlib"
+    assert len(open_corpus(config, seq_len=64)) > 100
+    train, held = _batches(_dataset(config, seq_len=64), 2), _batches(_dataset(config, seq_len=64, split="eval"), 1)
+    assert train[1]["inputs"].shape == held[0]["inputs"].shape == (2, 64)
+    assert train[1]["weights"].sum() > 0 and held[0]["weights"].sum() > 0
+
+
+def test_to_global_batch_places_rows_with_the_sharding():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, PartitionSpec("data", None))
+    local = {"inputs": np.arange(8 * 4, dtype=np.int32).reshape(8, 4), "weights": np.ones((8, 4), np.float32)}
+    batch = to_global_batch(local, sharding)
+    assert batch["inputs"].sharding == sharding and batch["weights"].dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(batch["inputs"]), local["inputs"])
+
+
+# Errors name the key or file, what was expected and what was found.
+
+
+def _saved(path, write) -> str:
+    write(path)
+    return str(path)
+
+
+ERROR_CASES = {
+    "missing path": (lambda t: DataConfig(source="text", path=str(t / "nope")), "expected a file, directory or glob"),
+    "glob matches nothing": (lambda t: DataConfig(source="text", path=str(t / "*.txt")), "matched none"),
+    "empty directory": (lambda t: DataConfig(source="jsonl", path=str(t)), "expected .jsonl files in this directory"),
+    "empty corpus": (lambda t: DataConfig(source="jsonl", path=str(_write_jsonl(t / "d.jsonl", []))),
+                     "expected documents in 1 file(s), found none"),
+    "jsonl without the field": (
+        lambda t: DataConfig(source="jsonl", path=str(_write_jsonl(t / "d.jsonl", DOCS[:2], field="body"))),
+        "d.jsonl, line 1: data.text_field='text' not found; the line has keys ['body', 'id']"),
+    "invalid json": (lambda t: DataConfig(source="jsonl", path=_saved(t / "d.jsonl", lambda p: p.write_text("{oops"))),
+                     "d.jsonl, line 1: expected a JSON object, found invalid JSON"),
+    "parquet without the column": (
+        lambda t: DataConfig(
+            source="parquet", path=_saved(t / "x.parquet", lambda p: pq.write_table(pa.table({"body": ["a"]}), p))
+        ),
+        "data.text_field='text' is not a column; found columns ['body']"),
+    "float tokens": (
+        lambda t: DataConfig(source="tokens", path=_saved(t / "x.npy", lambda p: np.save(p, np.zeros(9)))),
+        "expected a 1-D or 2-D integer token array, found 1-D float64"),
+    "too few tokens": (
+        lambda t: DataConfig(source="tokens", path=_saved(t / "x.npy", lambda p: np.save(p, np.zeros(16, int)))),
+        "expected windows of train.seq_len+1=17 ids in 1 file(s), found none"),
+    "unknown source": (lambda t: DataConfig(source="csv"), "data.source: expected one of"),
+    "path for stdlib": (lambda t: DataConfig(path="x"), "data.path: data.source='stdlib' takes no path"),
+    "no path": (lambda t: DataConfig(source="jsonl"), "data.path: data.source='jsonl' takes a file, directory"),
+    "eval fraction": (lambda t: DataConfig(eval_fraction=1.0), "data.eval_fraction: expected a number in [0, 1)"),
+    "bos without a token": (lambda t: DataConfig(tokenizer="t.json", eos_token="</s>", add_bos=True),
+                            "data.bos_token: required with data.add_bos=true"),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_bad_data_input_is_a_clear_error(tmp_path, case):
+    make_config, needle = ERROR_CASES[case]
+    with pytest.raises(ValueError) as info:
+        _dataset(make_config(tmp_path))
+    assert needle in str(info.value)
+
+
+def test_a_bad_line_after_the_first_fails_when_read(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"txt": "bad"}) + "\n")
+    dataset = _dataset(DataConfig(source="jsonl", path=str(tmp_path / "d.jsonl"), eval_fraction=0.0, prefetch=1))
+    with pytest.raises(ValueError, match=r"d.jsonl, line 2: data.text_field='text' not found; the line has keys"):
+        _batches(dataset, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"global_batch": 3, "process_count": 2}, "train.batch_size=3 is not divisible by the 2 processes"),
+        ({"split": "test"}, "split: expected one of ['train', 'eval']"),
+        ({"process_count": 2000, "global_batch": 2000}, "fewer than the 2000 processes"),
+    ],
+)
+def test_bad_split_or_batch_geometry_is_a_clear_error(kwargs, needle):
+    with pytest.raises(ValueError) as info:
+        _dataset(DataConfig(), **kwargs)
+    assert needle in str(info.value)
