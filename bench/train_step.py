@@ -2,11 +2,13 @@
 
     PYTHONPATH=. .venv/bin/python bench/train_step.py [--quick] [--json] [--cpu-devices N]
 
-1. The practical float32 matmul peak of this machine, measured in the same run (before and after
-   the step timings; the higher is used, so MFU is never flattered by a slow peak measurement).
+1. The practical float32 matmul peak of this machine, measured in the same run (around every step
+   timing; the highest is used, so MFU is never flattered by a slow peak measurement).
 2. The full train step (forward, loss, backward, AdamW) of the preset for remat none / full / dots:
    median step time after warm-up, tokens/s, model FLOPs from `orchestrator.plan.flops_per_token`,
-   MFU = model FLOP/s / peak.
+   MFU = model FLOP/s / peak. On a shared machine the wall clock depends on the load, so the table
+   also gives MFU (CPU time): model FLOPs per process CPU second over the matmul's FLOPs per CPU
+   second, which stays close to the unloaded wall-clock MFU.
 3. Trace + compile seconds and XLA temp memory of one train step at 2 / 8 / 32 layers, remat none
    vs full, scanned vs unrolled layers.
 """
@@ -25,11 +27,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
+    Peak,
     bench_config,
     compile_stats,
     format_table,
     machine_description,
-    matmul_peak_gflops,
+    matmul_peak,
     table_row,
     time_train_step,
 )
@@ -43,8 +46,10 @@ TARGET_LAYERS, BASE_LAYERS = 32, 2
 
 STEP_COLUMNS = [
     ("remat", "remat", "<6"), ("step_ms_median", "step ms (median)", ".0f"), ("step_ms_min", "step ms (min)", ".0f"),
-    ("tokens_per_s", "tokens/s", ".0f"), ("gflop_per_step", "GFLOP/step", ".1f"), ("gflops", "GFLOP/s", ".1f"),
-    ("mfu", "MFU", ".3f"), ("mfu_best", "MFU (min step)", ".3f"), ("first_call_s", "first call s", ".1f"),
+    ("cpu_ms_median", "CPU ms (median)", ".0f"), ("tokens_per_s", "tokens/s", ".0f"),
+    ("gflop_per_step", "GFLOP/step", ".1f"), ("gflops", "GFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
+    ("mfu_best", "MFU (min step)", ".3f"), ("mfu_cpu", "MFU (CPU time)", ".3f"),
+    ("first_call_s", "first call s", ".1f"),
 ]
 COMPILE_COLUMNS = [
     ("layers", "layers", "d"), ("remat", "remat", "<5"), ("loop", "layers loop", "<8"), ("trace_s", "trace s", ".1f"),
@@ -69,17 +74,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_step_timings(args: argparse.Namespace) -> tuple[list, list[float]]:
+def run_step_timings(args: argparse.Namespace) -> tuple[list, list[Peak]]:
     """One StepTiming per remat policy, and matmul peaks measured before, between and after them.
 
     The machine may be shared: sampling the peak around every timing and keeping the highest
     keeps MFU from being flattered by a peak that happened to be measured while others ran.
     """
-    timings, peaks = [], [matmul_peak_gflops()]
+    timings, peaks = [], [matmul_peak()]
     for remat in STEP_REMATS:
         config = bench_config(remat=remat)
         timings.append(time_train_step(config, num_devices=args.cpu_devices, warmup=args.warmup, steps=args.steps))
-        peaks.append(matmul_peak_gflops())
+        peaks.append(matmul_peak())
     return timings, peaks
 
 
@@ -138,17 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda *_: None) if args.json else print
     say(f"# train step benchmark, {datetime.date.today()}, {machine_description()}")
     timings, peaks = run_step_timings(args)
-    peak = max(peaks)
+    peak = Peak.best(peaks)
     step_rows = [t.row(peak) for t in timings]
     say(f"\nmatmul peak (f32 2048^3, best of 10), sampled around each timing: "
-        f"{', '.join(f'{p:.0f}' for p in peaks)} GFLOP/s; MFU uses the highest, {peak:.1f}\n")
+        f"{', '.join(f'{p.gflops:.0f}' for p in peaks)} GFLOP/s; MFU uses the highest, {peak.gflops:.1f} "
+        f"({peak.gflop_per_cpu_s:.1f} GFLOP per CPU second for MFU (CPU time))\n")
     say(format_table(step_rows, STEP_COLUMNS))
     say("\n" + format_table([], COMPILE_COLUMNS))
     compile_rows = run_compile_grid(args)
     targets = check_targets(step_rows, compile_rows)
     say("\n" + format_table(targets, TARGET_COLUMNS))
     if args.json:
-        results = {"machine": machine_description(), "peak_gflops": peak, "peak_samples": peaks}
+        results = {"machine": machine_description(), "peak": vars(peak), "peak_samples": [vars(p) for p in peaks]}
         print(json.dumps({**results, "steps": step_rows, "compile": compile_rows, "targets": targets}, indent=1))
     return 0
 

@@ -22,6 +22,7 @@ from orchestrator.step import (
     batch_shardings,
     init_train_state,
     make_optimizer,
+    make_schedule,
     make_train_step,
     train_state_shardings,
 )
@@ -96,11 +97,13 @@ def build_training(config: Config, devices: Sequence[jax.Device] | None = None) 
     param_shardings = jax.tree.map(
         lambda v: v.replace(v.get_value().sharding), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
-    tx = make_optimizer(config.optimizer)
+    schedule = make_schedule(config.optimizer, config.train.steps)
+    tx = make_optimizer(config.optimizer, schedule)
     state_shardings = train_state_shardings(param_shardings, abstract, tx, mesh)
     batch_sharding = batch_shardings(mesh, rules, config.train.batch_size)
-    step = ShardedStep(make_train_step(graphdef, tx, loss_chunk=config.train.loss_chunk), mesh, rules,
-                       state_shardings, batch_sharding)
+    step_fn = make_train_step(graphdef, tx, loss_chunk=config.train.loss_chunk, grad_accum=config.train.grad_accum,
+                              schedule=schedule)
+    step = ShardedStep(step_fn, mesh, rules, state_shardings, batch_sharding)
     return Training(config, mesh, graphdef, abstract, tx, state_shardings, batch_sharding, step)
 
 

@@ -137,9 +137,10 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig, *, run_meta: Mapping | None = None):
         config.validate()
         self.config = config
-        self.directory = directory
+        # Orbax rejects relative paths (only after creating a tmp folder); URLs such as gs:// stay as they are.
+        self.directory = directory if "://" in str(directory) else os.path.abspath(directory)
         self._run_meta = dict(run_meta or {})
-        self._manager = ocp.CheckpointManager(directory, options=_manager_options(config))
+        self._manager = ocp.CheckpointManager(self.directory, options=_manager_options(config))
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -207,14 +208,13 @@ class Checkpointer:
             (state, meta, step).
 
         Raises:
-            FileNotFoundError: there is no checkpoint in the directory.
+            FileNotFoundError: the step (or, with `step=None`, any step) is not in the directory.
             ValueError, OSError, KeyError: the step is damaged or does not match `abstract_state`.
         """
         self.wait()
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        step = self.latest_step() if step is None else step
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} (steps: {self.all_steps()})")
         items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)

@@ -47,10 +47,20 @@ class ShardingConfig:
     rules: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_RULES))
 
 
+OPTIMIZERS = ("adamw", "sgd", "adafactor")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW hyper-parameters."""
+    """Optimizer (adamw, sgd with momentum, adafactor) and learning-rate schedule (constant, or
+    `warmup_steps` of linear warmup then cosine or linear decay to `learning_rate * min_lr_ratio`)."""
 
+    name: str = "adamw"
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    momentum: float = 0.9
     learning_rate: float = 3e-4
     b1: float = 0.9
     b2: float = 0.95
@@ -69,6 +79,10 @@ class TrainConfig:
     seq_len: int = 256
     steps: int = 100
     loss_chunk: int = 0
+    grad_accum: int = 1
+    eval_every: int = 0
+    eval_batches: int = 4
+    peak_flops_per_device: float = 0.0
 
 
 DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "array_record", "tokens")
@@ -282,6 +296,17 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     for name in ("batch_size", "seq_len", "steps"):
         if getattr(config.train, name) <= 0:
             raise ConfigError(f"train.{name}: expected a positive integer, found {getattr(config.train, name)}")
+    opt = config.optimizer
+    for name, value, valid in (("name", opt.name, OPTIMIZERS), ("schedule", opt.schedule, SCHEDULES)):
+        if value not in valid:
+            raise ConfigError(f"optimizer.{name}: expected one of {list(valid)}, found {value!r}")
+    if opt.warmup_steps < 0 or opt.warmup_steps > config.train.steps:
+        raise ConfigError(f"optimizer.warmup_steps={opt.warmup_steps} must be in [0, train.steps={config.train.steps}]")
+    accum = config.train.grad_accum
+    if accum < 1 or config.train.batch_size % accum:
+        raise ConfigError(
+            f"train.grad_accum={accum} must be >= 1 and divide train.batch_size={config.train.batch_size}"
+        )
     chunk = config.train.loss_chunk
     if chunk < 0 or (chunk and config.train.seq_len % chunk):
         raise ConfigError(f"train.loss_chunk={chunk} must be 0 (off) or divide train.seq_len={config.train.seq_len}")

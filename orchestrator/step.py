@@ -34,16 +34,33 @@ def _decays(path, _leaf) -> bool:
     return not (name == "scale" or name.startswith("b"))
 
 
-def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with decay masked off norms and biases."""
-    return optax.chain(
-        optax.clip_by_global_norm(config.grad_clip),
-        optax.adamw(
-            config.learning_rate, b1=config.b1, b2=config.b2, eps=config.eps,
-            weight_decay=config.weight_decay,
-            mask=lambda params: jax.tree.map_with_path(_decays, params),
-        ),
-    )
+def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Learning rate per step: constant, or linear warmup then cosine or linear decay to `min_lr_ratio`."""
+    peak, warmup = config.learning_rate, config.warmup_steps
+    end = peak * config.min_lr_ratio
+    if config.schedule == "constant":
+        return optax.constant_schedule(peak) if not warmup else optax.join_schedules(
+            [optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak)], [warmup])
+    decay_steps = max(total_steps - warmup, 1)
+    if config.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=config.min_lr_ratio)
+    else:
+        decay = optax.linear_schedule(peak, end, decay_steps)
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
+def make_optimizer(config: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW, SGD with momentum or Adafactor; decay masked off norms and biases."""
+    mask = lambda params: jax.tree.map_with_path(_decays, params)
+    if config.name == "adamw":
+        tx = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
+                         mask=mask)
+    elif config.name == "sgd":
+        tx = optax.chain(optax.add_decayed_weights(config.weight_decay, mask),
+                         optax.sgd(schedule, momentum=config.momentum or None))
+    else:
+        tx = optax.adafactor(schedule, weight_decay_rate=config.weight_decay or None, weight_decay_mask=mask)
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), tx)
 
 
 def batch_shardings(mesh: Mesh, rules: Rules, batch_size: int) -> NamedSharding:
@@ -52,11 +69,13 @@ def batch_shardings(mesh: Mesh, rules: Rules, batch_size: int) -> NamedSharding:
 
 
 def train_state_shardings(param_shardings: nnx.State, abstract_params: nnx.State, tx, mesh: Mesh):
-    """Shardings of a TrainState: optimizer moments follow their params, the rest is replicated."""
+    """Shardings of a TrainState: optimizer moments shaped like their params follow them; factored
+    statistics (Adafactor's row and column moments), counters and the step are replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, param_shardings,
+        tx, lambda leaf, sharding, param: sharding if leaf.shape == param.shape else replicated,
+        abstract_opt, param_shardings, abstract_params,
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
@@ -72,26 +91,51 @@ def init_train_state(params: nnx.State, tx, shardings: TrainState) -> TrainState
     return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_chunk: int = 0) -> Callable:
+def make_train_step(
+    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_chunk: int = 0, grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+) -> Callable:
     """The pure step: forward, float32 causal-LM loss, backward, optimizer update.
 
     The batch holds `inputs`, `targets` and `weights` (B, T), optionally `positions` and
     `segment_ids`. `loss_chunk` > 0 computes the loss chunk by chunk (no full logits).
+    `grad_accum` > 1 splits the batch into that many micro-batches inside the step and sums
+    their token-weighted gradients, so loss and gradients equal those of the whole batch.
     """
 
-    def loss_fn(params, batch):
+    def loss_sum(params, batch):
         model = nnx.merge(graphdef, params)
         kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids")}
         if loss_chunk:
             h = model(batch["inputs"], return_hidden=True, **kwargs)
-            return chunked_causal_lm_loss(h, model.head(), batch["targets"], batch["weights"], chunk=loss_chunk)
-        return causal_lm_loss(model(batch["inputs"], **kwargs), batch["targets"], batch["weights"])
+            loss, count = chunked_causal_lm_loss(h, model.head(), batch["targets"], batch["weights"], chunk=loss_chunk)
+        else:
+            loss, count = causal_lm_loss(model(batch["inputs"], **kwargs), batch["targets"], batch["weights"])
+        return loss * count, count
+
+    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+    def accumulate(params, batch):
+        # Micro-batch i takes rows i, i + A, i + 2A, ...: each keeps the batch axis' sharding.
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1),
+                             batch)
+
+        def one(carry, micro_batch):
+            (total, count), grads = grad_fn(params, micro_batch)
+            return jax.tree.map(jnp.add, carry, ((total, count), grads)), None
+
+        zeros = ((jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, params))
+        return jax.lax.scan(one, zeros, micro)[0]
 
     def train_step(state: TrainState, batch: dict):
-        (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        (total, count), grads = grad_fn(state.params, batch) if grad_accum == 1 else accumulate(state.params, batch)
+        scale = 1.0 / jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": num_tokens}
+        metrics = {"loss": total * scale, "grad_norm": optax.tree.norm(grads), "tokens": count}
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

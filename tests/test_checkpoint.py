@@ -18,6 +18,12 @@ from orchestrator.checkpoint import (
 )
 from orchestrator.config import load_config
 
+# A restore that fails part way leaves tensorstore reads in flight; they complete on tensorstore's threads after
+# Orbax closed its event loop, which Python reports as an unraisable "Event loop is closed" (harmless).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:(?s)Exception ignored in.*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
+)
+
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
         "model.head_dim=16", "model.num_heads=4", "model.num_kv_heads=2", "train.batch_size=8", "train.seq_len=16"]
 
@@ -118,6 +124,14 @@ def test_async_save_commits_after_wait(training, tmp_path):
         assert ckpt.latest_step() == 2
     assert [p.name for p in tmp_path.iterdir()] == ["2"]
     assert (tmp_path / "2" / "state" / "_METADATA").is_file()
+
+
+def test_relative_directory_is_made_absolute(training, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with checkpointer("run/checkpoints") as ckpt:
+        assert ckpt.directory == str(tmp_path / "run" / "checkpoints")
+        ckpt.save(2, random_state(training, seed=0))
+    assert (tmp_path / "run" / "checkpoints" / "2" / "state").is_dir()
 
 
 def truncate_array_files(step_dir: Path):
@@ -225,6 +239,8 @@ def test_resume_modes(training, tmp_path):
         ckpt.save(2, random_state(training, seed=0))
         ckpt.save(4, random_state(training, seed=1))
     assert resume(tmp_path, "2", abstract)[2] == 2
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 3 in .* \(steps: \[2, 4\]\)"):
+        resume(tmp_path, "3", abstract)
     assert resume(tmp_path, "auto", abstract)[2] == 4
     with pytest.raises(ValueError, match=r"checkpoint.resume=none, but .* already holds steps \[2, 4\]"):
         resume(tmp_path, "none", abstract)

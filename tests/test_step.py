@@ -1,0 +1,64 @@
+"""The train step: gradient accumulation equals the whole batch; optimizers and schedules."""
+
+import jax
+import numpy as np
+import pytest
+
+from orchestrator.build import build_training
+from orchestrator.config import ConfigError, load_config
+from orchestrator.step import make_schedule
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
+        "model.head_dim=16", "train.batch_size=8", "train.seq_len=16", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]
+
+
+def run_steps(overrides, steps=2, same_batch=False):
+    training = build_training(load_config("llama3-tiny", TINY + overrides))
+    state = training.init_state()
+    losses = []
+    for i in range(steps):
+        batch = training.random_batch(seed=0 if same_batch else i)
+        batch["weights"] = batch["weights"].at[0, 5:].set(0.0)  # uneven token counts per micro-batch
+        state, metrics = training.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+def test_grad_accumulation_equals_full_batch():
+    # Plain SGD: the params after a step are the params minus lr times the gradients.
+    sgd = ["optimizer.name=sgd", "optimizer.momentum=0", "optimizer.weight_decay=0", "optimizer.schedule=constant",
+           "optimizer.learning_rate=1.0", "optimizer.grad_clip=1e9"]
+    full_losses, full = run_steps(sgd)
+    accum_losses, accum = run_steps(sgd + ["train.grad_accum=4"])
+    np.testing.assert_allclose(accum_losses, full_losses, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(accum.params), jax.tree.leaves(full.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adafactor"])
+def test_other_optimizers_train(name):
+    losses, _ = run_steps([f"optimizer.name={name}", "optimizer.learning_rate=0.05", "optimizer.schedule=constant"],
+                          steps=3, same_batch=True)
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_schedules():
+    config = load_config("llama3-tiny", ["optimizer.warmup_steps=10", "train.steps=110", "optimizer.min_lr_ratio=0.1"])
+    cosine = make_schedule(config.optimizer, 110)
+    assert float(cosine(0)) == 0.0 and float(cosine(10)) == pytest.approx(3e-4)
+    assert float(cosine(110)) == pytest.approx(3e-5, rel=1e-3)
+    linear = make_schedule(config.optimizer.__class__(schedule="linear", warmup_steps=10), 110)
+    assert float(linear(60)) == pytest.approx((3e-4 + 3e-5) / 2, rel=1e-3)
+    constant = make_schedule(config.optimizer.__class__(schedule="constant"), 110)
+    assert float(constant(50)) == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.grad_accum=3", "must be >= 1 and divide train.batch_size=8"),
+    ("optimizer.name=lion", "optimizer.name: expected one of"),
+    ("optimizer.schedule=step", "optimizer.schedule: expected one of"),
+])
+def test_bad_optimizer_settings(override, needle):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config("llama3-tiny", [override])
+    assert needle in str(info.value)
