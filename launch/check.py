@@ -11,7 +11,7 @@ from orchestrator.config import load_config
 from orchestrator.plan import format_plan, make_plan
 
 
-def run(args) -> int:
+def run_command(args) -> int:
     config = load_config(args.config, args.overrides)
     training = build_training(config)
     print(format_plan(make_plan(training)))

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 COMMANDS = {
+    "train": ("launch.train", "train on this machine's devices, resuming from the run's last checkpoint"),
     "plan": ("launch.plan", "show the resolved config, mesh, sharding, FLOPs and compiled memory; no training"),
     "check": ("launch.check", "build the model sharded over the devices and run train steps on random tokens"),
 }
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
-        return module.run(args)
+        return module.run_command(args)
     except ConfigError as e:
         print(f"podtrain: error: {e}", file=sys.stderr)
         return 2

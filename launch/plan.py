@@ -9,7 +9,7 @@ from orchestrator.config import load_config
 from orchestrator.plan import format_plan, make_plan
 
 
-def run(args) -> int:
+def run_command(args) -> int:
     config = load_config(args.config, args.overrides)
     plan = make_plan(build_training(config), compile_step=not args.no_compile)
     print(json.dumps(plan) if args.json else format_plan(plan))

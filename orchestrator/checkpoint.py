@@ -21,11 +21,16 @@ once every process has finished, so a folder named by a bare integer is a commit
       <step>.orbax-checkpoint-tmp/      a save in flight or interrupted: never listed, never restored
 
 Resuming (`checkpoint.resume`): `auto` restores the newest step that restores; a step that fails
-(a truncated or missing array file, broken metadata) is logged and the step before it is tried.
-Nothing is ever deleted by a restore. With no checkpoint the run starts fresh; when checkpoints
-exist but none restores, `NoRestorableCheckpointError` lists every step with its error, because
-silently starting over would throw away a run. `none` starts fresh and refuses a directory that
-already holds checkpoints; a step number restores exactly that step.
+(a truncated or missing array file, broken metadata, or a state that no longer matches the model)
+is logged and the step before it is tried. Nothing is ever deleted by a restore. With no checkpoint
+the run starts fresh; when checkpoints exist but none restores, `NoRestorableCheckpointError` lists
+every step with its error, because silently starting over would throw away a run. `none` starts
+fresh and refuses a directory that already holds checkpoints (Orbax would silently skip saving any
+step not newer than the ones there); a step number restores exactly that step.
+
+Every process tries the same steps, newest first, and a damaged step normally fails on all of them
+(the files under a step are shared). Damage that only some processes read would let them restore
+different steps; the processes compare the step they restored and raise rather than train on a mix.
 """
 
 from __future__ import annotations
@@ -33,46 +38,22 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from orchestrator.config import Config, to_yaml
+from orchestrator.config import CheckpointConfig, Config, to_yaml
 
 logger = logging.getLogger(__name__)
 
 # What a damaged step raises: tensorstore reports DATA_LOSS, OUT_OF_RANGE and NOT_FOUND as
 # ValueError, a broken JSON file is a ValueError, a missing file an OSError, a missing item a KeyError.
 _DAMAGED_STEP_ERRORS = (ValueError, OSError, KeyError)
-
-RESUME_MODES = ("auto", "none")
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Where and how often to checkpoint, how many steps to keep, what to resume from.
-
-    `dir` is relative to the run directory unless absolute. `resume` is `auto` (the newest step
-    that restores, else a fresh start), `none` (a fresh start into an empty `dir`) or a step number.
-    """
-
-    dir: str = "checkpoints"
-    every_steps: int = 1000
-    keep: int = 3
-    async_save: bool = True
-    resume: str = "auto"
-
-    def validate(self, prefix: str = "checkpoint") -> None:
-        """Raises ValueError naming the key when a field is out of range."""
-        for name in ("every_steps", "keep"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
-        if self.resume not in RESUME_MODES and not self.resume.isdigit():
-            raise ValueError(f"{prefix}.resume: expected 'auto', 'none' or a step number, found {self.resume!r}")
 
 
 class NoRestorableCheckpointError(RuntimeError):
@@ -195,7 +176,9 @@ class Checkpointer:
         """Blocks until every save started so far is committed (raises what a background save raised)."""
         self._manager.wait_until_finished()
 
-    def restore(self, abstract_state: Any, *, step: int | None = None, data_iterator: Any = None):
+    def restore(
+        self, abstract_state: Any, *, step: int | None = None, data_iterator: Any = None
+    ) -> tuple[Any, dict, int]:
         """Restores one step onto the shardings `abstract_state` asks for (any mesh).
 
         Args:
@@ -221,7 +204,7 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored.state, dict(restored.meta), step
 
-    def restore_latest(self, abstract_state: Any, *, data_iterator: Any = None):
+    def restore_latest(self, abstract_state: Any, *, data_iterator: Any = None) -> tuple[Any, dict, int] | None:
         """Restores the newest step that restores, falling back past damaged ones (logged, kept on disk).
 
         Returns:
@@ -229,20 +212,24 @@ class Checkpointer:
 
         Raises:
             NoRestorableCheckpointError: checkpoints exist but every one of them fails.
+            RuntimeError: the processes restored different steps (damage only some of them read).
         """
         failures = {}
         for step in reversed(self.all_steps()):
             try:
-                return self.restore(abstract_state, step=step, data_iterator=data_iterator)
+                restored = self.restore(abstract_state, step=step, data_iterator=data_iterator)
             except _DAMAGED_STEP_ERRORS as error:
                 failures[step] = error
-                _warn("checkpoint step %d in %s cannot be restored (%s); trying an older step",
+                _warn("checkpoint step %d in %s cannot be restored (%s); falling back to an older step",
                       step, self.directory, _describe(error))
+                continue
+            _check_same_step_everywhere(step, self.directory, failures)
+            return restored
         if failures:
             raise NoRestorableCheckpointError(str(self.directory), failures)
         return None
 
-    def resume(self, abstract_state: Any, *, data_iterator: Any = None):
+    def resume(self, abstract_state: Any, *, data_iterator: Any = None) -> tuple[Any, dict, int] | None:
         """Restores what `config.resume` asks for.
 
         Returns:
@@ -265,6 +252,19 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for pending saves, then releases Orbax's threads."""
         self._manager.close()
+
+
+def _check_same_step_everywhere(step: int, directory: str, failures: Mapping[int, Exception]) -> None:
+    """Raises unless every process restored `step` (a scalar per process is gathered, never an array)."""
+    if jax.process_count() == 1:
+        return
+    steps = multihost_utils.process_allgather(np.int32(step)).tolist()
+    if len(set(steps)) > 1:
+        failed_here = "; ".join(f"step {s}: {_describe(e)}" for s, e in failures.items()) or "none"
+        raise RuntimeError(
+            f"the processes restored different steps from {directory} (by process: {steps}; failures on this "
+            f"process: {failed_here}): a newer step is damaged where only some processes read it; move it away"
+        )
 
 
 def _warn(msg: str, *args) -> None:

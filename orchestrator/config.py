@@ -147,6 +147,40 @@ class DataConfig:
             raise ValueError(f"{prefix}.bos_token: required with {prefix}.add_bos=true and a tokenizer.json tokenizer")
 
 
+RESUME_MODES = ("auto", "none")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint, how many steps to keep, what to resume from.
+
+    `dir` is relative to the run directory unless absolute. `resume` is `auto` (the newest step
+    that restores, else a fresh start), `none` (a fresh start into an empty `dir`) or a step number.
+    """
+
+    dir: str = "checkpoints"
+    every_steps: int = 1000
+    keep: int = 3
+    async_save: bool = True
+    resume: str = "auto"
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        """Raises ValueError naming the key when a field is out of range."""
+        for name in ("every_steps", "keep"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
+        if self.resume not in RESUME_MODES and not self.resume.isdigit():
+            raise ValueError(f"{prefix}.resume: expected 'auto', 'none' or a step number, found {self.resume!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where a run writes: `<dir>/<name>` (name defaults to the preset's name)."""
+
+    dir: str = "runs"
+    name: str = ""
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a run needs, as plain data (runtime objects are built from it, never stored in it)."""
@@ -157,6 +191,8 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
 
 def list_presets() -> list[str]:
@@ -282,6 +318,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     try:
         config.model.validate()
         config.data.validate()
+        config.checkpoint.validate()
         check_rules(config.sharding.rules)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -103,17 +103,7 @@ def make_train_step(
     their token-weighted gradients, so loss and gradients equal those of the whole batch.
     """
 
-    def loss_sum(params, batch):
-        model = nnx.merge(graphdef, params)
-        kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids")}
-        if loss_chunk:
-            h = model(batch["inputs"], return_hidden=True, **kwargs)
-            loss, count = chunked_causal_lm_loss(h, model.head(), batch["targets"], batch["weights"], chunk=loss_chunk)
-        else:
-            loss, count = causal_lm_loss(model(batch["inputs"], **kwargs), batch["targets"], batch["weights"])
-        return loss * count, count
-
-    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+    grad_fn = jax.value_and_grad(make_eval_step(graphdef, loss_chunk=loss_chunk), has_aux=True)
 
     def accumulate(params, batch):
         # Micro-batch i takes rows i, i + A, i + 2A, ...: each keeps the batch axis' sharding.
@@ -139,6 +129,22 @@ def make_train_step(
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, *, loss_chunk: int = 0) -> Callable:
+    """`(params, batch) -> (loss_sum, num_tokens)`: the training loss without an update."""
+
+    def eval_step(params, batch):
+        model = nnx.merge(graphdef, params)
+        kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids")}
+        if loss_chunk:
+            h = model(batch["inputs"], return_hidden=True, **kwargs)
+            loss, count = chunked_causal_lm_loss(h, model.head(), batch["targets"], batch["weights"], chunk=loss_chunk)
+        else:
+            loss, count = causal_lm_loss(model(batch["inputs"], **kwargs), batch["targets"], batch["weights"])
+        return loss * count, count
+
+    return eval_step
 
 
 class ShardedStep:

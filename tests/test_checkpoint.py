@@ -10,13 +10,8 @@ import pytest
 import yaml
 
 from orchestrator.build import build_training
-from orchestrator.checkpoint import (
-    CheckpointConfig,
-    Checkpointer,
-    NoRestorableCheckpointError,
-    run_metadata,
-)
-from orchestrator.config import load_config
+from orchestrator.checkpoint import Checkpointer, NoRestorableCheckpointError, run_metadata
+from orchestrator.config import CheckpointConfig, load_config
 
 # A restore that fails part way leaves tensorstore reads in flight; they complete on tensorstore's threads after
 # Orbax closed its event loop, which Python reports as an unraisable "Event loop is closed" (harmless).
@@ -64,8 +59,8 @@ def checkpointer(path, **changes):
     return Checkpointer(path, CheckpointConfig(**{"every_steps": 2, "keep": 5} | changes))
 
 
-def files(path: Path) -> dict[str, int]:
-    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
+def files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def test_round_trip_is_bit_exact_and_meta_round_trips(training, tmp_path):

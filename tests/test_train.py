@@ -1,0 +1,91 @@
+"""The training loop end to end, as real `podtrain train` processes: determinism, kill and resume, SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=384",
+        "model.head_dim=16", "train.batch_size=4", "train.seq_len=32", "checkpoint.async_save=false", "train.peak_flops_per_device=1e9"]
+
+
+def command(run_dir: Path, steps: int, *extra: str, every: int = 2) -> list[str]:
+    return [sys.executable, "-m", "launch.cli", "train", "-c", "llama3-tiny", *TINY, f"train.steps={steps}",
+            f"checkpoint.every_steps={every}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *extra]
+
+
+def env():
+    return dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+
+
+def train(run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(command(run_dir, steps, *extra), cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss; a step written twice (after a resume) keeps its last value."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run did not reach step {step}: {proc.poll()}")
+
+
+@pytest.mark.slow
+def test_same_seed_same_losses_and_kill_resume_is_bit_exact(tmp_path):
+    reference = tmp_path / "reference"
+    out = train(reference, 8)
+    assert "loss first" in out.stdout and (reference / "config.yaml").exists()
+    assert sorted(os.listdir(reference / "checkpoints")) == ["4", "6", "8"]  # keep=3
+    again = tmp_path / "again"
+    train(again, 8)
+    assert losses(again) == losses(reference)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(command(killed, 8), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    wait_for_step(killed, proc, 5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    committed = sorted(int(p) for p in os.listdir(killed / "checkpoints") if p.isdigit())
+    assert committed and committed[-1] < 8
+    out = train(killed, 8)
+    assert f"steps {committed[-1]} -> 8" in out.stdout
+    assert losses(killed) == losses(reference)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tmp_path):
+    run_dir = tmp_path / "preempted"
+    proc = subprocess.Popen(command(run_dir, 1000, every=500), cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(run_dir, proc, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    last = max(losses(run_dir))
+    assert sorted(int(p) for p in os.listdir(run_dir / "checkpoints")) == [last]
+    assert "preemption notice" in out
+
+
+def test_tokenizer_larger_than_model_vocab_is_a_clear_error(tmp_path):
+    cmd = [arg for arg in command(tmp_path / "r", 2) if not arg.startswith("model.vocab_size=")]
+    done = subprocess.run(cmd + ["model.vocab_size=200"], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "259" in done.stderr and "200" in done.stderr and "Traceback" not in done.stderr
