@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=384",
-        "model.head_dim=16", "train.batch_size=4", "train.seq_len=32", "checkpoint.async_save=false", "train.peak_flops_per_device=1e9"]
+        "model.head_dim=16", "train.batch_size=4", "train.seq_len=32", "checkpoint.async_save=false",
+        "train.peak_flops_per_device=1e9"]
 
 
 def command(run_dir: Path, steps: int, *extra: str, every: int = 2) -> list[str]:
