@@ -8,7 +8,7 @@
    median step time after warm-up, tokens/s, model FLOPs from `orchestrator.plan.flops_per_token`,
    MFU = model FLOP/s / peak. On a shared machine the wall clock depends on the load, so the table
    also gives MFU (CPU time): model FLOPs per process CPU second over the matmul's FLOPs per CPU
-   second, which stays close to the unloaded wall-clock MFU.
+   second, which depends much less on what else runs.
 3. Trace + compile seconds and XLA temp memory of one train step at 2 / 8 / 32 layers, remat none
    vs full, scanned vs unrolled layers.
 """
