@@ -29,13 +29,16 @@ def run_world(num_processes: int, devices_per_process: int) -> list[dict]:
                    PYTHONPATH=str(ROOT))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *OVERRIDES], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240))
+    finally:  # on a timeout or error, leave nothing running
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
     results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=240)
-        finally:
-            for p in procs:
-                p.kill()
+    for proc, (out, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
     return results
