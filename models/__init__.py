@@ -9,14 +9,7 @@ from models.loss import causal_lm_loss
 ARCHITECTURES = {"llama": Llama, "qwen3": Llama}
 
 
-def build_model(config: ModelConfig, *, seed: int = 0):
-    """Creates the model `config.model_type` names, with params from `seed` (not sharded)."""
-    from flax import nnx
-
-    return ARCHITECTURES[config.model_type](config, rngs=nnx.Rngs(seed))
-
-
 __all__ = [
-    "ARCHITECTURES", "KVCache", "Llama", "ModelConfig", "RopeConfig", "build_model", "causal_lm_loss",
+    "ARCHITECTURES", "KVCache", "Llama", "ModelConfig", "RopeConfig", "causal_lm_loss",
     "config_from_hf", "config_to_hf", "from_hf", "to_hf",
 ]

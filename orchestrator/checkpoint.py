@@ -48,6 +48,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from orchestrator.config import CheckpointConfig, Config, to_yaml
+from sharding.mesh import describe_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +79,6 @@ def _describe(error: Exception, max_chars: int = 300) -> str:
     if len(text) > max_chars:
         text = text[:max_chars] + "..."
     return f"{type(error).__name__}: {text}"
-
-
-def describe_mesh(mesh: Mesh) -> dict[str, Any]:
-    """The mesh as JSON: axis sizes in order, device and process counts, device kind."""
-    return {
-        "axes": {name: int(size) for name, size in mesh.shape.items()},
-        "num_devices": int(mesh.size),
-        "num_processes": jax.process_count(),
-        "device_kind": mesh.devices.flat[0].device_kind,
-    }
 
 
 def run_metadata(config: Config, mesh: Mesh) -> dict[str, Any]:

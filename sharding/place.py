@@ -22,15 +22,6 @@ def path_str(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def logical_names(state: nnx.State) -> dict[str, tuple]:
-    """Maps each variable's dotted path to the logical axis names it was annotated with."""
-    out = {}
-    for path, var in nnx.to_flat_state(state):
-        names = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
-        out[".".join(str(k) for k in path)] = tuple(names)
-    return out
-
-
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
     """A tree like `state` whose leaves are the NamedShardings its logical names ask for."""
 
