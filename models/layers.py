@@ -24,6 +24,66 @@ def dtype_of(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """`x (..., *in) @ w (*in, *out)` as one 2-D (tokens, features) matmul.
+
+    XLA:CPU turns the weight gradient of a 3-D einsum (contracting batch and sequence together)
+    into a transposed copy of the (tokens, features) cotangent fused with element-wise work; a
+    2-D matmul keeps every operand in a layout its dot kernels take as is.
+    """
+    in_size = math.prod(w.shape[:n_in])
+    y = x.reshape(-1, in_size) @ w.reshape(in_size, -1)
+    return y.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:])
+
+
+def _batched_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """(B, K, M, C) @ (B, K, C, N) -> (B, K, M, N) in float32."""
+    return jax.lax.dot_general(a, b, (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
+
+
+def _masked_scores(q, k_t, bias_BTS):
+    """q (B, K, G*T, D) @ k_t (B, K, D, S) plus the (B, T, S) bias broadcast over K and G."""
+    scores = _batched_matmul(q, k_t)
+    b, kv_heads, gt, s = scores.shape
+    t = bias_BTS.shape[1]
+    return (scores.reshape(b, kv_heads, gt // t, t, s) + bias_BTS[:, None, None]).reshape(scores.shape)
+
+
+@jax.custom_vjp
+def attend(q, k_t, v, bias_BTS):
+    """softmax(q k_t + bias) v for q (B, K, G*T, D), k_t (B, K, D, S), v (B, K, S, D); softmax in float32.
+
+    The backward pass recomputes the probabilities from the saved row logsumexp (as flash
+    attention does) instead of keeping them, and every (queries x keys) array is made and used
+    by canonical batched matmuls, so XLA never copies one into a transposed layout.
+    """
+    return _attend_fwd(q, k_t, v, bias_BTS)[0]
+
+
+def _attend_fwd(q, k_t, v, bias_BTS):
+    scores = _masked_scores(q, k_t, bias_BTS)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    unnormalised = jnp.exp(scores - row_max)
+    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    out = _batched_matmul((unnormalised / row_sum).astype(v.dtype), v).astype(v.dtype)
+    return out, (q, k_t, v, bias_BTS, out, row_max + jnp.log(row_sum))
+
+
+def _attend_bwd(residuals, d_out):
+    q, k_t, v, bias_BTS, out, logsumexp = residuals
+    probs = jnp.exp(_masked_scores(q, k_t, bias_BTS) - logsumexp)
+    d_v_t = _batched_matmul(jnp.swapaxes(d_out, 2, 3), probs.astype(d_out.dtype))
+    d_probs = _batched_matmul(d_out, jnp.swapaxes(v, 2, 3))
+    d_scores = probs * (d_probs - jnp.sum(d_out * out, axis=-1, keepdims=True, dtype=jnp.float32))
+    d_scores = d_scores.astype(q.dtype)
+    d_q = _batched_matmul(d_scores, jnp.swapaxes(k_t, 2, 3)).astype(q.dtype)
+    d_k_t = _batched_matmul(jnp.swapaxes(q, 2, 3), d_scores).astype(k_t.dtype)
+    return d_q, d_k_t, jnp.swapaxes(d_v_t, 2, 3).astype(v.dtype), None
+
+
+attend.defvjp(_attend_fwd, _attend_bwd)
+
+
 def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
     """A parameter created by `init` and annotated with logical axis `names`."""
     # Sharding is applied by `sharding/` from the logical names, never eagerly at creation.
@@ -112,7 +172,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def _project(self, x, w, b, name):
-        y = jnp.einsum("btd,dhk->bthk", x, w[...].astype(self.dtype))
+        y = dense(x, w[...].astype(self.dtype))
         if b is not None:
             y = y + b[...].astype(self.dtype)
         return checkpoint_name(y, name)
@@ -138,17 +198,20 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
             new_kv = (k, v)
             k, v = k.astype(self.dtype), v.astype(self.dtype)
-        b, t = q.shape[:2]
-        q = q.reshape(b, t, self.num_kv_heads, self.q_per_kv, self.head_dim)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (self.head_dim**-0.5)
-        scores = jnp.where(mask_BTS[:, None, None, :, :], scores, NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, -1, self.head_dim)
-        out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(self.dtype))
+        out = self._attend(q, k, v, mask_BTS)
+        out = dense(out, self.wo[...].astype(self.dtype), n_in=2)
         if self.bo is not None:
             out = out + self.bo[...].astype(self.dtype)
         return checkpoint_name(out, "attn_out"), new_kv
+
+    def _attend(self, q_BTHD, k_BSKD, v_BSKD, mask_BTS):
+        """GQA in head-major layout: (B, K, G*T, D) queries against (B, K, S, D) keys and values."""
+        b, t, _, d = q_BTHD.shape
+        kv_heads, group = self.num_kv_heads, self.q_per_kv
+        q = (q_BTHD * d**-0.5).reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)
+        bias_BTS = jnp.where(mask_BTS, 0.0, NEG_INF).astype(jnp.float32)
+        out = attend(q, k_BSKD.transpose(0, 2, 3, 1), v_BSKD.transpose(0, 2, 1, 3), bias_BTS)
+        return out.reshape(b, kv_heads, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1, d)
 
 
 class MLP(nnx.Module):
@@ -172,7 +235,7 @@ class MLP(nnx.Module):
             self.b_gate = self.b_up = self.b_down = None
 
     def _dense(self, x, w, b):
-        y = x @ w[...].astype(self.dtype)
+        y = dense(x, w[...].astype(self.dtype))
         return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x_BTD):

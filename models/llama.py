@@ -8,7 +8,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.kv_cache import KVCache
-from models.layers import DecoderLayer, RMSNorm, dtype_of, make_attention_mask, param
+from models.layers import DecoderLayer, RMSNorm, dense, dtype_of, make_attention_mask, param
 from models.runner import run_layers, stack_layers
 from sharding.rules import constrain
 
@@ -85,7 +85,7 @@ class Llama(nnx.Module):
             )
             new_cache = KVCache(k=k, v=v, positions=slot_positions, index=kv_cache.index + t)
         h = self.final_norm(h)
-        out = h if return_hidden else constrain(h @ self.head(), ("batch", "seq", "act_vocab"))
+        out = h if return_hidden else constrain(dense(h, self.head()), ("batch", "seq", "act_vocab"))
         return out if kv_cache is None else (out, new_cache)
 
     def head(self) -> jax.Array:
