@@ -6,8 +6,10 @@ import argparse
 import sys
 
 COMMANDS = {
-    "train": ("launch.train", "train on this machine's devices, resuming from the run's last checkpoint"),
+    "train": ("launch.train", "train on the configured cluster (cluster.kind), resuming from the last checkpoint"),
+    "submit": ("launch.submit", "submit `podtrain train` as a Ray job (--address http://HEAD:8265)"),
     "plan": ("launch.plan", "show the resolved config, mesh, sharding, FLOPs and compiled memory; no training"),
+    "export": ("launch.export", "write a checkpoint's weights as HF safetensors (checkpoint=<dir> out=<dir> [step=N])"),
     "check": ("launch.check", "build the model sharded over the devices and run train steps on random tokens"),
 }
 
@@ -26,6 +28,10 @@ def parser() -> argparse.ArgumentParser:
             cmd.add_argument("--no-compile", action="store_true", help="skip compiling the train step")
         if name == "check":
             cmd.add_argument("--steps", type=int, default=2, help="train steps to run")
+        if name == "submit":
+            from launch.submit import add_arguments
+
+            add_arguments(cmd)
     return p
 
 

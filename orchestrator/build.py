@@ -91,7 +91,7 @@ def build_training(config: Config, devices: Sequence[jax.Device] | None = None) 
     """Validates `config` against the devices, then builds mesh, abstract model, optimizer and step."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = validate(config, len(devices))
-    mesh = build_mesh(sizes, devices)
+    mesh = build_mesh(sizes, devices, num_slices=config.cluster.num_slices)
     rules = config.sharding.rules
     graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed), mesh, rules)
     param_shardings = jax.tree.map(

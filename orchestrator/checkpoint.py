@@ -35,6 +35,7 @@ different steps; the processes compare the step they restored and raise rather t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -83,7 +84,8 @@ def _describe(error: Exception, max_chars: int = 300) -> str:
 
 def run_metadata(config: Config, mesh: Mesh) -> dict[str, Any]:
     """What every checkpoint of a run records about it: seed, resolved config YAML, mesh."""
-    return {"seed": config.train.seed, "config_yaml": to_yaml(config), "mesh": describe_mesh(mesh)}
+    mesh_description = describe_mesh(mesh, config.cluster.num_slices)
+    return {"seed": config.train.seed, "config_yaml": to_yaml(config), "mesh": mesh_description}
 
 
 def _manager_options(config: CheckpointConfig) -> ocp.CheckpointManagerOptions:
@@ -194,6 +196,36 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored.state, dict(restored.meta), step
+
+    def meta(self, step: int) -> dict:
+        """The JSON metadata of one step (its `config_yaml`, mesh, seed...), without reading any array."""
+        self.wait()
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} (steps: {self.all_steps()})")
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
+    def restore_params(self, abstract_state: Any, *, step: int | None = None) -> tuple[Any, dict, int]:
+        """Restores only `params` (and the step counter) of one step; the optimizer state is never read.
+
+        Args:
+            abstract_state: as for `restore`; its `opt_state` only gives the tree structure.
+            step: the step to restore; the newest one if None.
+
+        Returns:
+            (params, meta, step).
+        """
+        self.wait()
+        step = self.latest_step() if step is None else step
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} (steps: {self.all_steps()})")
+        target = dataclasses.replace(
+            abstract_state, opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER, abstract_state.opt_state)
+        )
+        # StandardRestore refuses placeholders; PyTreeRestore reads the same files and skips them.
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        items = {"state": ocp.args.PyTreeRestore(target, restore_args=restore_args), "meta": ocp.args.JsonRestore()}
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return restored.state.params, dict(restored.meta), step
 
     def restore_latest(self, abstract_state: Any, *, data_iterator: Any = None) -> tuple[Any, dict, int] | None:
         """Restores the newest step that restores, falling back past damaged ones (logged, kept on disk).

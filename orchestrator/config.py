@@ -181,6 +181,67 @@ class RunConfig:
     name: str = ""
 
 
+CLUSTER_KINDS = ("local", "tpu", "gpu", "none")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the processes of a run go (`orchestrator/cluster/`); `cluster=<kind>` sets `kind`.
+
+    - `local`: `num_hosts` simulated hosts on this machine, each its own process with
+      `devices_per_host` CPU devices (the default, and the test path).
+    - `tpu`: `num_slices` whole pod slices of `tpu_type` (e.g. v5p-64), one process per TPU VM.
+    - `gpu`: `num_nodes` nodes of `gpus_per_node` GPUs, one process per node owning all its GPUs.
+    - `none`: no orchestrator: train in this process on its own devices (what each worker runs).
+
+    `address` is the Ray cluster to use: empty means the one the job runs in (`ray job submit`,
+    `RAY_ADDRESS`), or else an embedded Ray on loopback. Failures other than preemptions draw on
+    `max_failures`; preemptions and lost nodes on `max_preemptions`. A process that finishes no
+    step for `hang_timeout_s` (`startup_timeout_s` before its first step, which compiles) is hung.
+    """
+
+    kind: str = "local"
+    address: str = ""
+    num_hosts: int = 1
+    devices_per_host: int = 1
+    tpu_type: str = ""
+    tpu_topology: str = ""
+    num_slices: int = 1
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+    cpus_per_host: float = 1.0
+    max_failures: int = 3
+    max_preemptions: int = 100
+    hang_timeout_s: float = 600.0
+    startup_timeout_s: float = 1800.0
+    stop_grace_s: float = 120.0
+    reserve_timeout_s: float = 600.0
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+    coordinator_port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def validate(self, prefix: str = "cluster") -> None:
+        """Raises ValueError naming the key when a field is out of range."""
+        if self.kind not in CLUSTER_KINDS:
+            raise ValueError(f"{prefix}.kind: expected one of {list(CLUSTER_KINDS)}, found {self.kind!r}")
+        for name in ("num_hosts", "devices_per_host", "num_slices", "num_nodes", "gpus_per_node"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
+        for name in ("max_failures", "max_preemptions", "coordinator_port"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{prefix}.{name}: expected an integer >= 0, found {getattr(self, name)}")
+        for name in ("hang_timeout_s", "startup_timeout_s", "stop_grace_s", "reserve_timeout_s", "init_timeout_s",
+                     "heartbeat_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive number of seconds, found {getattr(self, name)}")
+        if self.kind == "tpu":
+            version, _, chips = self.tpu_type.partition("-")
+            if not (version.startswith("v") and chips.isdigit()):
+                raise ValueError(f"{prefix}.tpu_type: expected a TPU type such as 'v5p-64' or 'v6e-16', "
+                                 f"found {self.tpu_type!r}")
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a run needs, as plain data (runtime objects are built from it, never stored in it)."""
@@ -193,6 +254,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 def list_presets() -> list[str]:
@@ -273,6 +335,8 @@ def parse_overrides(overrides: list[str]) -> dict:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value")
+        if key == "cluster":  # `cluster=tpu` is short for `cluster.kind=tpu`
+            key = "cluster.kind"
         if key in seen:
             raise ConfigError(f"override {key!r} is given twice; give each key once")
         seen.add(key)
@@ -319,6 +383,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
         config.model.validate()
         config.data.validate()
         config.checkpoint.validate()
+        config.cluster.validate()
         check_rules(config.sharding.rules)
     except ValueError as e:
         raise ConfigError(str(e)) from None

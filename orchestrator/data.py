@@ -1,10 +1,13 @@
 """The training data pipeline: a corpus, tokenised and packed into fixed-length rows, batched by grain.
 
 A corpus is a random-access sequence of documents (text, or token windows for pre-tokenised data).
-`make_dataset` picks this process's share of the train or eval documents, shuffles them per epoch,
-tokenises each (BOS optional, EOS always), packs them with grain's concat-then-split into rows of
-`seq_len + 1` tokens and batches the rows; a background thread prefetches batches. A batch holds
-int32 `inputs`, `targets`, `positions`, `segment_ids` and float32 `weights`, each
+Every row of the global batch has its own stream: row `r` of `train.batch_size` reads every
+`batch_size`-th document of the split from the r-th on, shuffles them per epoch, tokenises each
+(BOS optional, EOS always) and packs them with grain's concat-then-split into rows of `seq_len + 1`
+tokens. A process reads only the streams of its own rows and interleaves them into batches, so
+the global batch of every step is the same whatever the number of processes (a 2-host run sees
+exactly the data of a 1-host run). A background thread prefetches batches. A batch holds int32
+`inputs`, `targets`, `positions`, `segment_ids` and float32 `weights`, each
 (global_batch / process_count, seq_len):
 
 - `segment_ids` number the documents of a row from 1 (0 is padding), so attention stays within one;
@@ -236,14 +239,14 @@ def open_corpus(config: DataConfig, *, seq_len: int) -> Sequence:
 def document_indices(
     num_docs: int, *, eval_fraction: float, split: str, process_index: int = 0, process_count: int = 1
 ) -> np.ndarray:
-    """The corpus indices of one process's share of the train or eval split.
+    """The corpus indices of one share (one batch row's stream) of the train or eval split.
 
     Document `i` is held out for eval when `floor((i+1) * eval_fraction) > floor(i * eval_fraction)`,
     which spreads `floor(num_docs * eval_fraction)` eval documents evenly over the corpus order.
-    Process `p` of `n` takes every n-th document of its split from the p-th on.
+    Share `p` of `n` takes every n-th document of its split from the p-th on.
 
     Raises:
-        ValueError: when the split is unknown or leaves a process without documents.
+        ValueError: when the split is unknown or leaves a share without documents.
     """
     if split not in SPLITS:
         raise ValueError(f"split: expected one of {list(SPLITS)}, found {split!r}")
@@ -253,8 +256,8 @@ def document_indices(
     if len(chosen) < process_count:
         raise ValueError(
             f"the {split} split has {len(chosen)} documents ({num_docs} in the corpus, "
-            f"data.eval_fraction={eval_fraction}), fewer than the {process_count} processes that each need one; "
-            "use a larger corpus or change data.eval_fraction"
+            f"data.eval_fraction={eval_fraction}), fewer than the {process_count} batch rows (train.batch_size) "
+            "that each need one; use a larger corpus, a smaller train.batch_size or change data.eval_fraction"
         )
     return chosen[process_index::process_count]
 
@@ -331,20 +334,68 @@ def make_dataset(
         raise ValueError(f"train.batch_size={global_batch} is not divisible by the {process_count} processes")
     local_batch = global_batch // process_count
     corpus = open_corpus(config, seq_len=seq_len)
+    first_row = process_index * local_batch
+    threads = -(-config.read_threads // local_batch) if config.read_threads else 0
+    streams = [_row_stream(corpus, config, tokenizer, seq_len=seq_len, split=split, row=first_row + j,
+                           rows=global_batch, read_threads=threads) for j in range(local_batch)]
+    batches = _ZipRows(streams, row_len=seq_len + 1).map(functools.partial(_training_batch, pad_id=tokenizer.pad_id))
+    return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=config.prefetch)
+
+
+class _ZipRows(grain.IterDataset):
+    """Batch k holds row k of every stream, in stream order; a stream that has ended gives padding rows."""
+
+    def __init__(self, streams: Sequence[grain.IterDataset], *, row_len: int):
+        super().__init__(list(streams))
+        self._row_len = row_len
+
+    def __iter__(self) -> _ZipRowsIterator:
+        return _ZipRowsIterator([iter(stream) for stream in self.parents], self._row_len)
+
+
+class _ZipRowsIterator(grain.DatasetIterator):
+    def __init__(self, parents: list[grain.DatasetIterator], row_len: int):
+        super().__init__(parents)
+        self._row_len = row_len
+        self._ended = [False] * len(parents)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rows = []
+        for j, parent in enumerate(self._parents):
+            row = None
+            if not self._ended[j]:
+                try:
+                    row = next(parent)
+                except StopIteration:
+                    self._ended[j] = True
+            rows.append(row)
+        if all(row is None for row in rows):
+            raise StopIteration
+        pad = {k: np.zeros(self._row_len, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions")}
+        rows = [pad if row is None else row for row in rows]
+        return {k: np.stack([row[k] for row in rows]) for k in pad}
+
+    def get_state(self) -> dict:
+        return {"streams": [parent.get_state() for parent in self._parents], "ended": list(self._ended)}
+
+    def set_state(self, state: dict) -> None:
+        for parent, parent_state in zip(self._parents, state["streams"], strict=True):
+            parent.set_state(parent_state)
+        self._ended = [bool(e) for e in state["ended"]]
+
+
+def _row_stream(corpus: Sequence, config: DataConfig, tokenizer: Tokenizer, *, seq_len: int, split: str, row: int,
+                rows: int, read_threads: int) -> grain.IterDataset:
+    """The packed rows of global batch row `row` (of `rows`): its own documents, shuffled, tokenised, packed."""
     indices = document_indices(len(corpus), eval_fraction=config.eval_fraction, split=split,
-                               process_index=process_index, process_count=process_count)
+                               process_index=row, process_count=rows)
     docs = grain.MapDataset.source(indices)
     docs = docs.shuffle(seed=config.seed).repeat(config.epochs) if split == "train" else docs.repeat(None)
-    read_options = grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=4 * config.read_threads)
+    read_options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=4 * read_threads)
     if config.source == "tokens":
-        rows = docs.map(lambda i: _window_row(corpus[i], tokenizer)).to_iter_dataset(read_options)
-    else:
-        encoded = docs.map(lambda i: _encode(corpus[i], tokenizer, config.add_bos)).to_iter_dataset(read_options)
-        rows = grain.experimental.ConcatThenSplitIterDataset(encoded, length_struct={"tokens": seq_len + 1})
-    pad_rows = functools.partial(grain.experimental.batch_and_pad, batch_size=local_batch)
-    batches = rows.batch(local_batch, batch_fn=pad_rows)
-    batches = batches.map(functools.partial(_training_batch, pad_id=tokenizer.pad_id))
-    return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=config.prefetch)
+        return docs.map(lambda i: _window_row(corpus[i], tokenizer)).to_iter_dataset(read_options)
+    encoded = docs.map(lambda i: _encode(corpus[i], tokenizer, config.add_bos)).to_iter_dataset(read_options)
+    return grain.experimental.ConcatThenSplitIterDataset(encoded, length_struct={"tokens": seq_len + 1})
 
 
 def to_global_batch(local_batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:

@@ -57,7 +57,7 @@ def make_plan(training: Training, *, compile_step: bool = True) -> dict:
     rows = sharding_table(training)
     plan = {
         "config": dataclasses.asdict(config),
-        "mesh": describe_mesh(training.mesh),
+        "mesh": describe_mesh(training.mesh, training.config.cluster.num_slices),
         "param_count": sum(math.prod(r["shape"]) for r in rows),
         "param_bytes_per_device": sum(r["bytes_per_device"] for r in rows),
         "flops_per_token": flops_per_token(config.model, config.train.seq_len),

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -18,18 +19,20 @@ from jax.experimental import multihost_utils
 
 from orchestrator.build import Training, build_training
 from orchestrator.checkpoint import Checkpointer, run_metadata
+from orchestrator.cluster import protocol
 from orchestrator.config import Config, ConfigError, to_yaml
 from orchestrator.data import make_dataset, to_global_batch
 from orchestrator.metrics import MetricsWriter, peak_flops_per_device
 from orchestrator.plan import flops_per_token
 from orchestrator.step import make_eval_step
 from orchestrator.tokenizers import check_vocab, load_tokenizer
+from sharding.mesh import describe_mesh
 
 logger = logging.getLogger(__name__)
 
 # Exit status of a run that stopped on a preemption notice after committing a checkpoint
 # (EX_TEMPFAIL): the orchestrator restarts it without charging the failure budget.
-EXIT_PREEMPTED = 75
+EXIT_PREEMPTED = protocol.EXIT_PREEMPTED
 
 
 @dataclasses.dataclass
@@ -44,6 +47,19 @@ class RunResult:
     tokens_per_s: float
     last_checkpoint: int | None
     preempted: bool
+
+    def summary(self) -> str:
+        """What a user reads at the end of a run: steps, first and last loss, tokens/s, where things went."""
+        if self.first_loss is None:
+            lines = [f"nothing to do: the run is already at step {self.end_step} of train.steps"]
+        else:
+            lines = [f"steps {self.start_step} -> {self.end_step}; loss first {self.first_loss:.4f}, "
+                     f"last {self.last_loss:.4f}; {self.tokens_per_s:,.0f} tokens/s"]
+        lines.append(f"run directory {self.run_dir}: config.yaml, metrics.jsonl, tensorboard/, "
+                     f"checkpoints/ (last committed step {self.last_checkpoint})")
+        if self.preempted:
+            lines.append(f"stopped on a preemption notice after checkpointing step {self.last_checkpoint}")
+        return "\n".join(lines)
 
 
 class PreemptionNotice:
@@ -80,7 +96,10 @@ def _make_datasets(config: Config):
     check_vocab(tokenizer, config.model.vocab_size)
     kwargs = dict(seq_len=config.train.seq_len, global_batch=config.train.batch_size,
                   process_index=jax.process_index(), process_count=jax.process_count())
-    return make_dataset(config.data, tokenizer, **kwargs), make_dataset(config.data, tokenizer, split="eval", **kwargs)
+    train = make_dataset(config.data, tokenizer, **kwargs)
+    # Without evals (train.eval_every=0) the eval split is never built, so it may be empty.
+    evals = make_dataset(config.data, tokenizer, split="eval", **kwargs) if config.train.eval_every else None
+    return train, evals
 
 
 def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: int) -> float:
@@ -93,8 +112,11 @@ def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: i
     return total / max(count, 1.0)
 
 
-def run(config: Config, run_dir: Path) -> RunResult:
-    """Trains `config` to `train.steps`, resuming from `run_dir`'s checkpoints; see the module doc."""
+def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None = None) -> RunResult:
+    """Trains `config` to `train.steps`, resuming from `run_dir`'s checkpoints; see the module doc.
+
+    `on_step(step)` is called with each completed step (its loss fetched): the worker's heartbeat.
+    """
     run_dir = Path(run_dir)
     is_main = jax.process_index() == 0
     training = build_training(config)
@@ -109,7 +131,8 @@ def run(config: Config, run_dir: Path) -> RunResult:
     resumed = checkpointer.resume(training.abstract_state(), data_iterator=train_iter)
     state = resumed[0] if resumed else training.init_state()
     start = int(state.step)
-    logger.info("starting at step %d (%s)", start, f"resumed from step {resumed[2]}" if resumed else "fresh")
+    logger.info("starting at step %d (%s) on mesh %s", start, f"resumed from step {resumed[2]}" if resumed else "fresh",
+                describe_mesh(training.mesh, config.cluster.num_slices))
 
     eval_step = jax.jit(make_eval_step(training.graphdef, loss_chunk=config.train.loss_chunk),
                         in_shardings=(training.state_shardings.params, training.batch_sharding))
@@ -118,30 +141,47 @@ def run(config: Config, run_dir: Path) -> RunResult:
     step_flops = flops_per_token(config.model, config.train.seq_len) * tokens_per_step
     writer = MetricsWriter(run_dir, enabled=is_main, total_steps=config.train.steps)
     notice = PreemptionNotice()
-    first_loss = last_loss = None
-    timed_tokens, timed_seconds, preempted = 0, 0.0, False
+    losses, timed_tokens, timed_seconds, preempted = [], 0, 0.0, False
+    # Metrics are read one step late: step s+1 is dispatched before step s's loss is fetched, so
+    # the host builds the next batch and writes logs while the devices compute.
+    pending, last_done = None, time.perf_counter()
+
+    def finish(record: dict, metrics: dict, timed: bool) -> None:
+        nonlocal last_done, timed_tokens, timed_seconds
+        record.update(loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]))
+        now = time.perf_counter()
+        seconds, last_done = now - last_done, now
+        if timed:  # the first step of a process includes compilation
+            timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + seconds
+        record.update(step_s=seconds, tokens_per_s=tokens_per_step / seconds,
+                      mfu=step_flops / seconds / (peak * jax.device_count()))
+        losses.append(record["loss"])
+        writer.write(record)
+        if on_step is not None:
+            on_step(record["step"])
+
     for step in range(start, config.train.steps):
-        started = time.perf_counter()
         batch = to_global_batch(next(train_iter), training.batch_sharding)
         state, metrics = training.step(state, batch)
-        last_loss = float(metrics["loss"])
-        seconds = time.perf_counter() - started
-        first_loss = last_loss if first_loss is None else first_loss
-        if step > start:  # the first step of a process includes compilation
-            timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + seconds
-        record = {
-            "step": step + 1, "loss": last_loss, "grad_norm": float(metrics["grad_norm"]),
-            "lr": float(metrics["lr"]), "step_s": seconds, "tokens_per_s": tokens_per_step / seconds,
-            "mfu": step_flops / seconds / (peak * jax.device_count()),
-        }
+        if pending is not None:
+            finish(*pending)
+        record = {"step": step + 1}
         if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
             record["eval_loss"] = evaluate(training, eval_step, eval_data, state.params, config.train.eval_batches)
-        writer.write(record)
+        pending = (record, metrics, step > start)
         preempted = notice.reached(step + 1)
-        checkpointer.save(step + 1, state, data_iterator=train_iter,
-                          force=preempted or step + 1 == config.train.steps)
+        final = preempted or step + 1 == config.train.steps
+        if final or (step + 1) % config.checkpoint.every_steps == 0:
+            jax.block_until_ready(state)  # so that save_block_s is the save's own time, not the step's
+        save_started = time.perf_counter()
+        if checkpointer.save(step + 1, state, data_iterator=train_iter,
+                             force=final):
+            record["save_block_s"] = time.perf_counter() - save_started  # the loop's share of an async save
         if preempted:
             break
+    if pending is not None:
+        finish(*pending)
+    first_loss, last_loss = (losses[0], losses[-1]) if losses else (None, None)
     checkpointer.wait()
     last_checkpoint = checkpointer.latest_step()
     checkpointer.close()

@@ -44,6 +44,23 @@ def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int, *, key: str =
     return resolved
 
 
+def device_slices(devices: Sequence[jax.Device], num_slices: int | None = None) -> list[int]:
+    """The slice of each device: its `slice_index` where devices carry several (TPU); otherwise, for
+    `num_slices` > 1 simulated slices (CPU hosts standing in for TPU VMs, several processes),
+    consecutive equal blocks of processes, in process order."""
+    devices = list(devices)
+    if all(hasattr(d, "slice_index") for d in devices) and len({d.slice_index for d in devices}) > 1:
+        return [int(d.slice_index) for d in devices]
+    processes = sorted({d.process_index for d in devices})
+    if not num_slices or num_slices == 1 or len(processes) == 1:
+        return [0] * len(devices)
+    if len(processes) % num_slices:
+        raise ValueError(f"cluster.num_slices={num_slices} needs a process count divisible by it, "
+                         f"found {len(processes)} processes")
+    rank = {process: i for i, process in enumerate(processes)}
+    return [rank[d.process_index] * num_slices // len(processes) for d in devices]
+
+
 def device_grid(
     sizes: Mapping[str, int],
     devices: Sequence[jax.Device],
@@ -52,24 +69,27 @@ def device_grid(
 ) -> np.ndarray:
     """Arranges `devices` into an array of shape (dp, fsdp, ep, tp), tp innermost.
 
-    On several slices (devices carry `slice_index`), `dp` spans the slices: each slice holds
+    On several slices (see `device_slices`), `dp` spans the slices: each slice holds
     `dp // num_slices` of it and the other axes stay inside a slice (fast interconnect).
     """
     devices = list(devices)
     resolved = resolve_axis_sizes(sizes, len(devices))
     shape = [resolved[a] for a in MESH_AXES]
-    if num_slices is None:
-        num_slices = len({getattr(d, "slice_index", 0) for d in devices})
-    if num_slices <= 1:
+    slices = device_slices(devices, num_slices)
+    count = len(set(slices))
+    if count <= 1:
         return np.asarray(mesh_utils.create_device_mesh(shape, devices))
-    if resolved["dp"] % num_slices:
+    if resolved["dp"] % count:
         raise ValueError(
-            f"mesh.dp={resolved['dp']} must be a multiple of the number of slices ({num_slices}): "
+            f"mesh.dp={resolved['dp']} must be a multiple of the number of slices ({count}): "
             "the dp axis spans the slices"
         )
-    ici = [resolved["dp"] // num_slices] + shape[1:]
-    dcn = [num_slices] + [1] * (len(shape) - 1)
-    return np.asarray(mesh_utils.create_hybrid_device_mesh(ici, dcn, devices))
+    ici = [resolved["dp"] // count] + shape[1:]
+    if all(hasattr(d, "slice_index") for d in devices) and len({d.slice_index for d in devices}) == count:
+        dcn = [count] + [1] * (len(shape) - 1)
+        return np.asarray(mesh_utils.create_hybrid_device_mesh(ici, dcn, devices))
+    per_slice = [[d for d, s in zip(devices, slices, strict=True) if s == i] for i in sorted(set(slices))]
+    return np.concatenate([np.asarray(mesh_utils.create_device_mesh(ici, group)) for group in per_slice])
 
 
 def build_mesh(
@@ -83,14 +103,25 @@ def build_mesh(
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def describe_mesh(mesh: Mesh) -> dict:
-    """A JSON-ready summary: axis sizes, device count, processes and the device kind."""
-    devices = mesh.devices.flat
-    first = next(iter(mesh.devices.flat))
+def describe_mesh(mesh: Mesh, num_slices: int | None = None) -> dict:
+    """A JSON-ready summary: axis sizes, device count, processes, slices and the device kind.
+
+    `dp_slices[i]` lists the slices that hold the devices at dp index i: on several slices each dp
+    index lies in one slice (the dp axis spans slices, the other axes stay inside one).
+    `num_slices` is the simulated slice count for devices without a `slice_index` (see `device_slices`).
+    """
+    devices = list(mesh.devices.flat)
+    first = devices[0]
+    slice_of = np.asarray(device_slices(devices, num_slices)).reshape(mesh.devices.shape)
+    dp = mesh.axis_names.index("dp") if "dp" in mesh.axis_names else None
     return {
         "axes": {name: int(size) for name, size in mesh.shape.items()},
         "devices": int(mesh.devices.size),
         "processes": len({d.process_index for d in devices}),
+        "slices": len(np.unique(slice_of)),
+        "dp_slices": None if dp is None else [
+            sorted(set(np.take(slice_of, i, axis=dp).ravel().tolist())) for i in range(mesh.devices.shape[dp])
+        ],
         "device_kind": first.device_kind,
         "platform": first.platform,
     }

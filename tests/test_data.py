@@ -35,8 +35,9 @@ def _batches(dataset: grain.IterDataset, n: int | None = None) -> list[dict]:
 
 
 def _texts(batches: list[dict]) -> list[str]:
-    """The documents in byte-tokenised batches, rebuilt from the packed rows (padding dropped)."""
-    ids = np.concatenate([np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1).ravel() for b in batches])
+    """The documents in byte-tokenised batches, rebuilt from each row's stream of packed rows (padding dropped)."""
+    rows = np.stack([np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1) for b in batches])
+    ids = rows.transpose(1, 0, 2).ravel()  # row stream by row stream
     ids = ids[ids != BYTE.pad_id]
     ends = np.flatnonzero(ids == BYTE.eos_id)
     return [BYTE.decode(doc) for doc in np.split(ids, ends + 1)[:-1]]
@@ -169,7 +170,10 @@ def test_packing_two_documents_by_hand(tmp_path, add_bos):
     corpus = _write_text_files(tmp_path / "docs", ["ab", "cd"])
     config = DataConfig(source="text", path=str(corpus), eval_fraction=0.0, epochs=1, add_bos=add_bos)
     seq_len = 4 if add_bos else 3
-    (batch,) = _batches(_dataset(config, seq_len=seq_len, global_batch=2))
+    # One batch row: its stream packs both documents into two consecutive rows.
+    batches = _batches(_dataset(config, seq_len=seq_len, global_batch=1))
+    assert len(batches) == 2
+    batch = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
     first, second = ("ab", "cd") if BYTE.decode(batch["inputs"][0]).startswith("a") else ("cd", "ab")
     bos = [BYTE.bos_id] if add_bos else []
     x, y = [*bos, *BYTE.encode(first)], [*bos, *BYTE.encode(second)]
@@ -355,7 +359,7 @@ def test_a_bad_line_after_the_first_fails_when_read(tmp_path):
     [
         ({"global_batch": 3, "process_count": 2}, "train.batch_size=3 is not divisible by the 2 processes"),
         ({"split": "test"}, "split: expected one of ['train', 'eval']"),
-        ({"process_count": 2000, "global_batch": 2000}, "fewer than the 2000 processes"),
+        ({"process_count": 2000, "global_batch": 2000}, "fewer than the 2000 batch rows"),
     ],
 )
 def test_bad_split_or_batch_geometry_is_a_clear_error(kwargs, needle):

@@ -1,4 +1,4 @@
-"""The training loop end to end, as real `podtrain train` processes: determinism, kill and resume, SIGTERM."""
+"""The training loop end to end, as real `podtrain train cluster=none` processes: determinism, resume, SIGTERM."""
 
 import json
 import os
@@ -17,8 +17,9 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=1
 
 
 def command(run_dir: Path, steps: int, *extra: str, every: int = 2) -> list[str]:
-    return [sys.executable, "-m", "launch.cli", "train", "-c", "llama3-tiny", *TINY, f"train.steps={steps}",
-            f"checkpoint.every_steps={every}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *extra]
+    return [sys.executable, "-m", "launch.cli", "train", "-c", "llama3-tiny", *TINY, "cluster=none",
+            f"train.steps={steps}", f"checkpoint.every_steps={every}", f"run.dir={run_dir.parent}",
+            f"run.name={run_dir.name}", *extra]
 
 
 def env():
@@ -90,3 +91,67 @@ def test_tokenizer_larger_than_model_vocab_is_a_clear_error(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "259" in done.stderr and "200" in done.stderr and "Traceback" not in done.stderr
+
+
+def export(run_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "launch.cli", "export", "-c", "llama3-tiny", *TINY, f"checkpoint={run_dir}",
+           f"out={out}", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_export_writes_the_trained_weights_as_hf_files_transformers_loads(tmp_path):
+    import dataclasses
+
+    import jax
+    import numpy as np
+    import torch
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    from models import from_hf
+    from orchestrator.build import build_training
+    from orchestrator.checkpoint import Checkpointer
+    from orchestrator.config import load_config
+
+    run_dir = tmp_path / "run"
+    train(run_dir, 4)
+    out = tmp_path / "hf"
+    # Trained on fsdp=2, exported from step 2 on a (fsdp=1, tp=2) mesh.
+    done = export(run_dir, out, "step=2", "mesh.fsdp=1", "mesh.tp=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exported step 2" in done.stdout and (out / "config.json").exists()
+
+    config = load_config("llama3-tiny", TINY)
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, fsdp=1))
+    training = build_training(config, jax.devices()[:1])
+    with Checkpointer(run_dir / "checkpoints", config.checkpoint) as ckpt:
+        trained, _, _ = ckpt.restore_params(training.abstract_state(), step=2)
+    _, exported = from_hf(out)
+    want = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(trained)}
+    got = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(exported, nnx.Param))}
+    assert want.keys() == got.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=str(key))
+
+    tokens = np.random.default_rng(0).integers(0, 384, (2, 16))
+    ours = np.asarray(exported(jax.numpy.asarray(tokens)))
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+    done = export(run_dir, tmp_path / "other", "model.rms_norm_eps=1e-6", "model.remat=none")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "model.rms_norm_eps: checkpoint has 1e-05, config has 1e-06" in done.stderr
+    assert "remat" not in done.stderr
+    assert not (tmp_path / "other").exists()
+
+
+def test_export_errors_name_the_problem(tmp_path):
+    done = export(tmp_path / "missing", tmp_path / "hf")
+    assert done.returncode == 2 and "no such directory" in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "export", "-c", "llama3-tiny", f"out={tmp_path}"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "checkpoint=<dir>" in done.stderr
+

@@ -1,0 +1,82 @@
+"""`podtrain submit --address http://HEAD:8265 -c <preset> [key=value ...]`: `ray job submit` of `podtrain train`.
+
+The config is loaded and validated here first (a mistake costs no cluster time). The job gets the
+working directory (without virtualenvs, run outputs and caches), `RAY_JOB_STOP_WAIT_TIME_S` set
+from `cluster.stop_grace_s` so that `ray job stop` leaves the workers time to checkpoint, and the
+run name as its job id. With `--follow` (the default) the job's logs are streamed until it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import time
+from pathlib import Path
+
+from orchestrator.config import ConfigError, load_config, resolve_preset
+
+EXCLUDES = [".venv", "venv", ".git", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", "*.egg-info"]
+STOP_MARGIN_S = 30  # beyond cluster.stop_grace_s: the driver's own clean-up after the workers exit
+
+
+def add_arguments(cmd) -> None:
+    cmd.add_argument("--address", default=None, help="Ray dashboard address, e.g. http://HEAD:8265 "
+                                                     "(default: $RAY_ADDRESS)")
+    cmd.add_argument("--working-dir", default=".", help="directory shipped to the cluster as the job's working dir")
+    cmd.add_argument("--no-follow", action="store_true", help="print the job id and return without streaming logs")
+
+
+def entrypoint(preset: str, overrides: list[str], working_dir: Path) -> str:
+    """The job's command line; a preset file inside the working dir is named relative to it."""
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        try:
+            preset = str(path.resolve().relative_to(working_dir.resolve()))
+        except ValueError:
+            raise ConfigError(f"-c {preset}: a config file must be inside --working-dir {working_dir} "
+                              "to reach the cluster") from None
+    return shlex.join(["podtrain", "train", "-c", preset, *overrides])
+
+
+def run_command(args) -> int:
+    import os
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    config = load_config(args.config, args.overrides)
+    if config.cluster.kind == "none":
+        raise ConfigError("cluster.kind=none trains inside the submitting process; submit local, tpu or gpu")
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ConfigError("submit needs --address http://HEAD:8265 (or RAY_ADDRESS)")
+    working_dir = Path(args.working_dir)
+    job_id = config.run.name or resolve_preset(args.config).stem
+    client = JobSubmissionClient(address)
+    if any(job.submission_id == job_id for job in client.list_jobs()):
+        raise ConfigError(f"a job with id {job_id!r} already exists on {address}; choose another run.name "
+                          "(the run name is the job id)")
+    env_vars = {"RAY_JOB_STOP_WAIT_TIME_S": str(int(config.cluster.stop_grace_s + STOP_MARGIN_S))}
+    for name in ("RAY_AUTH_MODE",):
+        if os.environ.get(name):
+            env_vars[name] = os.environ[name]
+    command = entrypoint(args.config, args.overrides, working_dir)
+    client.submit_job(
+        entrypoint=command, submission_id=job_id,
+        runtime_env={"working_dir": str(working_dir), "excludes": EXCLUDES, "env_vars": env_vars},
+    )
+    print(f"submitted job {job_id} to {address}: {command}")
+    print(f"  logs: ray job logs --address {address} -f {job_id}   stop: ray job stop --address {address} {job_id}")
+    if args.no_follow:
+        return 0
+
+    async def follow():
+        async for lines in client.tail_job_logs(job_id):
+            print(lines, end="", flush=True)
+
+    asyncio.run(follow())
+    status = client.get_job_status(job_id)
+    while not status.is_terminal():
+        time.sleep(1.0)
+        status = client.get_job_status(job_id)
+    print(f"job {job_id}: {status.value}")
+    return 0 if status == JobStatus.SUCCEEDED else 1

@@ -1,0 +1,360 @@
+"""The driver: reserve the gang, run an attempt, classify how it ended, restart within the budgets.
+
+`run_job(config, run_dir)` is what `podtrain train` runs for the `local`, `tpu` and `gpu` cluster
+kinds (the same code for all three; only the reservation and the environment differ). Each
+attempt reserves the whole gang again, starts one fresh worker process per host through its host
+actor, and watches them:
+
+- every process's output goes to `<run_dir>/logs/attempt-<n>/rank<r>.log`; rank 0's lines and
+  every rank's tracebacks are printed here with a `[rank r]` prefix;
+- a process that finishes no step for `cluster.hang_timeout_s` (`startup_timeout_s` before its
+  first step) is hung: every rank's Python stacks go to `<run_dir>/stacks/attempt-<n>/`, then the
+  gang is killed;
+- the first process to end decides the class: exit 75 (preempted after a checkpoint) or a lost
+  host actor/node draw on `cluster.max_preemptions`; a signal or abort (crash), an exception
+  (exit 1 with a traceback) or a hang draw on `cluster.max_failures`. The same traceback twice in
+  a row fails the job at once, and so does a mistake in the config or the data it names (exit
+  2). A coordinator port that cannot be bound is retried on another.
+- SIGTERM or SIGINT to the driver (`ray job stop`, Ctrl-C) is passed on to every worker, which
+  checkpoints and exits within `cluster.stop_grace_s`; then the gang is killed and the job ends
+  as stopped.
+
+Any failure kills every process of the gang (and removes TPU lock files) before the next attempt
+restores the latest committed checkpoint (`checkpoint.resume=auto`). The outcome is printed and
+written to `<run_dir>/job.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.cluster import protocol as p
+from orchestrator.cluster.reserve import Gang, ReservationError, megascale_env, reserve
+from orchestrator.config import Config, to_yaml
+
+PREEMPTION_CLASSES = ("preempted", "node_lost")
+FAILURE_CLASSES = ("crash", "exception", "hang", "reservation")
+MAX_PORT_RETRIES = 5
+MEGASCALE_PORT = 8081  # the multi-slice coordinator's port on slice 0's first host (libtpu's default)
+POLL_S = 0.5
+_ERROR_LINE = re.compile(r"Traceback|Error|error:|FATAL|Fatal|Check failed|Aborted|Segmentation fault")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How one attempt ended."""
+
+    kind: str  # done | stopped | preempted | node_lost | crash | exception | hang | port | reservation | config
+    rank: int | None = None
+    detail: str = ""
+    traceback: str | None = None
+
+
+@dataclasses.dataclass
+class JobResult:
+    status: str  # succeeded | failed | stopped
+    reason: str
+    attempts: int
+    restarts: dict[str, int]
+    last_step: int | None
+    last_checkpoint: int | None
+    run_dir: str
+
+    @property
+    def exit_code(self) -> int:
+        return {"succeeded": 0, "stopped": p.EXIT_PREEMPTED}.get(self.status, 1)
+
+
+def connect(config: Config) -> None:
+    """Joins the Ray cluster the job runs in, or starts an embedded one bound to loopback."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        return
+    c = config.cluster
+    needed = c.num_hosts * c.cpus_per_host if c.kind == "local" else 1
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
+             _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
+
+
+def _normalise(tb: str) -> str:
+    return re.sub(r"0x[0-9a-fA-F]+", "0x?", tb).strip()
+
+
+def _last_checkpoint(config: Config, run_dir: Path) -> int | None:
+    ckpt = Path(config.checkpoint.dir)
+    ckpt = ckpt if ckpt.is_absolute() else run_dir / ckpt
+    steps = [int(d.name) for d in ckpt.glob("*") if d.name.isdigit() and d.is_dir()] if ckpt.is_dir() else []
+    return max(steps, default=None)
+
+
+class _LogFilter:
+    """Prints rank 0's lines and other ranks' error lines and tracebacks, each with a rank prefix."""
+
+    def __init__(self, out):
+        self.out = out
+        self.in_traceback: dict[int, bool] = {}
+
+    def feed(self, rank: int, lines: list[str]) -> None:
+        for line in lines:
+            show = rank == 0
+            if line.startswith("Traceback"):
+                self.in_traceback[rank] = True
+            if self.in_traceback.get(rank):
+                show = True
+                if line and not line.startswith((" ", "Traceback")):
+                    self.in_traceback[rank] = False  # the exception line ends the block
+            show = show or bool(_ERROR_LINE.search(line))
+            if show:
+                print(f"[rank {rank}] {line}", file=self.out, flush=True)
+
+
+class Driver:
+    """Runs one job: attempts until success, a stop, or a spent budget."""
+
+    def __init__(self, config: Config, run_dir: Path, out=None):
+        self.config, self.cluster = config, config.cluster
+        self.run_dir = Path(run_dir).absolute()
+        self.out = out or sys.stdout
+        self.stop_requested = False
+        self.last_step: int | None = None
+        self.logs = _LogFilter(self.out)
+
+    def say(self, message: str) -> None:
+        print(f"podtrain: {message}", file=self.out, flush=True)
+
+    def _on_signal(self, signum, frame) -> None:
+        if not self.stop_requested:
+            self.say(f"received {signal.Signals(signum).name}: asking every worker to checkpoint and stop "
+                     f"(grace {self.cluster.stop_grace_s:g}s)")
+        self.stop_requested = True
+
+    def run(self) -> JobResult:
+        import ray
+
+        connect(self.config)
+        # After connecting: ray.init installs its own SIGTERM handler, which would end the driver at once.
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            result = self._attempts()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
+        self.say(f"job {result.status}: {result.reason}; last step {result.last_step}, last checkpoint "
+                 f"{result.last_checkpoint}, attempts {result.attempts}, restarts {result.restarts}")
+        del ray
+        return result
+
+    def _attempts(self) -> JobResult:
+        restarts = {kind: 0 for kind in PREEMPTION_CLASSES + FAILURE_CLASSES + ("port",)}
+        failures = preemptions = port_retries = 0
+        previous_tb, attempt = None, 0
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+        def result(status, reason):
+            return JobResult(status, reason, attempt, {k: v for k, v in restarts.items() if v}, self.last_step,
+                             _last_checkpoint(self.config, self.run_dir), str(self.run_dir))
+
+        while True:
+            attempt += 1
+            outcome = self._one_attempt(attempt, port_retries)
+            if outcome.kind == "done":
+                return result("succeeded", f"trained to step {self.config.train.steps}")
+            if outcome.kind == "stopped" or self.stop_requested:
+                return result("stopped", "stopped on request after checkpointing")
+            self.say(f"attempt {attempt} ended: {outcome.kind} (rank {outcome.rank}): {outcome.detail}")
+            if outcome.kind == "config":
+                return result("failed", outcome.detail)
+            if outcome.kind == "port":
+                port_retries += 1
+                restarts["port"] += 1
+                if port_retries > MAX_PORT_RETRIES:
+                    return result("failed", f"no coordinator port could be bound in {port_retries} tries")
+                continue
+            port_retries = 0
+            if outcome.kind in PREEMPTION_CLASSES:
+                preemptions += 1
+                restarts[outcome.kind] += 1
+                previous_tb = None
+                if preemptions > self.cluster.max_preemptions:
+                    return result("failed", f"{preemptions} preemptions, more than cluster.max_preemptions="
+                                            f"{self.cluster.max_preemptions}")
+                continue
+            failures += 1
+            restarts[outcome.kind] += 1
+            tb = _normalise(outcome.traceback) if outcome.traceback else None
+            if tb is not None and tb == previous_tb:
+                self.say(f"the same exception twice in a row; not retrying it:\n{outcome.traceback}")
+                return result("failed", f"the same exception twice in a row on rank {outcome.rank}: "
+                                        f"{outcome.detail}")
+            previous_tb = tb
+            if failures > self.cluster.max_failures:
+                return result("failed", f"{failures} failures, more than cluster.max_failures="
+                                        f"{self.cluster.max_failures}; last: {outcome.kind}: {outcome.detail}")
+            self.say(f"restarting from the last committed checkpoint "
+                     f"({_last_checkpoint(self.config, self.run_dir)}); failures {failures}/"
+                     f"{self.cluster.max_failures}, preemptions {preemptions}/{self.cluster.max_preemptions}")
+
+    def _one_attempt(self, attempt: int, port_retries: int) -> Outcome:
+        started = time.time()
+        try:
+            gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}")
+        except ReservationError as error:
+            return Outcome("reservation", None, str(error))
+        try:
+            self.say(f"attempt {attempt}: reserved {len(gang.actors)} hosts in {time.time() - started:.1f}s "
+                     f"({', '.join(sorted({i['ip'] for i in gang.infos}))})")
+            return self._watch(gang, attempt, port_retries)
+        finally:
+            gang.release()
+
+    def _start(self, gang: Gang, attempt: int, port_retries: int) -> None:
+        import ray
+
+        preferred = self.cluster.coordinator_port if port_retries == 0 else 0
+        port = ray.get(gang.actors[0].pick_port.remote(preferred))
+        coordinator_ip = gang.infos[0]["ip"]
+        if preferred and port != preferred:
+            self.say(f"coordinator port {preferred} is in use on {coordinator_ip}; using {port}")
+        worker_config = dataclasses.replace(self.config, cluster=dataclasses.replace(self.cluster, kind="none"))
+        config_yaml = to_yaml(worker_config)
+        attempt_dir = self.run_dir / "logs" / f"attempt-{attempt}"
+        starts = []
+        for rank, actor in enumerate(gang.actors):
+            env = {
+                **gang.host_env[rank],
+                **megascale_env(self.cluster, coordinator_ip, gang.slices[rank], MEGASCALE_PORT),
+                p.ENV_RUN_DIR: str(self.run_dir),
+                p.ENV_COORDINATOR: f"{coordinator_ip}:{port}",
+                p.ENV_NUM_PROCESSES: str(len(gang.actors)),
+                p.ENV_PROCESS_ID: str(rank),
+                p.ENV_INIT_TIMEOUT: str(self.cluster.init_timeout_s),
+                p.ENV_HEARTBEAT_TIMEOUT: str(self.cluster.heartbeat_timeout_s),
+            }
+            starts.append(actor.start.remote(env, config_yaml, str(attempt_dir), rank))
+        pids = ray.get(starts)
+        self.say(f"attempt {attempt}: started {len(pids)} worker processes, coordinator {coordinator_ip}:{port}, "
+                 f"logs in {attempt_dir}")
+
+    def _poll(self, gang: Gang) -> tuple[list[dict | None], Outcome | None]:
+        import ray
+
+        refs = [actor.poll.remote() for actor in gang.actors]
+        polls: list[dict | None] = []
+        lost = None
+        for rank, ref in enumerate(refs):
+            try:
+                polls.append(ray.get(ref, timeout=60))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+                polls.append(None)
+                lost = lost or Outcome("node_lost", rank, f"host actor lost: {type(error).__name__}: "
+                                                          f"{str(error).splitlines()[0] if str(error) else ''}")
+        return polls, lost
+
+    def _watch(self, gang: Gang, attempt: int, port_retries: int) -> Outcome:
+        import ray
+
+        self._start(gang, attempt, port_retries)
+        stop_deadline = None
+        while True:
+            polls, lost = self._poll(gang)
+            for rank, poll in enumerate(polls):
+                if poll is not None:
+                    self.logs.feed(rank, poll["lines"])
+                    if poll["heartbeat"] is not None:
+                        self.last_step = max(self.last_step or 0, poll["heartbeat"][0])
+            if lost is not None:
+                return lost
+            codes = [poll["returncode"] for poll in polls]
+            if all(code == p.EXIT_OK for code in codes):
+                return Outcome("done")
+            ended = [(rank, code) for rank, code in enumerate(codes) if code not in (None, p.EXIT_OK)]
+            if ended:
+                outcome = self._classify(ended, polls)
+                if stop_deadline is not None and outcome.kind == "preempted":
+                    return Outcome("stopped", outcome.rank, "checkpointed and exited on request")
+                return outcome
+            if self.stop_requested and stop_deadline is None:
+                ray.get([actor.send_signal.remote(signal.SIGTERM) for actor in gang.actors])
+                stop_deadline = time.monotonic() + self.cluster.stop_grace_s
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                return Outcome("stopped", None, f"workers did not exit within cluster.stop_grace_s="
+                                                f"{self.cluster.stop_grace_s:g}s; killed")
+            hung = self._hung_rank(polls)
+            if hung is not None and stop_deadline is None:
+                rank, detail = hung
+                self._dump_stacks(gang, attempt)
+                return Outcome("hang", rank, detail)
+            time.sleep(POLL_S)
+
+    def _hung_rank(self, polls: list[dict]) -> tuple[int, str] | None:
+        for rank, poll in enumerate(polls):
+            if poll["returncode"] is not None:
+                continue
+            beat = poll["heartbeat"]
+            if beat is None:
+                idle, what = poll["now"] - poll["started_at"], "startup_timeout_s"
+            else:
+                idle, what = poll["now"] - beat[1], "hang_timeout_s"
+            limit = getattr(self.cluster, what)
+            if idle > limit:
+                at = "before its first step" if beat is None else f"after step {beat[0]}"
+                return rank, f"no progress for {idle:.0f}s {at} (cluster.{what}={limit:g})"
+        return None
+
+    def _classify(self, ended: list[tuple[int, int]], polls: list[dict]) -> Outcome:
+        """The cause among the processes that ended together: preemption, then crash, then exception."""
+        def kind(code):
+            if code == p.EXIT_PREEMPTED:
+                return "preempted"
+            if code == p.EXIT_COORDINATOR_PORT:
+                return "port"
+            if code == p.EXIT_EXCEPTION:
+                return "exception"
+            if code == p.EXIT_CONFIG:
+                return "config"
+            return "crash"
+
+        order = ("preempted", "port", "config", "crash", "exception")
+        # Among exceptions the first one raised is the cause (the others are often its peers' collective errors).
+        rank, code = min(ended, key=lambda rc: (order.index(kind(rc[1])), polls[rc[0]]["error_at"] or 0, rc[0]))
+        k = kind(code)
+        if k == "crash":
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            return Outcome("crash", rank, how)
+        if k == "config":
+            return Outcome("config", rank, (polls[rank]["error"] or "configuration error").strip())
+        if k == "exception":
+            tb = polls[rank]["error"] or ""
+            last = tb.strip().splitlines()[-1] if tb.strip() else "exit status 1"
+            return Outcome("exception", rank, last, tb or None)
+        return Outcome(k, rank, f"exit status {code}")
+
+    def _dump_stacks(self, gang: Gang, attempt: int) -> None:
+        import ray
+
+        directory = self.run_dir / "stacks" / f"attempt-{attempt}"
+        refs = [actor.dump_stacks.remote(str(directory / f"rank{rank}.txt")) for rank, actor in enumerate(gang.actors)]
+        try:
+            ray.get(refs, timeout=90)
+        except Exception as error:
+            self.say(f"dumping stacks failed: {error}")
+        self.say(f"hang: Python stacks of every rank written to {directory}")
+
+
+def run_job(config: Config, run_dir: Path, out=None) -> JobResult:
+    """Runs `config` on its cluster until it succeeds, is stopped, or spends a budget."""
+    return Driver(config, run_dir, out).run()

@@ -1,0 +1,48 @@
+"""What a host actor and the worker process it starts agree on: environment names, files, exit codes.
+
+Nothing here imports JAX: host actors and the driver never do.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+# Exit statuses of a worker process.
+EXIT_OK = 0
+EXIT_EXCEPTION = 1  # an exception in the training code; its traceback is in the error file
+EXIT_CONFIG = 2  # a mistake in the config or the data it names (the same on every retry: not retried)
+EXIT_PREEMPTED = 75  # stopped on a preemption notice after committing a checkpoint (EX_TEMPFAIL)
+EXIT_COORDINATOR_PORT = 76  # the coordinator could not bind its port: retry on another one
+
+# Environment of a worker process (set by the host actor before JAX is imported).
+ENV_CONFIG = "PODTRAIN_CONFIG"  # path of the resolved config YAML
+ENV_RUN_DIR = "PODTRAIN_RUN_DIR"
+ENV_COORDINATOR = "PODTRAIN_COORDINATOR"  # host:port of process 0's coordination service
+ENV_NUM_PROCESSES = "PODTRAIN_NUM_PROCESSES"
+ENV_PROCESS_ID = "PODTRAIN_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "PODTRAIN_LOCAL_DEVICE_IDS"  # comma-separated, or unset for all
+ENV_INIT_TIMEOUT = "PODTRAIN_INIT_TIMEOUT_S"
+ENV_HEARTBEAT_TIMEOUT = "PODTRAIN_HEARTBEAT_TIMEOUT_S"
+ENV_HEARTBEAT_FILE = "PODTRAIN_HEARTBEAT_FILE"  # the worker writes its last completed step here
+ENV_ERROR_FILE = "PODTRAIN_ERROR_FILE"  # the traceback of an exception that ended the worker
+ENV_STACKS_FILE = "PODTRAIN_STACKS_FILE"  # faulthandler writes every thread's stack here on SIGUSR1
+ENV_PARENT_PID = "PODTRAIN_PARENT_PID"  # the worker exits when this process (its host actor) is gone
+
+
+def write_heartbeat(path: str | os.PathLike, step: int) -> None:
+    """Records `step` as the last completed step, atomically (a reader never sees half a line)."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{step} {time.time():.3f}\n")
+    os.replace(tmp, path)
+
+
+def read_heartbeat(path: str | os.PathLike) -> tuple[int, float] | None:
+    """(last completed step, wall time it was written) or None before the first beat."""
+    try:
+        step, at = Path(path).read_text().split()
+        return int(step), float(at)
+    except (OSError, ValueError):
+        return None

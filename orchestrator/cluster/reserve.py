@@ -1,0 +1,172 @@
+"""Reserving a gang of hosts on Ray: a TPU pod slice (or several), GPU nodes, or simulated local hosts.
+
+A reservation is all or nothing: one placement group whose bundles are the hosts (one bundle per
+TPU VM, per GPU node, per simulated host) must be ready within `cluster.reserve_timeout_s`, or it
+is removed and the attempt fails with the resources it asked for. Each bundle gets one host actor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any
+
+from orchestrator.cluster.host import HostActor
+from orchestrator.config import ClusterConfig
+
+# TPU generations whose type names count TensorCores (two per chip); the others count chips.
+_CORES_NAMED = ("v2", "v3", "v4", "v5p")
+_TWO_D = ("v5e", "v5litepod", "v6e")
+
+
+class ReservationError(RuntimeError):
+    """The cluster could not give the whole gang in time (nothing of it is kept)."""
+
+
+def tpu_chips(tpu_type: str) -> int:
+    version, _, count = tpu_type.lower().partition("-")
+    return int(count) // 2 if version in _CORES_NAMED else int(count)
+
+
+def tpu_topology(tpu_type: str) -> str:
+    """The default topology of a TPU type: `v4-8` -> 2x2x1, `v5p-64` -> 2x4x4, `v6e-16` -> 4x4."""
+    version = tpu_type.lower().partition("-")[0]
+    chips = tpu_chips(tpu_type)
+    if chips < 1 or chips & (chips - 1):
+        raise ValueError(f"cluster.tpu_type={tpu_type!r}: expected a power-of-two chip count, found {chips}")
+    dims = [1, 1] if version in _TWO_D else [1, 1, 1]
+    while math.prod(dims) < chips:  # double the smallest dimension, keeping the shape balanced
+        dims[dims.index(min(dims))] *= 2
+    return "x".join(map(str, sorted(dims, key=lambda d: (d == 1, d))))  # GCP's order: 2x2x1, 2x4x4, 4x8
+
+
+@dataclasses.dataclass
+class Gang:
+    """A reserved gang: host actors (rank order), their placement groups, and what runs where."""
+
+    actors: list[Any]
+    placement_groups: list[Any]
+    infos: list[dict]
+    host_env: list[dict[str, str]]  # per host, set before the worker imports JAX
+    slices: list[int]  # the slice index of each host (0 unless several TPU slices)
+    slice_handles: list[Any] = dataclasses.field(default_factory=list)
+
+    def release(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            # An actor or node that is gone took its process with it (a worker exits with its parent).
+            with contextlib.suppress(Exception):
+                ray.get(actor.kill.remote(), timeout=60)
+            ray.kill(actor, no_restart=True)
+        for handle in self.slice_handles:
+            handle.shutdown()
+        for pg in self.placement_groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+
+
+def _bundles(cluster: ClusterConfig) -> tuple[list[dict], str, dict]:
+    """(bundles, strategy, actor resource options) for the local and GPU kinds."""
+    if cluster.kind == "local":
+        return [{"CPU": cluster.cpus_per_host}] * cluster.num_hosts, "PACK", {"num_cpus": cluster.cpus_per_host}
+    if cluster.kind == "gpu":
+        bundle = {"CPU": cluster.cpus_per_host, "GPU": cluster.gpus_per_node}
+        return [bundle] * cluster.num_nodes, "STRICT_SPREAD", {"num_cpus": cluster.cpus_per_host,
+                                                                 "num_gpus": cluster.gpus_per_node}
+    raise ValueError(f"no bundles for cluster.kind={cluster.kind!r}")
+
+
+def _wait_ready(pgs: list, cluster: ClusterConfig, what: str) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        ray.get([pg.ready() for pg in pgs], timeout=cluster.reserve_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for pg in pgs:
+            remove_placement_group(pg)
+        raise ReservationError(
+            f"could not reserve {what} within cluster.reserve_timeout_s={cluster.reserve_timeout_s:g}s; "
+            f"available resources: {ray.available_resources()}"
+        ) from None
+
+
+def reserve(cluster: ClusterConfig, name: str) -> Gang:
+    """Reserves the whole gang for one attempt and starts one host actor per host (rank order)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote_host = ray.remote(max_restarts=0, max_concurrency=4)(HostActor)
+    slice_handles, placements = [], []  # placements: (pg, bundle index, actor options, slice index)
+    if cluster.kind == "tpu":
+        from ray.util.tpu import SlicePlacementGroup
+
+        handle = SlicePlacementGroup(
+            topology=cluster.tpu_topology or tpu_topology(cluster.tpu_type),
+            accelerator_version=cluster.tpu_type.partition("-")[0], num_slices=cluster.num_slices,
+            resources_per_bundle={"CPU": cluster.cpus_per_host} if cluster.cpus_per_host else None,
+            head_reservation_timeout_s=cluster.reserve_timeout_s, pg_per_slice=True, name=name,
+        )
+        slice_handles.append(handle)
+        pgs = handle.slice_placement_groups
+        tpus = handle.bundle_resources.get("TPU", 0)
+        per_slice = handle.num_bundles // cluster.num_slices
+        for s, pg in enumerate(pgs):
+            placements += [(pg, b, {"num_cpus": 0, "resources": {"TPU": tpus}}, s) for b in range(per_slice)]
+        what = f"{cluster.num_slices} x {cluster.tpu_type} ({handle.num_hosts} hosts)"
+    else:
+        bundles, strategy, options = _bundles(cluster)
+        pgs = [placement_group(bundles, strategy=strategy, name=name)]
+        placements = [(pgs[0], b, options, 0) for b in range(len(bundles))]
+        what = f"{len(bundles)} bundles of {bundles[0]} ({strategy})"
+    try:
+        _wait_ready(pgs, cluster, what)
+    except BaseException:
+        for handle in slice_handles:
+            handle.shutdown()
+        raise
+    actors = [
+        remote_host.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b), **options
+        ).remote(rank)
+        for rank, (pg, b, options, _) in enumerate(placements)
+    ]
+    gang = Gang(actors, pgs, [], [], [pl[3] for pl in placements], slice_handles)
+    try:
+        gang.infos = ray.get([a.info.remote() for a in actors], timeout=cluster.reserve_timeout_s)
+    except BaseException:
+        gang.release()
+        raise
+    if cluster.kind == "tpu":  # ranks follow the TPU worker ids within each slice (worker 0 coordinates)
+        order = sorted(range(len(actors)), key=lambda r: (
+            gang.slices[r], int(gang.infos[r]["labels"].get("ray.io/tpu-worker-id", r))))
+        gang.actors, gang.infos, gang.slices = ([xs[r] for r in order] for xs in (gang.actors, gang.infos, gang.slices))
+    gang.host_env = [host_env(cluster, info) for info in gang.infos]
+    return gang
+
+
+def host_env(cluster: ClusterConfig, info: dict) -> dict[str, str]:
+    """Environment for one host's worker: platform and device flags per kind, then `cluster.env`."""
+    env: dict[str, str] = {}
+    if cluster.kind == "local":
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cluster.devices_per_host}"
+    elif cluster.kind == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, info["gpu_ids"]))
+    return {**env, **{str(k): str(v) for k, v in cluster.env.items()}}
+
+
+def megascale_env(cluster: ClusterConfig, coordinator_ip: str, slice_index: int, port: int) -> dict[str, str]:
+    """The multi-slice variables of one slice's hosts (only for `num_slices > 1`)."""
+    if cluster.kind != "tpu" or cluster.num_slices == 1:
+        return {}
+    return {
+        "MEGASCALE_COORDINATOR_ADDRESS": coordinator_ip,
+        "MEGASCALE_PORT": str(port),
+        "MEGASCALE_NUM_SLICES": str(cluster.num_slices),
+        "MEGASCALE_SLICE_ID": str(slice_index),
+    }

@@ -1,0 +1,126 @@
+"""One JAX process of a gang, started fresh for every attempt by a host actor (`orchestrator/cluster/`).
+
+    python -m orchestrator.worker        (everything else comes from PODTRAIN_* variables)
+
+The host actor sets the environment (JAX platform and device flags, TPU and MEGASCALE variables,
+the PODTRAIN_* names in `orchestrator.cluster.protocol`) before this module runs, so it is in
+place before JAX is imported. The worker then joins the JAX world with
+`jax.distributed.initialize`, trains with `orchestrator.train.run`, reports every completed step
+through its heartbeat file, and leaves with a status the driver classifies (see `protocol`).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from orchestrator.cluster import protocol as p
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Kills this process group once the host actor that started it is gone (no orphaned trainers)."""
+
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="podtrain-parent-watch", daemon=True).start()
+
+
+def _initialize_distributed(env) -> None:
+    import jax
+
+    num_processes = int(env[p.ENV_NUM_PROCESSES])
+    if num_processes == 1:
+        return
+    local_ids = env.get(p.ENV_LOCAL_DEVICE_IDS)
+    # Simulated slices on CPU: a TPU learns its slice from the MEGASCALE variables; CPU devices get it here.
+    slice_index = int(env["MEGASCALE_SLICE_ID"]) if "MEGASCALE_SLICE_ID" in env and env.get(
+        "JAX_PLATFORMS") == "cpu" else None
+    try:
+        jax.distributed.initialize(
+            env[p.ENV_COORDINATOR], num_processes=num_processes, process_id=int(env[p.ENV_PROCESS_ID]),
+            local_device_ids=[int(i) for i in local_ids.split(",")] if local_ids else None,
+            initialization_timeout=int(env[p.ENV_INIT_TIMEOUT]),
+            heartbeat_timeout_seconds=int(env[p.ENV_HEARTBEAT_TIMEOUT]),
+            slice_index=slice_index,
+        )
+    except Exception as error:  # the coordinator's port was taken between choosing and binding it
+        if "address already in use" in str(error).lower() or "failed to bind" in str(error).lower():
+            print(f"podtrain worker: coordinator port unavailable: {error}", file=sys.stderr, flush=True)
+            sys.exit(p.EXIT_COORDINATOR_PORT)
+        raise
+
+
+def _describe_process(env) -> None:
+    import jax
+
+    slices = sorted({getattr(d, "slice_index", 0) for d in jax.devices()})
+    megascale = " ".join(f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("MEGASCALE_"))
+    print(f"podtrain worker: process {jax.process_index()} of {jax.process_count()}, "
+          f"{jax.local_device_count()} local of {jax.device_count()} {jax.devices()[0].platform} devices, "
+          f"slices {slices}, coordinator {env.get(p.ENV_COORDINATOR, '-')} {megascale}".rstrip(), flush=True)
+
+
+def main() -> int:
+    env = os.environ
+    if env.get(p.ENV_PARENT_PID):
+        _exit_with_parent(int(env[p.ENV_PARENT_PID]))
+    if env.get(p.ENV_STACKS_FILE):
+        stacks = open(env[p.ENV_STACKS_FILE], "a")  # noqa: SIM115 (open for the life of the process)
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from orchestrator.config import ConfigError, load_config
+
+    try:
+        _initialize_distributed(env)
+        from orchestrator.train import run
+
+        _describe_process(env)
+
+        config = load_config(env[p.ENV_CONFIG])
+        heartbeat = env.get(p.ENV_HEARTBEAT_FILE)
+        result = run(config, Path(env[p.ENV_RUN_DIR]),
+                     on_step=(lambda step: p.write_heartbeat(heartbeat, step)) if heartbeat else None)
+    except SystemExit as stop:
+        if stop.code == p.EXIT_COORDINATOR_PORT:
+            return p.EXIT_COORDINATOR_PORT
+        raise
+    except ConfigError as error:
+        message = f"podtrain: error: {error}"
+        if env.get(p.ENV_ERROR_FILE):
+            Path(env[p.ENV_ERROR_FILE]).write_text(message + "\n")
+        print(message, file=sys.stderr, flush=True)
+        return p.EXIT_CONFIG
+    except BaseException:
+        text = traceback.format_exc()
+        if env.get(p.ENV_ERROR_FILE):
+            Path(env[p.ENV_ERROR_FILE]).write_text(text)
+        print(text, file=sys.stderr, flush=True)
+        return p.EXIT_EXCEPTION
+    if int(env[p.ENV_PROCESS_ID]) == 0:
+        print("\n" + result.summary(), flush=True)
+    return p.EXIT_PREEMPTED if result.preempted else p.EXIT_OK
+
+
+def _exit(code: int) -> None:
+    """Leaves at once on failure: a normal exit would wait in JAX's shutdown barrier for ranks that never come."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code in (p.EXIT_OK, p.EXIT_PREEMPTED):
+        sys.exit(code)  # every rank ends together: shut the JAX world down cleanly
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main())

@@ -1,0 +1,261 @@
+"""The Ray orchestrator end to end: real Ray, real worker processes, real checkpoints (loopback only).
+
+Each test runs `podtrain train` (the driver) as a subprocess with the `local` cluster kind: 2
+simulated hosts x 2 CPU devices, each host a Ray actor that starts a fresh JAX process per attempt.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from test_train import TINY, losses
+
+ROOT = Path(__file__).parent.parent
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+TWO_HOSTS = ["cluster=local", "cluster.num_hosts=2", "cluster.devices_per_host=2", "cluster.init_timeout_s=60",
+             "cluster.heartbeat_timeout_s=20", "cluster.startup_timeout_s=240"]
+
+
+def ray_tmpdir(tmp_path: Path) -> str:
+    """A short directory for Ray's session files (its socket paths must stay under 108 bytes)."""
+    link = tmp_path / "ray"
+    if not link.exists():
+        link.symlink_to(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    return os.readlink(link)
+
+
+def env(tmp_path: Path, devices: int = 2) -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), RAY_TMPDIR=ray_tmpdir(tmp_path), RAY_AUTH_MODE="disabled",
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+
+
+def train_command(run_dir: Path, steps: int, *extra: str, every: int = 2) -> list[str]:
+    return [sys.executable, "-m", "launch.cli", "train", "-c", "llama3-tiny", *TINY, f"train.steps={steps}",
+            f"checkpoint.every_steps={every}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *extra]
+
+
+def run_train(tmp_path, run_dir, steps, *extra, devices=2, timeout=420) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(run_dir, steps, *extra), cwd=ROOT, env=env(tmp_path, devices),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_train(tmp_path, run_dir, steps, *extra) -> subprocess.Popen:
+    return subprocess.Popen(train_command(run_dir, steps, *extra), cwd=ROOT, env=env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= step:
+            return
+        time.sleep(0.2)
+    out = proc.stdout.read() if proc.poll() is not None else ""
+    raise AssertionError(f"the run did not reach step {step} (status {proc.poll()}):\n{out[-3000:]}")
+
+
+def worker_pid(run_dir: Path, attempt: int, rank: int) -> int:
+    return int((run_dir / "logs" / f"attempt-{attempt}" / f"rank{rank}.pid").read_text())
+
+
+def job(run_dir: Path) -> dict:
+    return json.loads((run_dir / "job.json").read_text())
+
+
+def assert_no_worker_left(run_dir: Path) -> None:
+    for pid_file in (run_dir / "logs").glob("attempt-*/rank*.pid"):
+        pid = int(pid_file.read_text())
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "?"
+        assert state == "Z", f"worker {pid} ({pid_file}) still runs (state {state})"
+
+
+def test_two_hosts_match_one_process_and_a_killed_host_is_restarted_from_the_checkpoint(tmp_path):
+    steps = 8
+    reference = tmp_path / "one-process"
+    done = run_train(tmp_path, reference, steps, "cluster=none", devices=4)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    gang = tmp_path / "two-hosts"
+    done = run_train(tmp_path, gang, steps, *TWO_HOSTS)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "[rank 0]" in done.stdout and "job succeeded" in done.stdout
+    assert job(gang)["last_checkpoint"] == steps and job(gang)["attempts"] == 1
+    assert sorted(p.name for p in (gang / "logs" / "attempt-1").glob("*.log")) == ["rank0.log", "rank1.log"]
+    # 2 processes x 2 devices see the same global batches as 1 process x 4 devices.
+    want, got = losses(reference), losses(gang)
+    assert want.keys() == got.keys() == set(range(1, steps + 1))
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
+
+    killed = tmp_path / "killed"
+    proc = start_train(tmp_path, killed, steps, *TWO_HOSTS)
+    wait_for_step(killed, proc, 3)
+    os.kill(worker_pid(killed, 1, 1), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=420)
+    assert proc.returncode == 0, out[-4000:]
+    assert "attempt 1 ended: crash (rank 1): killed by SIGKILL" in out
+    result = job(killed)
+    assert result["restarts"] == {"crash": 1} and result["attempts"] == 2, result
+    resumed = losses(killed)
+    for step in want:
+        assert abs(resumed[step] - want[step]) <= 1e-6, (step, resumed[step], want[step])
+    assert_no_worker_left(killed)
+
+
+def test_a_hung_rank_is_detected_its_stacks_dumped_and_the_gang_restarted(tmp_path):
+    run_dir = tmp_path / "hung"
+    proc = start_train(tmp_path, run_dir, 6, *TWO_HOSTS, "cluster.hang_timeout_s=8")
+    wait_for_step(run_dir, proc, 2)
+    stopped_at = time.time()
+    os.kill(worker_pid(run_dir, 1, 1), signal.SIGSTOP)
+    out, _ = proc.communicate(timeout=420)
+    assert proc.returncode == 0, out[-4000:]
+    assert "attempt 1 ended: hang" in out and "cluster.hang_timeout_s=8" in out
+    stacks = run_dir / "stacks" / "attempt-1"
+    assert {p.name for p in stacks.glob("rank*.txt")} == {"rank0.txt", "rank1.txt"}
+    dumped = (stacks / "rank1.txt").read_text()
+    assert "orchestrator" in dumped or "Thread" in dumped, dumped[:2000]
+    assert stacks.stat().st_mtime - stopped_at < 8 + 60  # detected within the timeout (plus polling)
+    assert job(run_dir)["restarts"] == {"hang": 1}
+    assert_no_worker_left(run_dir)
+
+
+def test_an_exception_in_user_code_fails_the_job_with_its_traceback_without_retrying_forever(tmp_path):
+    corpus = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * 2}) for i in range(40)]
+    lines[30] = json.dumps({"body": "no text field"})
+    corpus.write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "bad-data"
+    with socket.socket() as taken:  # the configured coordinator port is taken: another one is used
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_train(tmp_path, run_dir, 50, *TWO_HOSTS, "data.source=jsonl", f"data.path={corpus}",
+                         "data.eval_fraction=0.0", "train.eval_every=0", "cluster.max_failures=5",
+                         f"cluster.coordinator_port={port}")
+    assert done.returncode == 1, done.stdout[-4000:]
+    assert f"coordinator port {port} is in use" in done.stdout
+    assert "data.text_field='text' not found" in done.stdout and "Traceback" in done.stdout
+    assert "the same exception twice in a row" in done.stdout and "[rank 1] Traceback" in done.stdout
+    result = job(run_dir)
+    assert result["status"] == "failed" and result["restarts"] == {"exception": 2} and result["attempts"] == 2
+    assert result["last_checkpoint"] is not None  # it failed mid-training, not at start-up
+    assert_no_worker_left(run_dir)
+
+
+def test_a_config_mistake_found_by_the_workers_fails_at_once(tmp_path):
+    run_dir = tmp_path / "no-data"
+    done = run_train(tmp_path, run_dir, 4, *TWO_HOSTS, "data.source=jsonl", f"data.path={tmp_path}/missing.jsonl")
+    assert done.returncode == 1, done.stdout[-4000:]
+    assert "missing.jsonl" in done.stdout and job(run_dir)["attempts"] == 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def test_ray_job_submit_then_ray_job_stop_checkpoints_and_leaves_nothing_running(tmp_path):
+    e = env(tmp_path)
+    ray = str(Path(sys.executable).parent / "ray")
+    dashboard = free_port()
+    start = [ray, "start", "--head", f"--port={free_port()}", "--num-cpus=4", "--include-dashboard=true",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={e['RAY_TMPDIR']}"]
+    subprocess.run(start, env=e, check=True, capture_output=True, timeout=120)
+    address = f"http://127.0.0.1:{dashboard}"
+    run_dir = tmp_path / "submitted"
+    try:
+        submit = [sys.executable, "-m", "launch.cli", "submit", "--address", address, "--no-follow", "-c",
+                  "llama3-tiny", *TINY, "train.steps=1000", "checkpoint.every_steps=500", f"run.dir={tmp_path}",
+                  f"run.name={run_dir.name}", *TWO_HOSTS, "cluster.stop_grace_s=60"]
+        done = subprocess.run(submit, cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"submitted job {run_dir.name}" in done.stdout
+        wait_until(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 3, 300,
+                   "step 3 of the submitted job")
+        stop = subprocess.run([ray, "job", "stop", "--address", address, run_dir.name], env=e, capture_output=True,
+                              text=True, timeout=180)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        from ray.job_submission import JobStatus, JobSubmissionClient
+
+        assert JobSubmissionClient(address).get_job_status(run_dir.name) == JobStatus.STOPPED
+        wait_until(lambda: (run_dir / "job.json").exists(), 60, "the driver's job.json")
+        result = job(run_dir)
+        assert result["status"] == "stopped", result
+        last = max(losses(run_dir))
+        assert result["last_checkpoint"] == last >= 3  # the step it stopped at was checkpointed
+        assert_no_worker_left(run_dir)
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=e, capture_output=True, timeout=120)
+
+
+TPU_NODE_ENV = {"TPU_NAME": "fake-slice", "TPU_ACCELERATOR_TYPE": "v4-16", "TPU_TOPOLOGY": "2x2x2"}
+
+
+@pytest.mark.parametrize("num_slices", [2])  # 1 slice passes too (locally); CI time keeps one case
+def test_fake_tpu_slices_are_reserved_whole_and_train(tmp_path, monkeypatch, num_slices):
+    """v4-16 slices (2 hosts x 4 chips each) made of Ray nodes with TPU resources and labels."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    e = env(tmp_path)
+    for key in ("RAY_TMPDIR", "RAY_AUTH_MODE", *TPU_NODE_ENV):
+        monkeypatch.setenv(key, e.get(key) or TPU_NODE_ENV[key])
+    (Path(e["RAY_TMPDIR"]) / "ray").mkdir(exist_ok=True)  # cluster_utils writes ray_current_cluster there
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": e["RAY_TMPDIR"]})
+    try:
+        for s in range(num_slices):
+            # Ray names a reserved slice by the TPU_NAME its head host sees; raylets inherit this process's env.
+            monkeypatch.setenv("TPU_NAME", f"slice-{s}")
+            for worker in range(2):
+                resources = {"TPU": 4, **({"TPU-v4-16-head": 1} if worker == 0 else {})}
+                labels = {"ray.io/tpu-slice-name": f"slice-{s}", "ray.io/tpu-worker-id": str(worker),
+                          "ray.io/tpu-pod-type": "v4-16", "ray.io/tpu-topology": "2x2x2"}
+                cluster.add_node(num_cpus=1, resources=resources, labels=labels)
+        cluster.wait_for_nodes()
+        run_dir = tmp_path / f"tpu-{num_slices}"
+        mesh = [f"mesh.dp={num_slices}", "mesh.fsdp=1", "mesh.tp=4"] if num_slices > 1 else []
+        done = run_train(tmp_path, run_dir, 2, "cluster=tpu", "cluster.tpu_type=v4-16", "cluster.reserve_timeout_s=60",
+                         f"cluster.num_slices={num_slices}", f"cluster.address={cluster.address}",
+                         "cluster.env.JAX_PLATFORMS=cpu", "cluster.init_timeout_s=60", *mesh,
+                         "cluster.env.XLA_FLAGS=--xla_force_host_platform_device_count=2", devices=2)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        assert f"reserved {2 * num_slices} hosts" in done.stdout
+        hosts = 2 * num_slices
+        logs = [(run_dir / "logs" / "attempt-1" / f"rank{r}.log").read_text() for r in range(hosts)]
+        for rank, log in enumerate(logs):
+            assert f"process {rank} of {hosts}, 2 local of {2 * hosts} cpu devices" in log, log[-2000:]
+            if num_slices > 1:
+                slice_id = rank // 2
+                assert f"MEGASCALE_NUM_SLICES={num_slices}" in log and f"MEGASCALE_SLICE_ID={slice_id}" in log
+                assert "MEGASCALE_COORDINATOR_ADDRESS=" in log and "MEGASCALE_PORT=" in log
+            else:
+                assert "MEGASCALE_" not in log
+        if num_slices > 1:  # dp spans the slices; everything else stays inside one
+            assert "'slices': 2, 'dp_slices': [[0], [1]]" in logs[0], logs[0][-3000:]
+        assert job(run_dir)["status"] == "succeeded"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
