@@ -31,6 +31,8 @@ lint: install
 
 bench: install
 	$(PY) bench/train_step.py
+	$(PY) bench/loop.py
+	bash tests/netns.sh $(PY) bench/cluster.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

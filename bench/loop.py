@@ -30,7 +30,7 @@ import jax
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIB, format_table, machine_description, time_calls
+from bench.common import BENCH_SHAPE, MIB, format_table, machine_description, time_calls
 from orchestrator.build import build_training
 from orchestrator.checkpoint import Checkpointer
 from orchestrator.config import load_config
@@ -43,7 +43,7 @@ SAVE_EVERY = 10
 
 
 def bench_config(steps: int):
-    config = load_config("llama3-tiny", [f"train.steps={steps}", "train.eval_every=0",
+    config = load_config("llama3-tiny", [*BENCH_SHAPE, f"train.steps={steps}", "train.eval_every=0",
                                          f"checkpoint.every_steps={SAVE_EVERY}", "checkpoint.async_save=true"])
     return config
 

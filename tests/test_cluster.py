@@ -47,8 +47,8 @@ def run_train(tmp_path, run_dir, steps, *extra, devices=2, timeout=420) -> subpr
                           capture_output=True, text=True, timeout=timeout)
 
 
-def start_train(tmp_path, run_dir, steps, *extra) -> subprocess.Popen:
-    return subprocess.Popen(train_command(run_dir, steps, *extra), cwd=ROOT, env=env(tmp_path),
+def start_train(tmp_path, run_dir, steps, *extra, every: int = 2) -> subprocess.Popen:
+    return subprocess.Popen(train_command(run_dir, steps, *extra, every=every), cwd=ROOT, env=env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -81,7 +81,7 @@ def assert_no_worker_left(run_dir: Path) -> None:
         assert state == "Z", f"worker {pid} ({pid_file}) still runs (state {state})"
 
 
-def test_two_hosts_match_one_process_and_a_killed_host_is_restarted_from_the_checkpoint(tmp_path):
+def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_path):
     steps = 8
     reference = tmp_path / "one-process"
     done = run_train(tmp_path, reference, steps, "cluster=none", devices=4)
@@ -112,6 +112,38 @@ def test_two_hosts_match_one_process_and_a_killed_host_is_restarted_from_the_che
     for step in want:
         assert abs(resumed[step] - want[step]) <= 1e-6, (step, resumed[step], want[step])
     assert_no_worker_left(killed)
+
+    # A preemption notice (SIGTERM) to one host: every process stops at the same step through JAX's
+    # preemption sync point, checkpoints it, exits 75; the gang restarts on the preemption budget.
+    preempted = tmp_path / "preempted"
+    proc = start_train(tmp_path, preempted, steps, *TWO_HOSTS, every=100)
+    wait_for_step(preempted, proc, 2)
+    os.kill(worker_pid(preempted, 1, 1), signal.SIGTERM)
+    out, _ = proc.communicate(timeout=420)
+    assert proc.returncode == 0, out[-4000:]
+    assert "attempt 1 ended: preempted" in out
+    result = job(preempted)
+    assert result["restarts"] == {"preempted": 1} and result["attempts"] == 2, result
+    attempt_2 = (preempted / "logs" / "attempt-2" / "rank0.log").read_text()
+    assert "resumed from step" in attempt_2
+    after = losses(preempted)
+    for step in want:
+        assert abs(after[step] - want[step]) <= 1e-6, (step, after[step], want[step])
+    assert_no_worker_left(preempted)
+
+
+def test_a_lost_host_counts_as_a_preemption_and_its_worker_does_not_outlive_it(tmp_path):
+    run_dir = tmp_path / "lost"
+    proc = start_train(tmp_path, run_dir, 4, *TWO_HOSTS)
+    wait_for_step(run_dir, proc, 1)
+    worker = worker_pid(run_dir, 1, 1)
+    host_actor = int(Path(f"/proc/{worker}/stat").read_text().split(")")[1].split()[1])  # the worker's parent
+    os.kill(host_actor, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=420)
+    assert proc.returncode == 0, out[-4000:]
+    assert "attempt 1 ended: node_lost (rank 1)" in out
+    assert job(run_dir)["restarts"] == {"node_lost": 1}
+    assert_no_worker_left(run_dir)
 
 
 def test_a_hung_rank_is_detected_its_stacks_dumped_and_the_gang_restarted(tmp_path):
