@@ -83,12 +83,13 @@ def assert_no_worker_left(run_dir: Path) -> None:
 
 def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_path):
     steps = 8
+    constant = "optimizer.schedule=constant"  # so that a longer run's first steps equal these
     reference = tmp_path / "one-process"
-    done = run_train(tmp_path, reference, steps, "cluster=none", devices=4)
+    done = run_train(tmp_path, reference, steps, "cluster=none", constant, devices=4)
     assert done.returncode == 0, done.stderr[-3000:]
 
     gang = tmp_path / "two-hosts"
-    done = run_train(tmp_path, gang, steps, *TWO_HOSTS)
+    done = run_train(tmp_path, gang, steps, *TWO_HOSTS, constant)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "[rank 0]" in done.stdout and "job succeeded" in done.stdout
     assert job(gang)["last_checkpoint"] == steps and job(gang)["attempts"] == 1
@@ -100,7 +101,7 @@ def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_pat
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
 
     killed = tmp_path / "killed"
-    proc = start_train(tmp_path, killed, steps, *TWO_HOSTS)
+    proc = start_train(tmp_path, killed, steps, *TWO_HOSTS, constant)
     wait_for_step(killed, proc, 3)
     os.kill(worker_pid(killed, 1, 1), signal.SIGKILL)
     out, _ = proc.communicate(timeout=420)
@@ -115,9 +116,10 @@ def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_pat
 
     # A preemption notice (SIGTERM) to one host: every process stops at the same step through JAX's
     # preemption sync point, checkpoints it, exits 75; the gang restarts on the preemption budget.
+    # The run is long enough for the notice to reach every process (it may take a few steps).
     preempted = tmp_path / "preempted"
-    proc = start_train(tmp_path, preempted, steps, *TWO_HOSTS, every=100)
-    wait_for_step(preempted, proc, 2)
+    proc = start_train(tmp_path, preempted, 40, *TWO_HOSTS, constant, every=100)
+    wait_for_step(preempted, proc, 1)
     os.kill(worker_pid(preempted, 1, 1), signal.SIGTERM)
     out, _ = proc.communicate(timeout=420)
     assert proc.returncode == 0, out[-4000:]
