@@ -169,6 +169,14 @@ class Checkpointer:
         """Blocks until every save started so far is committed (raises what a background save raised)."""
         self._manager.wait_until_finished()
 
+    def _committed_step(self, step: int | None) -> int:
+        """Waits for saves in flight, then returns `step` (the newest if None) or raises FileNotFoundError."""
+        self.wait()
+        step = self.latest_step() if step is None else step
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} (steps: {self.all_steps()})")
+        return step
+
     def restore(
         self, abstract_state: Any, *, step: int | None = None, data_iterator: Any = None
     ) -> tuple[Any, dict, int]:
@@ -187,10 +195,7 @@ class Checkpointer:
             FileNotFoundError: the step (or, with `step=None`, any step) is not in the directory.
             ValueError, OSError, KeyError: the step is damaged or does not match `abstract_state`.
         """
-        self.wait()
-        step = self.latest_step() if step is None else step
-        if step not in self.all_steps():
-            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} (steps: {self.all_steps()})")
+        step = self._committed_step(step)
         items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
@@ -199,9 +204,7 @@ class Checkpointer:
 
     def meta(self, step: int) -> dict:
         """The JSON metadata of one step (its `config_yaml`, mesh, seed...), without reading any array."""
-        self.wait()
-        if step not in self.all_steps():
-            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} (steps: {self.all_steps()})")
+        self._committed_step(step)
         return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
 
     def restore_params(self, abstract_state: Any, *, step: int | None = None) -> tuple[Any, dict, int]:
@@ -214,10 +217,7 @@ class Checkpointer:
         Returns:
             (params, meta, step).
         """
-        self.wait()
-        step = self.latest_step() if step is None else step
-        if step not in self.all_steps():
-            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} (steps: {self.all_steps()})")
+        step = self._committed_step(step)
         target = dataclasses.replace(
             abstract_state, opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER, abstract_state.opt_state)
         )

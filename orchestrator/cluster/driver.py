@@ -142,8 +142,6 @@ class Driver:
         self.stop_requested = True
 
     def run(self) -> JobResult:
-        import ray
-
         connect(self.config)
         # After connecting: ray.init installs its own SIGTERM handler, which would end the driver at once.
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -155,7 +153,6 @@ class Driver:
         (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
         self.say(f"job {result.status}: {result.reason}; last step {result.last_step}, last checkpoint "
                  f"{result.last_checkpoint}, attempts {result.attempts}, restarts {result.restarts}")
-        del ray
         return result
 
     def _attempts(self) -> JobResult:
