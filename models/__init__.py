@@ -1,15 +1,17 @@
-"""Model maths: layers, the stacking helper and layer runner, Llama 3 / Qwen3, HF weights."""
+"""Model maths: layers, the stacking helper and layer runner, Llama 3 / Qwen3 / DeepSeek-V3, HF weights."""
 
-from models.config import ModelConfig, RopeConfig
+from models.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from models.deepseek import DeepseekV3
 from models.hf import config_from_hf, config_to_hf, from_hf, to_hf
 from models.kv_cache import KVCache
 from models.llama import Llama
 from models.loss import causal_lm_loss
 
-ARCHITECTURES = {"llama": Llama, "qwen3": Llama}
+ARCHITECTURES = {"llama": Llama, "qwen3": Llama, "deepseek_v3": DeepseekV3}
 
 
 __all__ = [
-    "ARCHITECTURES", "KVCache", "Llama", "ModelConfig", "RopeConfig", "causal_lm_loss",
+    "ARCHITECTURES", "DeepseekV3", "KVCache", "Llama", "MLAConfig", "ModelConfig", "MoEConfig", "RopeConfig",
+    "causal_lm_loss",
     "config_from_hf", "config_to_hf", "from_hf", "to_hf",
 ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-MODEL_TYPES = ("llama", "qwen3")
-ROPE_TYPES = ("default", "llama3")
+MODEL_TYPES = ("llama", "qwen3", "deepseek_v3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out", "save_qkv_attn_out")
 
@@ -17,6 +17,9 @@ class RopeConfig:
 
     `rope_type="llama3"` applies Llama 3.1's frequency-dependent scaling with `factor`,
     `low_freq_factor`, `high_freq_factor` and `original_max_position_embeddings`.
+    `rope_type="yarn"` (DeepSeek-V3) interpolates the low frequencies by `factor` with a ramp
+    between `beta_fast` and `beta_slow` rotations; `mscale`/`mscale_all_dim` set the attention
+    factor on cos/sin, and `mscale_all_dim` also the softmax scale (0 means unset, as in HF).
     """
 
     rope_type: str = "default"
@@ -25,11 +28,65 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V3), named as in HF's config.
+
+    `q_lora_rank=0` projects queries directly (no low-rank query path). Keys and values are
+    rebuilt per head from a `kv_lora_rank` latent plus one shared `qk_rope_head_dim` rotary key;
+    `rope_interleave` reads the rotary dimensions as interleaved pairs (the released weights).
+    """
+
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed and shared experts (DeepSeek-V3); `num_experts=0` means no MoE layers.
+
+    The first `first_k_dense_replace` layers use the dense MLP (`intermediate_size`), the rest a
+    sigmoid router choosing `num_experts_per_tok` of `num_experts` experts within the best
+    `topk_group` of `n_group` groups, plus `num_shared_experts` always-on experts.
+    `capacity_factor=0` dispatches dropless; a positive value caps each expert's tokens per
+    source shard at `capacity_factor * tokens * k / num_experts` and counts the tokens dropped.
+    `bias_update_rate > 0` turns on auxiliary-loss-free balancing: after each step the router's
+    correction bias moves by this rate towards the experts that got fewer tokens than average.
+    """
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 2048
+    num_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    capacity_factor: float = 0.0
+    bias_update_rate: float = 0.0
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and numerics of a decoder-only transformer (Llama 3 and Qwen3 families).
+    """Shapes and numerics of a decoder-only transformer (Llama 3, Qwen3 and DeepSeek-V3 families).
+
+    DeepSeek-V3 (`model_type="deepseek_v3"`) reads `mla` and `moe`; its `num_kv_heads` equals
+    `num_heads` and `head_dim` is unused (MLA sets the per-head sizes).
 
     `remat` names what the per-layer `jax.checkpoint` keeps for the backward pass (the policies
     are described in `models/runner.py`); `scan_layers=False` unrolls the layer loop (a reference
@@ -56,6 +113,8 @@ class ModelConfig:
     remat: str = "full"
     scan_layers: bool = True
     initializer_range: float = 0.02
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def validate(self, prefix: str = "model") -> None:
         """Raises ValueError naming the key when a field is out of range."""
@@ -85,6 +144,55 @@ class ModelConfig:
             raise ValueError(
                 f"{prefix}.rope.rope_type: expected one of {list(ROPE_TYPES)}, found {self.rope.rope_type!r}"
             )
+        if self.model_type == "deepseek_v3":
+            self._validate_deepseek(prefix)
+
+    def _validate_deepseek(self, prefix: str) -> None:
+        mla, moe = self.mla, self.moe
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(mla, name) <= 0:
+                raise ValueError(f"{prefix}.mla.{name}: expected a positive integer, found {getattr(mla, name)}")
+        if mla.q_lora_rank < 0:
+            raise ValueError(
+                f"{prefix}.mla.q_lora_rank: expected 0 (no query compression) or more, found {mla.q_lora_rank}"
+            )
+        if mla.qk_rope_head_dim % 2:
+            raise ValueError(f"{prefix}.mla.qk_rope_head_dim: RoPE needs an even size, found {mla.qk_rope_head_dim}")
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                f"{prefix}.num_kv_heads: MLA has one key/value per query head; expected {self.num_heads}, "
+                f"found {self.num_kv_heads}"
+            )
+        if not 0 <= moe.first_k_dense_replace <= self.num_layers:
+            raise ValueError(
+                f"{prefix}.moe.first_k_dense_replace: expected 0..{prefix}.num_layers ({self.num_layers}), "
+                f"found {moe.first_k_dense_replace}"
+            )
+        if moe.first_k_dense_replace == self.num_layers:
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"):
+            if getattr(moe, name) <= 0:
+                raise ValueError(f"{prefix}.moe.{name}: expected a positive integer, found {getattr(moe, name)}")
+        if moe.num_shared_experts < 0:
+            raise ValueError(f"{prefix}.moe.num_shared_experts: expected >= 0, found {moe.num_shared_experts}")
+        if moe.num_experts % moe.n_group:
+            raise ValueError(
+                f"{prefix}.moe.n_group={moe.n_group} must divide {prefix}.moe.num_experts={moe.num_experts}"
+            )
+        if moe.n_group > 1 and moe.num_experts // moe.n_group < 2:
+            raise ValueError(f"{prefix}.moe.n_group: group scores sum each group's best 2 experts; "
+                             f"groups of {moe.num_experts // moe.n_group} expert(s) are too small")
+        if moe.topk_group > moe.n_group:
+            raise ValueError(f"{prefix}.moe.topk_group={moe.topk_group} must be <= {prefix}.moe.n_group={moe.n_group}")
+        routable = moe.topk_group * (moe.num_experts // moe.n_group)
+        if moe.num_experts_per_tok > routable:
+            raise ValueError(
+                f"{prefix}.moe.num_experts_per_tok={moe.num_experts_per_tok} exceeds the {routable} experts "
+                f"in the best {prefix}.moe.topk_group={moe.topk_group} groups"
+            )
+        for name in ("capacity_factor", "bias_update_rate"):
+            if getattr(moe, name) < 0:
+                raise ValueError(f"{prefix}.moe.{name}: expected a number >= 0, found {getattr(moe, name)}")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -92,3 +200,14 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Layers with the dense MLP (all of them unless the model has MoE layers)."""
+        if self.model_type != "deepseek_v3":
+            return self.num_layers
+        return self.moe.first_k_dense_replace
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers

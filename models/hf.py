@@ -1,13 +1,16 @@
-"""Hugging Face checkpoints <-> podtrain: config.json, tensor names and layouts, safetensors I/O.
+"""Hugging Face checkpoints <-> podtrain: tensor names and layouts, safetensors I/O.
 
 `from_hf` reads each device's slice of each tensor straight from the safetensors files into its
 sharding, so a host never holds more than one parameter group; `to_hf` gathers one parameter at a
 time (holding at most that and one output file's tensors) and writes shards that
-`transformers.AutoModelForCausalLM.from_pretrained` loads.
+`transformers.AutoModelForCausalLM.from_pretrained` loads. FP8 weights (`F8_E4M3` with block
+scales `<name>_scale_inv`, as in the DeepSeek-V3 release) are dequantised on load.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 import os
@@ -18,27 +21,29 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' numpy reader needs)
+import ml_dtypes  # also registers bfloat16 with numpy, which safetensors' numpy reader needs
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import DTYPES, ROPE_TYPES, ModelConfig, RopeConfig
+from models.config import ModelConfig
+from models.deepseek import DeepseekV3
+from models.hf_config import config_from_hf, config_to_hf
 from models.llama import Llama
 from sharding.mesh import build_mesh
 from sharding.place import abstract_model
 from sharding.rules import Rules
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 INDEX_FILE = "model.safetensors.index.json"
-LAYER_PREFIX = "layers."
+FP8_SCALE_SUFFIX = "_scale_inv"
+MODEL_CLASSES = {"llama": Llama, "qwen3": Llama, "deepseek_v3": DeepseekV3}
 
 # Our parameter path -> (HF tensor name, axes). `axes` lists, per HF dimension, the axes of our
 # (per-layer) array that it flattens: wq (embed, heads, head_dim) is q_proj (heads*head_dim, embed),
-# i.e. ((1, 2), (0,)). Stacked parameters map to one HF tensor per layer, `model.layers.{i}.<name>`.
+# i.e. ((1, 2), (0,)). Stacked parameters map to one HF tensor per layer, `model.layers.{i}.<name>`;
+# expert parameters to one per layer and expert, `model.layers.{i}.mlp.experts.{e}.<name>`.
 GLOBAL_TENSORS = {
     "embed": ("model.embed_tokens.weight", ((0,), (1,))),
     "final_norm.scale": ("model.norm.weight", ((0,),)),
@@ -63,120 +68,50 @@ LAYER_TENSORS = {
     "mlp.b_gate": ("mlp.gate_proj.bias", ((0,),)),
     "mlp.b_up": ("mlp.up_proj.bias", ((0,),)),
     "mlp.b_down": ("mlp.down_proj.bias", ((0,),)),
+    # DeepSeek-V3: latent attention, router, shared experts
+    "attn.wq_a": ("self_attn.q_a_proj.weight", ((1,), (0,))),
+    "attn.wq_b": ("self_attn.q_b_proj.weight", ((1, 2), (0,))),
+    "attn.wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", ((1,), (0,))),
+    "attn.kv_norm.scale": ("self_attn.kv_a_layernorm.weight", ((0,),)),
+    "attn.wkv_b": ("self_attn.kv_b_proj.weight", ((1, 2), (0,))),
+    "mlp.router": ("mlp.gate.weight", ((1,), (0,))),
+    "mlp.router_bias": ("mlp.gate.e_score_correction_bias", ((0,),)),
+    "mlp.shared.w_gate": ("mlp.shared_experts.gate_proj.weight", ((1,), (0,))),
+    "mlp.shared.w_up": ("mlp.shared_experts.up_proj.weight", ((1,), (0,))),
+    "mlp.shared.w_down": ("mlp.shared_experts.down_proj.weight", ((1,), (0,))),
 }
+# MLA's query-latent norm has the name of Qwen3's query norm in our tree.
+MLA_Q_NORM = "self_attn.q_a_layernorm.weight"
+EXPERT_TENSORS = {
+    "mlp.w_gate": ("mlp.experts.{e}.gate_proj.weight", ((1,), (0,))),
+    "mlp.w_up": ("mlp.experts.{e}.up_proj.weight", ((1,), (0,))),
+    "mlp.w_down": ("mlp.experts.{e}.down_proj.weight", ((1,), (0,))),
+}
+# Our layer stacks: name -> first HF layer index, as a function of the config.
+STACKS = {"layers": lambda c: 0, "dense_layers": lambda c: 0, "moe_layers": lambda c: c.num_dense_layers}
 # Tensors transformers itself skips: old per-layer RoPE buffers.
 IGNORED_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-# ModelConfig field -> config.json key, for the fields that carry over unchanged.
-HF_KEYS = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps", "max_position_embeddings": "max_position_embeddings",
-    "tie_word_embeddings": "tie_word_embeddings", "attention_bias": "attention_bias", "mlp_bias": "mlp_bias",
-    "initializer_range": "initializer_range",
-}
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+def _layout(key: str, config: ModelConfig, shape) -> tuple[np.ndarray, tuple]:
+    """The HF tensor names of our parameter `key` and its axes map.
 
-
-def _dtype_name(dtype, what: str) -> str:
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = str(dtype)
-    if name not in DTYPES:
-        raise ValueError(f"{what}: expected one of {list(DTYPES)}, found {name!r}")
-    return name
-
-
-def _rope_from_hf(hf: dict, source: str) -> RopeConfig:
-    if hf.get("rope_parameters") is not None:
-        key, params = "rope_parameters", dict(hf["rope_parameters"])
-    else:
-        key, params = "rope_scaling", dict(hf.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf.get("rope_theta", RopeConfig.theta))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{source}: {key}.rope_type: expected one of {list(ROPE_TYPES)}, found {rope_type!r}")
-    extra = {}
-    if rope_type == "llama3":
-        missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
-        if missing:
-            raise ValueError(f"{source}: {key}: rope_type 'llama3' needs {list(LLAMA3_ROPE_KEYS)}, missing {missing}")
-        extra = {k: params[k] for k in LLAMA3_ROPE_KEYS}
-    return RopeConfig(rope_type=rope_type, theta=float(params["rope_theta"]), **extra)
-
-
-def config_from_hf(hf_config: dict, *, dtype=None, source: str = "config.json") -> ModelConfig:
-    """Maps a transformers `config.json` (Llama or Qwen3) onto a `ModelConfig`.
-
-    Args:
-        hf_config: the parsed config.json.
-        dtype: parameter dtype; defaults to the file's `dtype` (or `torch_dtype`), else float32.
-        source: how error messages name the file.
-
-    Raises:
-        ValueError: naming the key, what was expected and what was found, for a missing key, an
-            unsupported model_type, rope type or activation, or sliding-window attention.
+    Names form an array over the stacked leading axes: () for a global tensor, (layers,) for a
+    stacked one, (layers, experts) for expert weights.
     """
-    hf = hf_config
-    model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"{source}: model_type: expected one of {list(ARCHITECTURES)}, found {model_type!r}")
-    missing = [HF_KEYS[f] for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
-               if HF_KEYS[f] not in hf]
-    if missing:
-        raise ValueError(f"{source}: missing keys {missing} that a {model_type} config needs")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act: expected 'silu', found {hf['hidden_act']!r}")
-    if hf.get("use_sliding_window"):
-        raise ValueError(f"{source}: use_sliding_window: expected false (sliding-window attention is not supported)")
-    other_layers = sorted(set(hf.get("layer_types") or ()) - {"full_attention"})
-    if other_layers:
-        raise ValueError(f"{source}: layer_types: expected only 'full_attention', found {other_layers}")
-    if dtype is None:
-        dtype, what = hf.get("dtype") or hf.get("torch_dtype") or "float32", f"{source}: dtype"
-    else:
-        what = "dtype argument"
-    fields = {field: hf[key] for field, key in HF_KEYS.items() if hf.get(key) is not None}
-    fields.setdefault("num_kv_heads", fields["num_heads"])
-    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"])
-    fields.setdefault("rms_norm_eps", 1e-6)  # transformers' default for both families
-    config = ModelConfig(
-        model_type=model_type, rope=_rope_from_hf(hf, source), qk_norm=model_type == "qwen3",
-        param_dtype=_dtype_name(dtype, what), **fields,
-    )
-    config.validate()
-    return config
-
-
-def config_to_hf(config: ModelConfig) -> dict:
-    """The transformers-5 `config.json` for `config` (LlamaForCausalLM or Qwen3ForCausalLM).
-
-    Raises:
-        ValueError: when transformers has no architecture for the combination (Llama with qk_norm,
-            Qwen3 without qk_norm or with mlp_bias).
-    """
-    c = config
-    if c.qk_norm != (c.model_type == "qwen3") or (c.model_type == "qwen3" and c.mlp_bias):
-        raise ValueError(
-            f"model: transformers' {ARCHITECTURES[c.model_type]} has qk_norm={c.model_type == 'qwen3'} and no "
-            f"mlp_bias for qwen3; found qk_norm={c.qk_norm}, mlp_bias={c.mlp_bias}"
-        )
-    rope = {"rope_type": c.rope.rope_type, "rope_theta": c.rope.theta}
-    if c.rope.rope_type == "llama3":
-        rope |= {k: getattr(c.rope, k) for k in LLAMA3_ROPE_KEYS}
-    return {
-        "architectures": [ARCHITECTURES[c.model_type]], "model_type": c.model_type, "hidden_act": "silu",
-        "rope_parameters": rope, "dtype": c.param_dtype, **{key: getattr(c, field) for field, key in HF_KEYS.items()},
-    }
-
-
-def _layout(key: str, num_layers: int) -> tuple[list[str], tuple]:
-    """The HF tensor names (one per layer when stacked) and the axes map of our parameter `key`."""
-    if key.startswith(LAYER_PREFIX):
-        name, axes = LAYER_TENSORS[key.removeprefix(LAYER_PREFIX)]
-        return [f"model.layers.{i}.{name}" for i in range(num_layers)], axes
-    name, axes = GLOBAL_TENSORS[key]
-    return [name], axes
+    stack, _, sub = key.partition(".")
+    if stack not in STACKS:
+        name, axes = GLOBAL_TENSORS[key]
+        return np.array(name, dtype=object), axes
+    first = STACKS[stack](config)
+    layers = range(first, first + shape[0])
+    if stack == "moe_layers" and sub in EXPERT_TENSORS:
+        name, axes = EXPERT_TENSORS[sub]
+        names = [[f"model.layers.{i}.{name.format(e=e)}" for e in range(shape[1])] for i in layers]
+        return np.array(names, dtype=object), axes
+    name, axes = LAYER_TENSORS[sub]
+    if sub == "attn.q_norm.scale" and config.model_type == "deepseek_v3":
+        name = MLA_Q_NORM
+    return np.array([f"model.layers.{i}.{name}" for i in layers], dtype=object), axes
 
 
 def _hf_shape(shape, axes) -> tuple[int, ...]:
@@ -206,8 +141,8 @@ def _read_block(tensor, shape, axes, index) -> np.ndarray:
     return block[tuple(slice(None) if a in outer else index[a] for a in range(len(shape)))]
 
 
-def _read_headers(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Maps every tensor name in the checkpoint to its file and shape (headers only)."""
+def _read_headers(directory: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """Maps every tensor name in the checkpoint to its file, shape and safetensors dtype (headers only)."""
     index = directory / INDEX_FILE
     if index.exists():
         files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -220,22 +155,86 @@ def _read_headers(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
         raise ValueError(f"{directory}: expected *.safetensors weights (or {INDEX_FILE}), found none")
     found = {}
     for file in files:
-        with safe_open(file, framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open is not iterable)
-                found[name] = (file, tuple(f.get_slice(name).get_shape()))
+        for name, entry in _header(file).items():
+            if name != "__metadata__":
+                found[name] = (file, tuple(entry["shape"]), entry["dtype"])
     return found
+
+
+def _header(file: Path) -> dict:
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size))
+
+
+class _Fp8Weights:
+    """Dequantises `F8_E4M3` tensors with their `<name>_scale_inv` block scales to float32.
+
+    Each scale multiplies one (block_rows x block_cols) block of the weight, as in the DeepSeek-V3
+    release (`quantization_config.weight_block_size`). The safetensors readers cannot decode FP8,
+    so the bytes are mapped straight from the file.
+    """
+
+    def __init__(self, found: dict, block: tuple[int, int]):
+        self.found, self.block = found, block
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019  (one reader per load; a few tensors in flight)
+    def __call__(self, name: str) -> np.ndarray:
+        file, shape, _ = self.found[name]
+        begin, _ = _header(file)[name]["data_offsets"]
+        with open(file, "rb") as f:
+            data_start = 8 + int.from_bytes(f.read(8), "little")
+        raw = np.memmap(file, dtype=ml_dtypes.float8_e4m3fn, mode="r", offset=data_start + begin, shape=shape)
+        scale_file, scale_shape, _ = self.found[name + FP8_SCALE_SUFFIX]
+        with safe_open(scale_file, framework="numpy") as f:
+            scale = f.get_tensor(name + FP8_SCALE_SUFFIX).astype(np.float32)
+        rows, cols = self.block
+        expected = (math.ceil(shape[0] / rows), math.ceil(shape[1] / cols))
+        if scale.shape != expected:
+            raise ValueError(
+                f"{scale_file}: {name}{FP8_SCALE_SUFFIX}: expected block scales of shape {expected} for a {shape} "
+                f"weight in {rows}x{cols} blocks, found {scale.shape}"
+            )
+        full = np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)[: shape[0], : shape[1]]
+        return raw.astype(np.float32) * full
+
+
+def _fp8_block(hf_config: dict, source: str) -> tuple[int, int]:
+    quant = hf_config.get("quantization_config") or {}
+    block = quant.get("weight_block_size", [128, 128])
+    if len(block) != 2 or min(block) <= 0:
+        raise ValueError(f"{source}: quantization_config.weight_block_size: expected two positive sizes, found {block}")
+    return int(block[0]), int(block[1])
+
+
+def _fp8_companions(found: dict) -> set[str]:
+    """The `_scale_inv` tensors that belong to an FP8 weight (so they are not unexpected)."""
+    return {
+        name for name in found
+        if name.endswith(FP8_SCALE_SUFFIX)
+        and found.get(name.removesuffix(FP8_SCALE_SUFFIX), (0, 0, ""))[2] == "F8_E4M3"
+    }
 
 
 def _check_tensors(directory: Path, config: ModelConfig, expected: dict, found: dict) -> None:
     missing = sorted(set(expected) - set(found))
-    unexpected = sorted(
-        name for name in set(found) - set(expected)
-        if not IGNORED_TENSORS.fullmatch(name) and not (config.tie_word_embeddings and name == "lm_head.weight")
-    )
+    extra_layers = config.model_type == "deepseek_v3"  # multi-token-prediction layers after the last one
+
+    def ignored(name):
+        if IGNORED_TENSORS.fullmatch(name) or (config.tie_word_embeddings and name == "lm_head.weight"):
+            return True
+        layer = LAYER_INDEX.match(name)
+        return extra_layers and layer is not None and int(layer.group(1)) >= config.num_layers
+
+    unexpected = sorted(name for name in set(found) - set(expected) - _fp8_companions(found) if not ignored(name))
     wrong = [
         f"{name} in {found[name][0].name}: expected {expected[name]}, found {found[name][1]}"
         for name in sorted(set(expected) & set(found)) if found[name][1] != expected[name]
     ]
+    unscaled = sorted(
+        name for name in set(expected) & set(found)
+        if found[name][2] == "F8_E4M3" and name + FP8_SCALE_SUFFIX not in found
+    )
     report = []
     if missing:
         report.append(f"missing tensors: {', '.join(missing)}")
@@ -243,6 +242,8 @@ def _check_tensors(directory: Path, config: ModelConfig, expected: dict, found: 
         report.append(f"unexpected tensors: {', '.join(unexpected)}")
     if wrong:
         report.append("wrong shapes:\n    " + "\n    ".join(wrong))
+    if unscaled:
+        report.append(f"FP8 tensors without their {FP8_SCALE_SUFFIX} block scales: {', '.join(unscaled)}")
     if report:
         raise ValueError(
             f"{directory}: the weights do not match config.json ({config.model_type}, {config.num_layers} layers, "
@@ -252,12 +253,15 @@ def _check_tensors(directory: Path, config: ModelConfig, expected: dict, found: 
 
 
 def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None) -> tuple[ModelConfig, Llama]:
-    """Loads a transformers Llama / Qwen3 checkpoint directory, each tensor born in its sharding.
+    """Loads a transformers Llama / Qwen3 / DeepSeek-V3 checkpoint, each tensor born in its sharding.
+
+    FP8 weights (`F8_E4M3` plus `<name>_scale_inv` block scales) are dequantised to `dtype`.
 
     Args:
         path: a directory with config.json and `*.safetensors` (sharded ones need their index).
         mesh: the mesh to place the weights on; None places them on the first device.
-        dtype: parameter dtype; defaults to the checkpoint's.
+        dtype: parameter dtype; defaults to the checkpoint's (float32 for an FP8 checkpoint
+            without one).
         rules: logical-to-mesh rules; None uses the active table.
 
     Returns:
@@ -271,38 +275,41 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None) -> tuple
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{config_file}: not found; expected a Hugging Face checkpoint directory with config.json")
-    config = config_from_hf(json.loads(config_file.read_text()), dtype=dtype, source=str(config_file))
+    hf_config = json.loads(config_file.read_text())
+    config = config_from_hf(hf_config, dtype=dtype, source=str(config_file))
     mesh = build_mesh({}, jax.devices()[:1]) if mesh is None else mesh
-    graphdef, abstract = abstract_model(lambda: Llama(config, rngs=nnx.Rngs(0)), mesh, rules)
+    model_class = MODEL_CLASSES[config.model_type]
+    graphdef, abstract = abstract_model(lambda: model_class(config, rngs=nnx.Rngs(0)), mesh, rules)
     params = []
     for path_keys, var in nnx.to_flat_state(abstract):
-        key = ".".join(map(str, path_keys))
-        names, axes = _layout(key, config.num_layers)
-        params.append((path_keys, var, names, axes, key.startswith(LAYER_PREFIX)))
+        names, axes = _layout(".".join(map(str, path_keys)), config, var.shape)
+        params.append((path_keys, var, names, axes))
     expected = {
-        name: _hf_shape(var.shape[1:] if stacked else var.shape, axes)
-        for _, var, names, axes, stacked in params for name in names
+        name: _hf_shape(var.shape[names.ndim:], axes) for _, var, names, axes in params for name in names.flat
     }
     found = _read_headers(directory)
     _check_tensors(directory, config, expected, found)
+    fp8 = _Fp8Weights(found, _fp8_block(hf_config, str(config_file)))
 
     loaded = []
     with ExitStack() as stack:
-        files = {file for file, _ in found.values()}
+        files = {file for file, _, _ in found.values()}
         handles = {file: stack.enter_context(safe_open(file, framework="numpy")) for file in files}
 
         def read(name, shape, axes, index):
-            return _read_block(handles[found[name][0]].get_slice(name), shape, axes, index)
+            file, _, hf_dtype = found[name]
+            tensor = fp8(name) if hf_dtype == "F8_E4M3" else handles[file].get_slice(name)
+            return _read_block(tensor, shape, axes, index)
 
-        for path_keys, var, names, axes, stacked in params:
+        for path_keys, var, names, axes in params:
             spec = var.get_value()
 
-            def load(index, names=names, axes=axes, stacked=stacked, spec=spec):
-                if stacked:
-                    layers = range(spec.shape[0])[index[0]]
-                    block = np.stack([read(names[i], spec.shape[1:], axes, index[1:]) for i in layers])
-                else:
-                    block = read(names[0], spec.shape, axes, index)
+            def load(index, names=names, axes=axes, spec=spec):
+                stacked = names.ndim
+                ranges = [range(n)[i] for n, i in zip(names.shape, index[:stacked], strict=True)]
+                blocks = [read(names[at], spec.shape[stacked:], axes, index[stacked:])
+                          for at in itertools.product(*ranges)]
+                block = np.stack(blocks).reshape(*map(len, ranges), *blocks[0].shape)
                 return block.astype(spec.dtype, copy=False)
 
             array = jax.make_array_from_callback(spec.shape, spec.sharding, load, dtype=spec.dtype)
@@ -348,10 +355,9 @@ def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**
     values = {".".join(map(str, k)): var.get_value() for k, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     tensors = []  # parameter-major, so that each parameter is gathered once
     for key, value in values.items():
-        names, axes = _layout(key, config.num_layers)
-        stacked = key.startswith(LAYER_PREFIX)
-        nbytes = value.nbytes // len(names)
-        tensors += [(name, nbytes, key, i if stacked else None, axes) for i, name in enumerate(names)]
+        names, axes = _layout(key, config, value.shape)
+        nbytes = value.nbytes // names.size
+        tensors += [(names[at], nbytes, key, at, axes) for at in np.ndindex(names.shape)]
     shards = _plan_shards(tensors, max_shard_bytes)
     writer = jax.process_index() == 0
     if writer:
@@ -363,10 +369,10 @@ def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**
         for number, shard in enumerate(shards, start=1):
             file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
             out = {}
-            for name, _, key, layer, axes in shard:
+            for name, _, key, at, axes in shard:
                 if key != host_key:
                     host_key, host = key, _to_host(values[key])
-                out[name] = _to_hf_layout(host if layer is None else host[layer], axes)
+                out[name] = _to_hf_layout(host[at], axes)
                 weight_map[name] = file
             if writer:
                 save_file(out, staging / file, metadata={"format": "pt"})

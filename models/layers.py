@@ -84,6 +84,22 @@ def _attend_bwd(residuals, d_out):
 attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+def attention(q_BTHD, k_BSKD, v_BSKE, mask_BTS, *, scale: float) -> jax.Array:
+    """Grouped-query attention, `scale` applied to q: (B, T, H, D) queries against (B, S, K, D)
+    keys and (B, S, K, E) values (H a multiple of K) -> (B, T, H, E).
+
+    Runs `attend` in head-major layout: (B, K, G*T, D) queries, one batched matmul per kv head.
+    """
+    b, t, heads, d = q_BTHD.shape
+    kv_heads = k_BSKD.shape[2]
+    group = heads // kv_heads
+    q = (q_BTHD * scale).reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)
+    bias_BTS = jnp.where(mask_BTS, 0.0, NEG_INF).astype(jnp.float32)
+    out = attend(q, k_BSKD.transpose(0, 2, 3, 1), v_BSKE.transpose(0, 2, 1, 3), bias_BTS)
+    e = out.shape[-1]
+    return out.reshape(b, kv_heads, group, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e)
+
+
 def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
     """A parameter created by `init` and annotated with logical axis `names`."""
     # Sharding is applied by `sharding/` from the logical names, never eagerly at creation.
@@ -103,9 +119,46 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: np.ndarray, head_dim: int, rope: RopeConfig) -> np.ndarray:
+    """YaRN: interpolate low frequencies by `factor`, keep high ones, ramp linearly in between."""
+
+    def correction_dim(rotations):
+        old_len = rope.original_max_position_embeddings
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / max(high - low, 0.001), 0, 1)
+    keep = 1 - ramp
+    return (inv_freq / rope.factor) * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The factor YaRN applies to cos and sin (1 for the other rope types)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return _yarn_mscale(rope.factor)
+
+
+def softmax_scale(head_dim: int, rope: RopeConfig) -> float:
+    """head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared when that is set."""
+    scale = head_dim**-0.5
+    if rope.rope_type == "yarn" and rope.mscale_all_dim:
+        scale *= _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    return scale
+
+
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
-    """Inverse frequencies (head_dim // 2,), with Llama 3.1 scaling when `rope_type == "llama3"`."""
+    """Inverse frequencies (head_dim // 2,), scaled as `rope.rope_type` says (llama3, yarn)."""
     inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, rope).astype(np.float32)
     if rope.rope_type == "llama3":
         old_len = rope.original_max_position_embeddings
         low_wavelen = old_len / rope.low_freq_factor
@@ -119,11 +172,14 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates pairs (i, i + D/2) of the last axis by position * frequency (HF's rotate-half layout)."""
+def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
+    """Rotates pairs (i, i + D/2) of the last axis by position * frequency (HF's rotate-half layout).
+
+    `scale` multiplies cos and sin (YaRN's attention factor).
+    """
     angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (B, T, D/2)
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    cos = jnp.cos(angles)[:, :, None, :] * scale
+    sin = jnp.sin(angles)[:, :, None, :] * scale
     x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTHD.dtype)
@@ -149,7 +205,7 @@ class Attention(nnx.Module):
         c = config
         pdt = dtype_of(c.param_dtype)
         self.dtype = dtype_of(c.dtype)
-        self.num_kv_heads, self.q_per_kv, self.head_dim = c.num_kv_heads, c.q_per_kv, c.head_dim
+        self.head_dim = c.head_dim
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope))
         init = nnx.initializers.normal(c.initializer_range)
         d, h, kvh, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
@@ -198,31 +254,22 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
             new_kv = (k, v)
             k, v = k.astype(self.dtype), v.astype(self.dtype)
-        out = self._attend(q, k, v, mask_BTS)
+        out = attention(q, k, v, mask_BTS, scale=self.head_dim**-0.5)
         out = dense(out, self.wo[...].astype(self.dtype), n_in=2)
         if self.bo is not None:
             out = out + self.bo[...].astype(self.dtype)
         return checkpoint_name(out, "attn_out"), new_kv
 
-    def _attend(self, q_BTHD, k_BSKD, v_BSKD, mask_BTS):
-        """GQA in head-major layout: (B, K, G*T, D) queries against (B, K, S, D) keys and values."""
-        b, t, _, d = q_BTHD.shape
-        kv_heads, group = self.num_kv_heads, self.q_per_kv
-        q = (q_BTHD * d**-0.5).reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)
-        bias_BTS = jnp.where(mask_BTS, 0.0, NEG_INF).astype(jnp.float32)
-        out = attend(q, k_BSKD.transpose(0, 2, 3, 1), v_BSKD.transpose(0, 2, 1, 3), bias_BTS)
-        return out.reshape(b, kv_heads, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1, d)
-
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), `intermediate_size` wide unless given."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None):
         c = config
         pdt = dtype_of(c.param_dtype)
         self.dtype = dtype_of(c.dtype)
         init = nnx.initializers.normal(c.initializer_range)
-        d, f = c.hidden_size, c.intermediate_size
+        d, f = c.hidden_size, intermediate_size or c.intermediate_size
         self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pdt)
         self.w_up = param(rngs, init, (d, f), ("embed", "mlp"), pdt)
         self.w_down = param(rngs, init, (f, d), ("mlp", "embed"), pdt)
@@ -245,19 +292,30 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    `attention` and `mlp` default to GQA `Attention` and the SwiGLU `MLP`; DeepSeek-V3 passes
+    latent attention and, in its MoE stack, the MoE block (whose call returns `(y, stats)`).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, attention: nnx.Module | None = None,
+                 mlp: nnx.Module | None = None):
         pdt = dtype_of(config.param_dtype)
         self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
-        self.attn = Attention(config, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs) if attention is None else attention
         self.post_attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
-        self.mlp = MLP(config, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs) if mlp is None else mlp
 
     def __call__(self, x_BTD, *, positions_BT, mask_BTS, kv=None, cache_index=None):
+        """Returns (x, outputs): `outputs["kv"]` is the updated cache pair (None without a cache),
+        plus the MoE block's statistics when the layer has one."""
         attn, new_kv = self.attn(
             self.input_norm(x_BTD), positions_BT=positions_BT, mask_BTS=mask_BTS, kv=kv, cache_index=cache_index
         )
         x_BTD = x_BTD + attn
-        x_BTD = x_BTD + self.mlp(self.post_attn_norm(x_BTD))
-        return constrain(x_BTD, ("batch", "seq", "act_embed")), new_kv
+        mlp_out = self.mlp(self.post_attn_norm(x_BTD))
+        stats = {}
+        if isinstance(mlp_out, tuple):
+            mlp_out, stats = mlp_out
+        x_BTD = x_BTD + mlp_out
+        return constrain(x_BTD, ("batch", "seq", "act_embed")), {"kv": new_kv, **stats}

@@ -14,7 +14,11 @@ from sharding.rules import constrain
 
 
 class Llama(nnx.Module):
-    """A decoder-only LM whose `num_layers` blocks are one stacked module run by `run_layers`."""
+    """A decoder-only LM whose `num_layers` blocks are one stacked module run by `run_layers`.
+
+    Subclasses with several stacks (DeepSeek-V3) override `_build_stacks` and `stacks`; the
+    embedding, positions, masks, cache handling and head are shared.
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         config.validate()
@@ -22,12 +26,19 @@ class Llama(nnx.Module):
         pdt = dtype_of(config.param_dtype)
         init = nnx.initializers.normal(config.initializer_range)
         self.embed = param(rngs, init, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pdt)
-        self.layers = stack_layers(lambda r: DecoderLayer(config, rngs=r), config.num_layers, rngs)
+        self._build_stacks(config, rngs)
         self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = param(rngs, init, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pdt)
+
+    def _build_stacks(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+        self.layers = stack_layers(lambda r: DecoderLayer(config, rngs=r), config.num_layers, rngs)
+
+    def stacks(self) -> list[nnx.Module]:
+        """The layer stacks, in the order they run (and their cache pairs are kept)."""
+        return [self.layers]
 
     def __call__(
         self,
@@ -39,6 +50,7 @@ class Llama(nnx.Module):
         segment_ids: jax.Array | None = None,
         scan: bool | None = None,
         return_hidden: bool = False,
+        return_stats: bool = False,
     ):
         """Logits for `input_ids` (batch, seq).
 
@@ -52,9 +64,12 @@ class Llama(nnx.Module):
                 None follows `config.scan_layers`.
             return_hidden: return the final-normed hidden state (B, T, hidden) instead of the
                 logits (for a loss that applies `head()` chunk by chunk).
+            return_stats: also return the layers' statistics (for MoE stacks: `expert_load`,
+                tokens per expert per layer, and `dropped_tokens` per layer; empty otherwise).
 
         Returns:
-            logits (B, T, vocab) in the compute dtype, or (logits, new_cache) with a cache.
+            logits (B, T, vocab) in the compute dtype, or (logits, new_cache) with a cache;
+            with `return_stats`, a (..., stats) tuple.
         """
         c = self.config
         dtype = dtype_of(c.dtype)
@@ -70,23 +85,33 @@ class Llama(nnx.Module):
         table = constrain(self.embed[...], (None, "embed"))
         h = jnp.take(table, input_ids, axis=0).astype(dtype)
         h = constrain(h, ("batch", "seq", "act_embed"))
+        stats = {}
         if kv_cache is None:
             mask = make_attention_mask(positions, key_positions, segment_ids, segment_ids)
-            h, _ = run_layers(self.layers, h, remat=c.remat, scan=scan, positions_BT=positions, mask_BTS=mask)
+            for stack in self.stacks():
+                h, outputs = run_layers(stack, h, remat=c.remat, scan=scan, positions_BT=positions, mask_BTS=mask)
+                stats |= {k: v for k, v in outputs.items() if k != "kv"}
             new_cache = None
         else:
             slot_positions = jax.lax.dynamic_update_slice_in_dim(
                 kv_cache.positions, key_positions, kv_cache.index, axis=1
             )
             mask = make_attention_mask(positions, slot_positions)
-            h, (k, v) = run_layers(
-                self.layers, h, remat="none", scan=scan, kv=(kv_cache.k, kv_cache.v),
-                positions_BT=positions, mask_BTS=mask, cache_index=kv_cache.index,
-            )
-            new_cache = KVCache(k=k, v=v, positions=slot_positions, index=kv_cache.index + t)
+            pairs = []
+            for stack, pair in zip(self.stacks(), kv_cache.split(), strict=True):
+                h, outputs = run_layers(
+                    stack, h, remat="none", scan=scan, kv=pair,
+                    positions_BT=positions, mask_BTS=mask, cache_index=kv_cache.index,
+                )
+                pairs.append(outputs.pop("kv"))
+                stats |= outputs
+            new_cache = kv_cache.join(pairs, positions=slot_positions, index=kv_cache.index + t)
         h = self.final_norm(h)
         out = h if return_hidden else constrain(dense(h, self.head()), ("batch", "seq", "act_vocab"))
-        return out if kv_cache is None else (out, new_cache)
+        result = (out,) if kv_cache is None else (out, new_cache)
+        if return_stats:
+            result += (stats,)
+        return result[0] if len(result) == 1 else result
 
     def head(self) -> jax.Array:
         """The output projection (hidden, vocab) in the compute dtype (the embedding when tied)."""
@@ -96,7 +121,7 @@ class Llama(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         c = self.config
         return KVCache.init(
-            num_layers=c.num_layers, batch=batch, max_len=max_len, num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim, dtype=dtype or dtype_of(c.dtype),
+            stack_layers=[c.num_layers], batch=batch, max_len=max_len, kv_heads=c.num_kv_heads,
+            key_dim=c.head_dim, dtype=dtype or dtype_of(c.dtype),
         )
 

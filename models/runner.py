@@ -85,7 +85,8 @@ def run_layers(
 
     Args:
         stack: a module made by `stack_layers`; called per layer as
-            `layer(h, kv=..., **layer_kwargs) -> (h, new_kv)`.
+            `layer(h, kv=..., **layer_kwargs) -> (h, outputs)`, `outputs` a pytree (the updated
+            cache pair, per-layer statistics).
         h: the hidden state entering layer 0.
         remat: a name from `REMAT_POLICIES`; "none" keeps every intermediate for the backward pass.
         scan: True runs one `lax.scan`; False unrolls a Python loop (the reference, and the
@@ -93,7 +94,8 @@ def run_layers(
         kv: optional stacked cache `(k, v)`, each `(num_layers, batch, slots, kv_heads, head_dim)`.
 
     Returns:
-        (h, new_kv): the final hidden state and the updated stacked cache (None without one).
+        (h, outputs): the final hidden state and every layer's outputs stacked on a leading
+        layer axis (so the updated cache comes back as a stacked cache).
     """
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat: unknown policy {remat!r}; valid: {', '.join(REMAT_POLICIES)}")
@@ -109,9 +111,8 @@ def run_layers(
     if scan:
         return jax.lax.scan(body, h, (state, kv))
     num_layers = jax.tree.leaves(state)[0].shape[0]
-    new_kvs = []
+    outputs = []
     for i in range(num_layers):
-        h, new_kv = body(h, jax.tree.map(lambda x, i=i: x[i], (state, kv)))
-        new_kvs.append(new_kv)
-    stacked = None if kv is None else jax.tree.map(lambda *xs: jax.numpy.stack(xs), *new_kvs)
-    return h, stacked
+        h, out = body(h, jax.tree.map(lambda x, i=i: x[i], (state, kv)))
+        outputs.append(out)
+    return h, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)

@@ -26,6 +26,8 @@ DEFAULT_RULES: dict[str, str | list[str] | None] = {
     "head_dim": None,
     "mlp": "tp",
     "experts": "ep",
+    "q_lora": None,
+    "kv_lora": None,
     "norm": None,
     # activations
     "batch": ["dp", "fsdp", "ep"],

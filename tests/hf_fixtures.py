@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 SHAPES = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -14,8 +21,22 @@ LLAMA3_ROPE = dict(
     original_max_position_embeddings=32,
 )
 
+YARN_ROPE = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32.0,
+    beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707,
+)
+# DeepSeek-V3 in miniature: 1 dense + 2 MoE layers, 8 experts in 4 groups (top-2 groups, top-2
+# experts), a shared expert, low-rank queries, YaRN with both mscales, interleaved rotary pairs.
+DEEPSEEK = dict(
+    num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+    n_group=4, topk_group=2, moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5,
+    norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    rope_parameters=YARN_ROPE, rope_interleave=True, num_nextn_predict_layers=0, tie_word_embeddings=False,
+)
+
 # kind -> (model class, config class, config fields). Together they cover llama3 RoPE scaling,
-# head_dim != hidden / heads, tied and untied embeddings, attention and MLP biases, Qwen3's q/k norms.
+# head_dim != hidden / heads, tied and untied embeddings, attention and MLP biases, Qwen3's q/k norms,
+# and DeepSeek-V3 (MLA, YaRN, MoE with group-limited routing, two layer stacks).
 KINDS = {
     "llama": (LlamaForCausalLM, LlamaConfig, dict(
         num_hidden_layers=2, head_dim=32, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False,
@@ -26,6 +47,13 @@ KINDS = {
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(
         num_hidden_layers=2, head_dim=32, attention_bias=True, tie_word_embeddings=False,
     )),
+    "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config, DEEPSEEK),
+    # No query compression, plain RoPE in rotate-half layout, all layers MoE, two shared experts.
+    "deepseek_v3_plain": (DeepseekV3ForCausalLM, DeepseekV3Config, {
+        **DEEPSEEK, "first_k_dense_replace": 0, "n_shared_experts": 2, "q_lora_rank": None, "n_group": 1,
+        "topk_group": 1, "num_hidden_layers": 2, "rope_parameters": dict(rope_type="default", rope_theta=10000.0),
+        "rope_interleave": False, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+    }),
 }
 
 
@@ -37,12 +65,15 @@ def make_hf_model(kind: str, *, dtype: torch.dtype = torch.float32, seed: int = 
     """
     model_cls, config_cls, fields = KINDS[kind]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**SHAPES, **fields))
+    model = model_cls(config_cls(**{**SHAPES, **fields}))
     model.set_attn_implementation("eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             base = 1.0 if "norm" in name else 0.0
             p.copy_(base + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer, but a weight of the checkpoint
+                b.copy_(0.1 * torch.randn_like(b))
     return model.to(dtype).eval()
 
 

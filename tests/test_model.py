@@ -75,7 +75,7 @@ def test_cached_decode_equals_full_forward():
     ids = tokens(seq=10, seed=2)
     full = model(ids)
     cache = model.init_cache(batch=2, max_len=16)
-    assert isinstance(cache, KVCache) and cache.k.shape == (3, 2, 16, 2, 24)
+    assert isinstance(cache, KVCache) and cache.k[0].shape == (3, 2, 16, 2, 24)
     logits, cache = model(ids[:, :6], kv_cache=cache)
     steps = [logits]
     for t in range(6, 10):

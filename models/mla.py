@@ -1,0 +1,106 @@
+"""Multi-head latent attention (DeepSeek-V3): keys and values rebuilt per head from a small latent."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.config import ModelConfig
+from models.layers import (
+    RMSNorm,
+    apply_rope,
+    attention,
+    dense,
+    dtype_of,
+    param,
+    rope_attention_factor,
+    rope_inv_freq,
+    softmax_scale,
+)
+from sharding.rules import constrain
+
+
+def _deinterleave(x: jax.Array) -> jax.Array:
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): interleaved rotary pairs to rotate-half layout.
+
+    Queries and keys are permuted alike, so their dot products are those of the interleaved form.
+    """
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+class MLAttention(nnx.Module):
+    """DeepSeek-V3 attention: low-rank queries, a `kv_lora_rank` latent and one shared rotary key.
+
+    The cache stores what MLA needs per token, the normed latent and the rotary key
+    (`kv_lora_rank + qk_rope_head_dim` values), not per-head keys and values.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c, m = config, config.mla
+        pdt = dtype_of(c.param_dtype)
+        self.dtype = dtype_of(c.dtype)
+        self.nope, self.rope_dim, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+        self.interleave = m.rope_interleave
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(m.qk_rope_head_dim, c.rope))
+        self.rope_scale = rope_attention_factor(c.rope)
+        self.scale = softmax_scale(m.qk_head_dim, c.rope)
+        init = nnx.initializers.normal(c.initializer_range)
+        d, h = c.hidden_size, c.num_heads
+        if m.q_lora_rank:
+            self.wq_a = param(rngs, init, (d, m.q_lora_rank), ("embed", "q_lora"), pdt)
+            self.q_norm = RMSNorm(m.q_lora_rank, eps=c.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+            self.wq_b = param(rngs, init, (m.q_lora_rank, h, m.qk_head_dim), ("q_lora", "heads", "head_dim"), pdt)
+            self.wq = None
+        else:
+            self.wq_a = self.q_norm = self.wq_b = None
+            self.wq = param(rngs, init, (d, h, m.qk_head_dim), ("embed", "heads", "head_dim"), pdt)
+        self.wkv_a = param(rngs, init, (d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", "kv_lora"), pdt)
+        self.kv_norm = RMSNorm(m.kv_lora_rank, eps=c.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        self.wkv_b = param(
+            rngs, init, (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim), ("kv_lora", "heads", "head_dim"), pdt
+        )
+        self.wo = param(rngs, init, (h, m.v_head_dim, d), ("heads", "head_dim", "embed"), pdt)
+
+    def _w(self, w) -> jax.Array:
+        return w[...].astype(self.dtype)
+
+    def _rope(self, x, positions_BT):
+        if self.interleave:
+            x = _deinterleave(x)
+        return apply_rope(x, positions_BT, np.asarray(self.inv_freq, np.float32), self.rope_scale)
+
+    def __call__(self, x_BTD, *, positions_BT, mask_BTS, kv=None, cache_index=None):
+        """Attends `x` to itself, or to the cache `kv = (latent_BS1R, rope_key_BS1r)` after writing into it.
+
+        Returns:
+            (out_BTD, new_kv): new_kv is the updated (latent, rotary key) pair, or None without a cache.
+        """
+        if self.wq is None:
+            q = dense(self.q_norm(dense(x_BTD, self._w(self.wq_a))), self._w(self.wq_b))
+        else:
+            q = dense(x_BTD, self._w(self.wq))
+        q = checkpoint_name(q, "query")
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
+        q = jnp.concatenate([q_nope, self._rope(q_rope, positions_BT)], axis=-1)
+        q = constrain(q, ("batch", "seq", "act_heads", None))
+        compressed = dense(x_BTD, self._w(self.wkv_a))
+        latent = self.kv_norm(compressed[..., : self.rank])[:, :, None, :]
+        rope_key = self._rope(compressed[..., None, self.rank:], positions_BT)
+        new_kv = None
+        if kv is not None:
+            latent_cache, key_cache = kv
+            write = jax.lax.dynamic_update_slice_in_dim
+            latent = write(latent_cache, latent.astype(latent_cache.dtype), cache_index, 1)
+            rope_key = write(key_cache, rope_key.astype(key_cache.dtype), cache_index, 1)
+            new_kv = (latent, rope_key)
+            latent, rope_key = latent.astype(self.dtype), rope_key.astype(self.dtype)
+        kv_heads = dense(latent[:, :, 0], self._w(self.wkv_b))  # (B, S, H, nope + v)
+        kv_heads = checkpoint_name(kv_heads, "key")
+        k_nope, v = kv_heads[..., : self.nope], kv_heads[..., self.nope:]
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, (*k_nope.shape[:-1], self.rope_dim))], axis=-1)
+        out = attention(q, k, v, mask_BTS, scale=self.scale)
+        out = dense(out, self._w(self.wo), n_in=2)
+        return checkpoint_name(out, "attn_out"), new_kv

@@ -1,0 +1,145 @@
+"""Expert parallelism: tokens travel to the devices that own their experts and back (all-to-all).
+
+Expert weights `(E, ...)` are sharded over the mesh axis the rule for "experts" names (`ep` by
+default); tokens are sharded over the batch axes, which must include it. Inside one `shard_map`
+each device sorts its token-expert assignments by expert, packs them into a per-expert buffer of
+`capacity` slots, and an all-to-all over the expert axis hands every device the slots of its own
+experts from every device. It runs only its `E / ep` experts on them (all-gathering the weight
+dimensions sharded over `fsdp`, summing partial results over `tp`), and a second all-to-all
+brings the results home, where they are weighted and summed per token.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from sharding.rules import logical_to_spec
+
+EXPERT_GATE_NAMES = ("experts", "embed", "mlp")  # w_gate and w_up, (E, D, F)
+EXPERT_DOWN_NAMES = ("experts", "mlp", "embed")  # w_down, (E, F, D)
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots per expert for `tokens` tokens of one shard.
+
+    Dropless (`capacity_factor == 0`): `tokens`, as a token picks an expert at most once.
+    Otherwise `ceil(capacity_factor * tokens * top_k / num_experts)`, at most `tokens`.
+    """
+    if capacity_factor <= 0:
+        return tokens
+    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_experts, slots, ep_axis, ep,
+                   embed_axes, mlp_axes, token_axes):
+    """One device's dispatch, expert computation and combine (the body of the shard_map)."""
+    n, d = x_ND.shape
+    k = expert_NK.shape[1]
+    local_experts = num_experts // ep
+    flat_expert = expert_NK.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    sorted_expert = flat_expert[order]
+    load = jnp.bincount(flat_expert, length=num_experts)
+    first = jnp.cumsum(load) - load
+    slot = jnp.arange(n * k) - first[sorted_expert]
+    kept = slot < slots
+    target = jnp.where(kept, sorted_expert * slots + slot, num_experts * slots)
+    token = order // k
+    send = jnp.zeros((num_experts * slots, d), x_ND.dtype).at[target].set(x_ND[token], mode="drop")
+    buf = send.reshape(ep, local_experts * slots, d)
+    if ep_axis is not None:
+        buf = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [source device] -> slots of my experts
+    rows = buf.reshape(ep, local_experts, slots, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * slots, d)
+    if embed_axes:
+        w_gate = jax.lax.all_gather(w_gate, embed_axes, axis=1, tiled=True)
+        w_up = jax.lax.all_gather(w_up, embed_axes, axis=1, tiled=True)
+        w_down = jax.lax.all_gather(w_down, embed_axes, axis=2, tiled=True)
+    hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", rows, w_gate)) * jnp.einsum("ecd,edf->ecf", rows, w_up)
+    out = jnp.einsum("ecf,efd->ecd", hidden, w_down)
+    if mlp_axes:
+        out = jax.lax.psum(out, mlp_axes)
+    out = out.reshape(local_experts, ep, slots, d).transpose(1, 0, 2, 3).reshape(ep, local_experts * slots, d)
+    if ep_axis is not None:
+        out = jax.lax.all_to_all(out, ep_axis, 0, 0)  # results back to the devices that sent the tokens
+    out = out.reshape(num_experts * slots, d)
+    gathered = jnp.where(kept[:, None], out[jnp.minimum(target, num_experts * slots - 1)], 0)
+    contribution = gathered * weight_NK.reshape(-1)[order][:, None].astype(gathered.dtype)
+    y = jnp.zeros((n, d), contribution.dtype).at[token].add(contribution)
+    dropped = jnp.sum(~kept).astype(jnp.float32)
+    load = load.astype(jnp.float32)
+    if token_axes:
+        load, dropped = jax.lax.psum(load, token_axes), jax.lax.psum(dropped, token_axes)
+    return y, load, dropped
+
+
+def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, capacity_factor: float = 0.0):
+    """sum_k weight[k] * SwiGLU expert `expert[k]`(x) for every token, experts run where they live.
+
+    Args:
+        x_BTD: tokens (B, T, D), sharded over the batch axes.
+        expert_BTK: int expert ids chosen per token (B, T, K).
+        weight_BTK: their combine weights (B, T, K).
+        w_gate_EDF, w_up_EDF, w_down_EFD: the experts' weights, in the compute dtype.
+        capacity_factor: 0 for dropless, else the per-expert slot budget (see `capacity`).
+
+    Returns:
+        (y_BTD, load_E, dropped): the combined expert outputs, the tokens routed to each expert
+        over the whole batch, and how many token-expert assignments were over capacity (dropped).
+    """
+    b, t, d = x_BTD.shape
+    num_experts = w_gate_EDF.shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh is None or mesh.empty else dict(mesh.shape)
+    if not any(size > 1 for size in sizes.values()):
+        slots = capacity(b * t, expert_BTK.shape[-1], num_experts, capacity_factor)
+        y, load, dropped = _local_experts(
+            x_BTD.reshape(b * t, d), expert_BTK.reshape(b * t, -1), weight_BTK.reshape(b * t, -1),
+            w_gate_EDF, w_up_EDF, w_down_EFD, num_experts=num_experts, slots=slots, ep_axis=None, ep=1,
+            embed_axes=(), mlp_axes=(), token_axes=(),
+        )
+        return y.reshape(b, t, d), load, dropped
+
+    gate_spec = logical_to_spec(EXPERT_GATE_NAMES, sizes, shape=w_gate_EDF.shape, what="MoE expert weights")
+    down_spec = logical_to_spec(EXPERT_DOWN_NAMES, sizes, shape=w_down_EFD.shape, what="MoE expert weights")
+    token_spec = logical_to_spec(("batch", "seq"), sizes, shape=(b, t), what="MoE tokens")
+    expert_axes = _axes(gate_spec[0])
+    token_axes = tuple(a for entry in token_spec for a in _axes(entry))
+    if len(expert_axes) > 1:
+        raise ValueError(
+            f"sharding.rules.experts: experts can be sharded over one mesh axis, found {list(expert_axes)}"
+        )
+    if expert_axes and expert_axes[0] not in token_axes:
+        raise ValueError(
+            f"sharding.rules: experts are sharded over {expert_axes[0]!r}, so tokens must be too; "
+            f"add {expert_axes[0]!r} to the rule for 'batch' (found {token_spec})"
+        )
+    ep_axis = expert_axes[0] if expert_axes else None
+    ep = sizes[ep_axis] if ep_axis else 1
+    local_tokens = (b * t) // math.prod(sizes[a] for a in token_axes)
+    slots = capacity(local_tokens, expert_BTK.shape[-1], num_experts, capacity_factor)
+    x_spec = PartitionSpec(*token_spec, None)
+    body = functools.partial(
+        _local_experts, num_experts=num_experts, slots=slots, ep_axis=ep_axis, ep=ep,
+        embed_axes=_axes(gate_spec[1]), mlp_axes=_axes(gate_spec[2]), token_axes=token_axes,
+    )
+
+    def flat(x, expert, weight, w_gate, w_up, w_down):
+        lb, lt = x.shape[:2]
+        y, load, dropped = body(x.reshape(lb * lt, d), expert.reshape(lb * lt, -1), weight.reshape(lb * lt, -1),
+                                w_gate, w_up, w_down)
+        return y.reshape(lb, lt, d), load, dropped
+
+    return jax.shard_map(
+        flat,
+        in_specs=(x_spec, x_spec, x_spec, gate_spec, gate_spec, down_spec),
+        out_specs=(x_spec, PartitionSpec(), PartitionSpec()),
+    )(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
