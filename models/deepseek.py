@@ -9,7 +9,7 @@ from models.kv_cache import KVCache
 from models.layers import DecoderLayer, dtype_of
 from models.llama import Llama
 from models.mla import MLAttention
-from models.moe import MoE
+from models.moe import MoE, balance_router_bias
 from models.runner import stack_layers
 
 
@@ -33,6 +33,12 @@ class DeepseekV3(Llama):
 
     def stacks(self) -> list[nnx.Module]:
         return [s for s in (self.dense_layers, self.moe_layers) if s is not None]
+
+    def balance_experts(self, load_LE, rate: float) -> None:
+        """Auxiliary-loss-free balancing: moves each MoE layer's router bias by `rate` towards the
+        experts that got fewer than the mean of `load_LE` tokens (tokens per expert per layer)."""
+        bias = self.moe_layers.mlp.router_bias
+        bias.set_value(balance_router_bias(bias[...], load_LE, rate))
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """A cache of the MLA latent and rotary key per token (not per-head keys and values)."""

@@ -102,7 +102,7 @@ def build_training(config: Config, devices: Sequence[jax.Device] | None = None) 
     state_shardings = train_state_shardings(param_shardings, abstract, tx, mesh)
     batch_sharding = batch_shardings(mesh, rules, config.train.batch_size)
     step_fn = make_train_step(graphdef, tx, loss_chunk=config.train.loss_chunk, grad_accum=config.train.grad_accum,
-                              schedule=schedule)
+                              schedule=schedule, expert_bias_rate=config.model.moe.bias_update_rate)
     step = ShardedStep(step_fn, mesh, rules, state_shardings, batch_sharding)
     return Training(config, mesh, graphdef, abstract, tx, state_shardings, batch_sharding, step)
 

@@ -423,6 +423,17 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
                         what="train.batch_size")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if m.model_type == "deepseek_v3" and m.num_moe_layers:
+        experts_axis = logical_to_spec(("experts",), sizes, rules=config.sharding.rules)[0]
+        axes = [] if experts_axis is None else [experts_axis] if isinstance(experts_axis, str) else list(experts_axis)
+        shards = 1
+        for axis in axes:
+            shards *= sizes[axis]
+        if m.moe.num_experts % shards:
+            raise ConfigError(
+                f"model.moe.num_experts={m.moe.num_experts} is not divisible by the {shards} expert shards "
+                f"(mesh axes {axes}); choose mesh.ep dividing {m.moe.num_experts}"
+            )
     return sizes
 
 

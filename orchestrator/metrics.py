@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Dense bf16 peak FLOP/s per device (chip or GPU), from the vendors' spec sheets.
 PEAK_FLOPS = {
@@ -96,3 +97,15 @@ class MetricsWriter:
                 print()
             self._jsonl.close()
             self._tb.close()
+
+
+def expert_metrics(load_LE: np.ndarray, dropped: float) -> dict:
+    """Per-step MoE metrics: tokens per expert per MoE layer, the most and least loaded expert
+    relative to the mean, and the token-expert assignments dropped over capacity."""
+    mean = load_LE.mean(-1, keepdims=True)
+    return {
+        "expert_load": load_LE.astype(np.int64).tolist(),
+        "expert_load_max": float((load_LE / mean).max()),
+        "expert_load_min": float((load_LE / mean).min()),
+        "dropped_tokens": dropped,
+    }

@@ -10,16 +10,32 @@ from flax import nnx
 
 from models import ModelConfig
 from orchestrator.build import Training
+from sharding.experts import capacity
 from sharding.mesh import describe_mesh
 from sharding.place import path_str
+from sharding.rules import logical_to_spec
+
+
+def _attention_params(config: ModelConfig) -> int:
+    c, d = config, config.hidden_size
+    if c.model_type != "deepseek_v3":
+        return d * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    m, h = c.mla, c.num_heads
+    query = d * m.q_lora_rank + m.q_lora_rank * h * m.qk_head_dim if m.q_lora_rank else d * h * m.qk_head_dim
+    latent = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+    return query + latent + h * m.v_head_dim * d
 
 
 def matmul_params(config: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (all but the embedding lookup and norms)."""
-    c = config
-    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    return c.num_layers * (attn + mlp) + c.hidden_size * c.vocab_size
+    """Parameters that take part in a matmul per token (all but the embedding lookup and norms);
+    for MoE layers the router, the shared experts and the `num_experts_per_tok` routed experts
+    a token visits."""
+    c, moe = config, config.moe
+    dense = _attention_params(c) + 3 * c.hidden_size * c.intermediate_size
+    routed = moe.num_experts_per_tok + moe.num_shared_experts
+    experts = 3 * c.hidden_size * moe.moe_intermediate_size * routed
+    sparse = _attention_params(c) + c.hidden_size * moe.num_experts + experts
+    return c.num_dense_layers * dense + c.num_moe_layers * sparse + c.hidden_size * c.vocab_size
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -30,7 +46,8 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     times 3 for forward and backward.
     """
     c = config
-    attention = 3 * 2 * seq_len * c.num_heads * c.head_dim * c.num_layers
+    qk, v = (c.mla.qk_head_dim, c.mla.v_head_dim) if c.model_type == "deepseek_v3" else (c.head_dim, c.head_dim)
+    attention = 3 * seq_len * c.num_heads * (qk + v) * c.num_layers
     return 6.0 * matmul_params(config) + attention
 
 
@@ -51,6 +68,29 @@ def sharding_table(training: Training) -> list[dict]:
     return rows
 
 
+def expert_plan(training: Training) -> dict | None:
+    """How the routed experts are spread: experts per device, the mesh axes that shard them, and
+    the slots per expert per token shard (the dispatch buffer; the worst case when dropless)."""
+    c = training.config
+    m = c.model
+    if m.model_type != "deepseek_v3" or not m.num_moe_layers:
+        return None
+    spec = logical_to_spec(("experts",), dict(training.mesh.shape), rules=c.sharding.rules)[0]
+    axes = [] if spec is None else [spec] if isinstance(spec, str) else list(spec)
+    shards = math.prod(training.mesh.shape[a] for a in axes)
+    token_spec = logical_to_spec(("batch",), dict(training.mesh.shape), rules=c.sharding.rules)[0]
+    token_axes = [] if token_spec is None else [token_spec] if isinstance(token_spec, str) else list(token_spec)
+    local_tokens = c.train.batch_size * c.train.seq_len // c.train.grad_accum
+    local_tokens //= math.prod(training.mesh.shape[a] for a in token_axes)
+    return {
+        "num_experts": m.moe.num_experts, "per_token": m.moe.num_experts_per_tok, "shared": m.moe.num_shared_experts,
+        "moe_layers": m.num_moe_layers, "mesh_axes": axes, "experts_per_device": m.moe.num_experts // shards,
+        "capacity_factor": m.moe.capacity_factor,
+        "slots_per_expert": capacity(local_tokens, m.moe.num_experts_per_tok, m.moe.num_experts,
+                                     m.moe.capacity_factor),
+    }
+
+
 def make_plan(training: Training, *, compile_step: bool = True) -> dict:
     """A JSON-ready plan; with `compile_step`, the compiled train step's per-device memory."""
     config = training.config
@@ -61,6 +101,7 @@ def make_plan(training: Training, *, compile_step: bool = True) -> dict:
         "param_count": sum(math.prod(r["shape"]) for r in rows),
         "param_bytes_per_device": sum(r["bytes_per_device"] for r in rows),
         "flops_per_token": flops_per_token(config.model, config.train.seq_len),
+        "experts": expert_plan(training),
         "tokens_per_step": config.train.batch_size * config.train.seq_len,
         "sharding": rows,
     }
@@ -106,6 +147,18 @@ def format_plan(plan: dict) -> str:
         f"{_mib(plan['param_bytes_per_device'])} per device",
         f"flops      {_human(plan['flops_per_token'])} per token (train), "
         f"{_human(plan['flops_per_token'] * plan['tokens_per_step'])} per step of {plan['tokens_per_step']:,} tokens",
+    ]
+    experts = plan.get("experts")
+    if experts:
+        over = "+".join(experts["mesh_axes"]) or "no axis (replicated)"
+        mode = f"capacity factor {experts['capacity_factor']}" if experts["capacity_factor"] else "dropless"
+        lines.append(
+            f"experts    {experts['moe_layers']} MoE layers x {experts['num_experts']} routed experts "
+            f"({experts['per_token']} per token, {experts['shared']} shared) sharded over {over}: "
+            f"{experts['experts_per_device']} per device; {mode}, {experts['slots_per_expert']:,} slots per expert "
+            "per token shard"
+        )
+    lines += [
         "",
         f"{'parameter':<32} {'shape':<22} {'spec':<30} {'per device':>12}",
     ]

@@ -27,11 +27,11 @@ class TrainState:
 
 
 def _decays(path, _leaf) -> bool:
-    """Weight decay applies to matrices, never to norm scales or biases."""
+    """Weight decay applies to matrices, never to norm scales or biases (the router's included)."""
     name = str(getattr(path[-1], "key", path[-1]))
     if name == "value":  # a Variable's own node
         name = str(getattr(path[-2], "key", path[-2]))
-    return not (name == "scale" or name.startswith("b"))
+    return not (name == "scale" or name.startswith("b") or name.endswith("_bias"))
 
 
 def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -93,7 +93,7 @@ def init_train_state(params: nnx.State, tx, shardings: TrainState) -> TrainState
 
 def make_train_step(
     graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_chunk: int = 0, grad_accum: int = 1,
-    schedule: optax.Schedule | None = None,
+    schedule: optax.Schedule | None = None, expert_bias_rate: float = 0.0,
 ) -> Callable:
     """The pure step: forward, float32 causal-LM loss, backward, optimizer update.
 
@@ -101,6 +101,8 @@ def make_train_step(
     `segment_ids`. `loss_chunk` > 0 computes the loss chunk by chunk (no full logits).
     `grad_accum` > 1 splits the batch into that many micro-batches inside the step and sums
     their token-weighted gradients, so loss and gradients equal those of the whole batch.
+    MoE models add `expert_load` (tokens per expert per MoE layer) and `dropped_tokens` to the
+    metrics; `expert_bias_rate` > 0 then moves the router biases towards balance after the update.
     """
 
     grad_fn = jax.value_and_grad(make_eval_step(graphdef, loss_chunk=loss_chunk), has_aux=True)
@@ -111,19 +113,28 @@ def make_train_step(
                              batch)
 
         def one(carry, micro_batch):
-            (total, count), grads = grad_fn(params, micro_batch)
-            return jax.tree.map(jnp.add, carry, ((total, count), grads)), None
+            (total, (count, stats)), grads = grad_fn(params, micro_batch)
+            return jax.tree.map(jnp.add, carry, ((total, count), grads)), stats
 
         zeros = ((jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, params))
-        return jax.lax.scan(one, zeros, micro)[0]
+        ((total, count), grads), stats = jax.lax.scan(one, zeros, micro)
+        return (total, (count, jax.tree.map(lambda x: x.sum(0), stats))), grads
 
     def train_step(state: TrainState, batch: dict):
-        (total, count), grads = grad_fn(state.params, batch) if grad_accum == 1 else accumulate(state.params, batch)
+        (total, (count, stats)), grads = (
+            grad_fn(state.params, batch) if grad_accum == 1 else accumulate(state.params, batch)
+        )
         scale = 1.0 / jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if expert_bias_rate and "expert_load" in stats:
+            model = nnx.merge(graphdef, params)
+            model.balance_experts(stats["expert_load"], expert_bias_rate)
+            params = nnx.state(model)
         metrics = {"loss": total * scale, "grad_norm": optax.tree.norm(grads), "tokens": count}
+        if "expert_load" in stats:
+            metrics |= {"expert_load": stats["expert_load"], "dropped_tokens": stats["dropped_tokens"].sum()}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -132,17 +143,21 @@ def make_train_step(
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, loss_chunk: int = 0) -> Callable:
-    """`(params, batch) -> (loss_sum, num_tokens)`: the training loss without an update."""
+    """`(params, batch) -> (loss_sum, (num_tokens, stats))`: the training loss without an update.
+
+    `stats` holds the model's layer statistics (MoE expert loads; empty for dense models).
+    """
 
     def eval_step(params, batch):
         model = nnx.merge(graphdef, params)
-        kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids")}
+        kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids"), "return_stats": True}
         if loss_chunk:
-            h = model(batch["inputs"], return_hidden=True, **kwargs)
+            h, stats = model(batch["inputs"], return_hidden=True, **kwargs)
             loss, count = chunked_causal_lm_loss(h, model.head(), batch["targets"], batch["weights"], chunk=loss_chunk)
         else:
-            loss, count = causal_lm_loss(model(batch["inputs"], **kwargs), batch["targets"], batch["weights"])
-        return loss * count, count
+            logits, stats = model(batch["inputs"], **kwargs)
+            loss, count = causal_lm_loss(logits, batch["targets"], batch["weights"])
+        return loss * count, (count, stats)
 
     return eval_step
 

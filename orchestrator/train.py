@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from orchestrator.build import Training, build_training
@@ -22,7 +23,7 @@ from orchestrator.checkpoint import Checkpointer, run_metadata
 from orchestrator.cluster import protocol
 from orchestrator.config import Config, ConfigError, to_yaml
 from orchestrator.data import make_dataset, to_global_batch
-from orchestrator.metrics import MetricsWriter, peak_flops_per_device
+from orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
 from orchestrator.plan import flops_per_token
 from orchestrator.step import make_eval_step
 from orchestrator.tokenizers import check_vocab, load_tokenizer
@@ -107,7 +108,7 @@ def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: i
     total = count = 0.0
     iterator = iter(eval_dataset)
     for _ in range(num_batches):
-        loss_sum, tokens = eval_step(params, to_global_batch(next(iterator), training.batch_sharding))
+        loss_sum, (tokens, _) = eval_step(params, to_global_batch(next(iterator), training.batch_sharding))
         total, count = total + float(loss_sum), count + float(tokens)
     return total / max(count, 1.0)
 
@@ -149,6 +150,8 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
     def finish(record: dict, metrics: dict, timed: bool) -> None:
         nonlocal last_done, timed_tokens, timed_seconds
         record.update(loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]))
+        if "expert_load" in metrics:
+            record.update(expert_metrics(np.asarray(metrics["expert_load"]), float(metrics["dropped_tokens"])))
         now = time.perf_counter()
         seconds, last_done = now - last_done, now
         if timed:  # the first step of a process includes compilation

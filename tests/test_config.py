@@ -5,7 +5,10 @@ import pytest
 from launch.cli import main
 from orchestrator.config import ConfigError, list_presets, load_config, parse_overrides, validate
 
-REQUIRED_PRESETS = {"llama3-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b"}
+REQUIRED_PRESETS = {
+    "llama3-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b", "deepseek-v3-tiny",
+    "deepseek-v3-671b",
+}
 
 
 def test_required_presets_exist():
@@ -31,6 +34,15 @@ def test_real_sizes_match_public_configs():
     q32 = load_config("qwen3-32b").model
     assert (q32.hidden_size, q32.intermediate_size, q32.num_layers, q32.num_heads, q32.head_dim) == (
         5120, 25600, 64, 64, 128)
+    ds = load_config("deepseek-v3-671b").model
+    assert (ds.vocab_size, ds.hidden_size, ds.intermediate_size, ds.num_layers, ds.num_heads) == (
+        129280, 7168, 18432, 61, 128)
+    assert (ds.mla.q_lora_rank, ds.mla.kv_lora_rank, ds.mla.qk_nope_head_dim, ds.mla.qk_rope_head_dim,
+            ds.mla.v_head_dim) == (1536, 512, 128, 64, 128)
+    m = ds.moe
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.num_shared_experts, m.n_group,
+            m.topk_group, m.routed_scaling_factor, m.first_k_dense_replace) == (256, 8, 2048, 1, 8, 4, 2.5, 3)
+    assert (ds.rope.rope_type, ds.rope.factor, ds.rope.original_max_position_embeddings) == ("yarn", 40.0, 4096)
 
 
 def test_overrides_apply_in_order_and_parse_types():
@@ -56,6 +68,22 @@ def test_overrides_apply_in_order_and_parse_types():
 def test_bad_overrides_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=None) as info:
         load_config("llama3-tiny", overrides)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.moe.num_experts_per_tok=5"], "model.moe.num_experts_per_tok=5 exceeds the 4 experts"),
+        (["model.moe.n_group=3"], "model.moe.n_group=3 must divide model.moe.num_experts=8"),
+        (["model.num_kv_heads=2"], "MLA has one key/value per query head"),
+        (["model.moe.first_k_dense_replace=9"], "model.moe.first_k_dense_replace: expected 0..model.num_layers"),
+        (["model.moe.capacity_factor=-1"], "model.moe.capacity_factor: expected a number >= 0"),
+    ],
+)
+def test_bad_deepseek_settings_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config("deepseek-v3-tiny", overrides)
     assert needle in str(info.value)
 
 

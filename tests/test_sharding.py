@@ -31,7 +31,7 @@ def test_golden_sharding_file():
 
     After a deliberate change, rewrite it with PODTRAIN_UPDATE_GOLDEN=1 and review the diff.
     """
-    actual = {preset: golden_table(preset) for preset in ("llama3-tiny", "qwen3-tiny")}
+    actual = {preset: golden_table(preset) for preset in ("llama3-tiny", "qwen3-tiny", "deepseek-v3-tiny")}
     if os.environ.get("PODTRAIN_UPDATE_GOLDEN"):
         GOLDEN.write_text(json.dumps(actual, indent=1, sort_keys=True) + "\n")
     assert actual == json.loads(GOLDEN.read_text())
