@@ -185,16 +185,10 @@ class _Fp8Weights:
         with open(file, "rb") as f:
             data_start = 8 + int.from_bytes(f.read(8), "little")
         raw = np.memmap(file, dtype=ml_dtypes.float8_e4m3fn, mode="r", offset=data_start + begin, shape=shape)
-        scale_file, scale_shape, _ = self.found[name + FP8_SCALE_SUFFIX]
+        scale_file, _, _ = self.found[name + FP8_SCALE_SUFFIX]
         with safe_open(scale_file, framework="numpy") as f:
             scale = f.get_tensor(name + FP8_SCALE_SUFFIX).astype(np.float32)
         rows, cols = self.block
-        expected = (math.ceil(shape[0] / rows), math.ceil(shape[1] / cols))
-        if scale.shape != expected:
-            raise ValueError(
-                f"{scale_file}: {name}{FP8_SCALE_SUFFIX}: expected block scales of shape {expected} for a {shape} "
-                f"weight in {rows}x{cols} blocks, found {scale.shape}"
-            )
         full = np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)[: shape[0], : shape[1]]
         return raw.astype(np.float32) * full
 
@@ -207,6 +201,11 @@ def _fp8_block(hf_config: dict, source: str) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
+def _fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The `_scale_inv` shape of a 2-D FP8 weight: one scale per (possibly partial) block."""
+    return tuple(math.ceil(n / b) for n, b in zip(shape, block, strict=True))
+
+
 def _fp8_companions(found: dict) -> set[str]:
     """The `_scale_inv` tensors that belong to an FP8 weight (so they are not unexpected)."""
     return {
@@ -216,7 +215,24 @@ def _fp8_companions(found: dict) -> set[str]:
     }
 
 
-def _check_tensors(directory: Path, config: ModelConfig, expected: dict, found: dict) -> None:
+def _fp8_problems(fp8: list[str], found: dict, block: tuple[int, int]) -> list[str]:
+    """What stops the FP8 weights `fp8` from being dequantised: a missing or misshapen scale, a non-2-D weight."""
+    problems = []
+    for name in fp8:
+        shape, scale = found[name][1], name + FP8_SCALE_SUFFIX
+        if len(shape) != 2:
+            problems.append(f"{name}: an FP8 tensor must be a 2-D weight to have block scales, found shape {shape}")
+        elif scale not in found:
+            problems.append(f"{name}: an FP8 tensor without its {scale} block scales")
+        elif found[scale][1] != _fp8_scale_shape(shape, block):
+            problems.append(
+                f"{scale} in {found[scale][0].name}: expected {_fp8_scale_shape(shape, block)} "
+                f"({block[0]}x{block[1]} blocks of a {shape} weight), found {found[scale][1]}"
+            )
+    return problems
+
+
+def _check_tensors(directory: Path, config: ModelConfig, expected: dict, found: dict, block: tuple[int, int]) -> None:
     missing = sorted(set(expected) - set(found))
     extra_layers = config.model_type == "deepseek_v3"  # multi-token-prediction layers after the last one
 
@@ -231,10 +247,7 @@ def _check_tensors(directory: Path, config: ModelConfig, expected: dict, found: 
         f"{name} in {found[name][0].name}: expected {expected[name]}, found {found[name][1]}"
         for name in sorted(set(expected) & set(found)) if found[name][1] != expected[name]
     ]
-    unscaled = sorted(
-        name for name in set(expected) & set(found)
-        if found[name][2] == "F8_E4M3" and name + FP8_SCALE_SUFFIX not in found
-    )
+    fp8 = sorted(name for name in set(expected) & set(found) if found[name][2] == "F8_E4M3")
     report = []
     if missing:
         report.append(f"missing tensors: {', '.join(missing)}")
@@ -242,8 +255,7 @@ def _check_tensors(directory: Path, config: ModelConfig, expected: dict, found: 
         report.append(f"unexpected tensors: {', '.join(unexpected)}")
     if wrong:
         report.append("wrong shapes:\n    " + "\n    ".join(wrong))
-    if unscaled:
-        report.append(f"FP8 tensors without their {FP8_SCALE_SUFFIX} block scales: {', '.join(unscaled)}")
+    report += _fp8_problems(fp8, found, block)
     if report:
         raise ValueError(
             f"{directory}: the weights do not match config.json ({config.model_type}, {config.num_layers} layers, "
@@ -269,7 +281,8 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None) -> tuple
 
     Raises:
         ValueError: naming the file and key for a missing config.json, an unsupported config, or
-            weights that do not match it (every missing, unexpected and wrongly shaped tensor).
+            weights that do not match it (every missing, unexpected and wrongly shaped tensor, and
+            every FP8 weight without block scales of the right shape).
     """
     directory = Path(path)
     config_file = directory / "config.json"
@@ -288,8 +301,9 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None) -> tuple
         name: _hf_shape(var.shape[names.ndim:], axes) for _, var, names, axes in params for name in names.flat
     }
     found = _read_headers(directory)
-    _check_tensors(directory, config, expected, found)
-    fp8 = _Fp8Weights(found, _fp8_block(hf_config, str(config_file)))
+    block = _fp8_block(hf_config, str(config_file))
+    _check_tensors(directory, config, expected, found, block)
+    fp8 = _Fp8Weights(found, block)
 
     loaded = []
     with ExitStack() as stack:

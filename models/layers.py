@@ -207,6 +207,7 @@ class Attention(nnx.Module):
         self.dtype = dtype_of(c.dtype)
         self.head_dim = c.head_dim
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope))
+        self.rope_scale = rope_attention_factor(c.rope)
         init = nnx.initializers.normal(c.initializer_range)
         d, h, kvh, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         self.wq = param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pdt)
@@ -245,8 +246,8 @@ class Attention(nnx.Module):
         v = self._project(x_BTD, self.wv, self.bv, "value")
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = constrain(apply_rope(q, positions_BT, inv_freq), ("batch", "seq", "act_heads", None))
-        k = apply_rope(k, positions_BT, inv_freq)
+        q = constrain(apply_rope(q, positions_BT, inv_freq, self.rope_scale), ("batch", "seq", "act_heads", None))
+        k = apply_rope(k, positions_BT, inv_freq, self.rope_scale)
         new_kv = None
         if kv is not None:
             k_cache, v_cache = kv

@@ -12,6 +12,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+# These models are tiny: with more than one thread, torch spends ~100x longer starting threads
+# than multiplying (and competes with JAX's threads in the same process).
+torch.set_num_threads(1)
+
 SHAPES = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=128, rms_norm_eps=1e-6,
@@ -35,7 +39,8 @@ DEEPSEEK = dict(
 )
 
 # kind -> (model class, config class, config fields). Together they cover llama3 RoPE scaling,
-# head_dim != hidden / heads, tied and untied embeddings, attention and MLP biases, Qwen3's q/k norms,
+# head_dim != hidden / heads, tied and untied embeddings, attention and MLP biases, Qwen3's q/k norms
+# and YaRN,
 # and DeepSeek-V3 (MLA, YaRN, MoE with group-limited routing, two layer stacks).
 KINDS = {
     "llama": (LlamaForCausalLM, LlamaConfig, dict(
@@ -44,8 +49,10 @@ KINDS = {
     "llama_tied_bias": (LlamaForCausalLM, LlamaConfig, dict(
         num_hidden_layers=3, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
     )),
+    # Qwen3 with YaRN, as its long-context configs set it.
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(
         num_hidden_layers=2, head_dim=32, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32),
     )),
     "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config, DEEPSEEK),
     # No query compression, plain RoPE in rotate-half layout, all layers MoE, two shared experts.
@@ -74,7 +81,13 @@ def make_hf_model(kind: str, *, dtype: torch.dtype = torch.float32, seed: int = 
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a buffer, but a weight of the checkpoint
                 b.copy_(0.1 * torch.randn_like(b))
-    return model.to(dtype).eval()
+    model = model.to(dtype)
+    # As from_pretrained does: transformers keeps these float32 whatever the dtype (DeepSeek-V3's
+    # router weight and correction bias), so its bfloat16 checkpoints hold them in float32.
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if any(kept in name for kept in model._keep_in_fp32_modules_strict or ()):
+            t.data = t.data.float()
+    return model.eval()
 
 
 def save_hf_model(kind: str, path, *, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None):

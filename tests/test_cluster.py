@@ -134,6 +134,28 @@ def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_pat
     assert_no_worker_left(preempted)
 
 
+def test_expert_parallel_across_two_hosts_matches_one_process(tmp_path):
+    """DeepSeek-V3 with ep=2 outermost, so each host holds the experts of one EP rank and tokens
+    cross the process boundary in the all-to-alls; tp=2 inside each host sums partial outputs."""
+    model = ["model.num_layers=2", "train.batch_size=4", "train.seq_len=32", "checkpoint.async_save=false",
+             "train.peak_flops_per_device=1e9", "mesh.fsdp=1", "mesh.ep=2", "mesh.tp=2", "train.steps=3",
+             "checkpoint.every_steps=3", "optimizer.schedule=constant", f"run.dir={tmp_path}"]
+    runs = {}
+    for name, placement, devices in (("one-process", ["cluster=none"], 4), ("two-hosts", TWO_HOSTS, 2)):
+        command = [sys.executable, "-m", "launch.cli", "train", "-c", "deepseek-v3-tiny", *model, *placement,
+                   f"run.name={name}"]
+        done = subprocess.run(command, cwd=ROOT, env=env(tmp_path, devices), capture_output=True, text=True,
+                              timeout=420)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    one, two = runs["one-process"], runs["two-hosts"]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+        assert a["expert_load"] == b["expert_load"] and b["dropped_tokens"] == 0
+        assert [sum(layer) for layer in b["expert_load"]] == [4 * 32 * 2]  # tokens x experts per token
+
+
 def test_a_lost_host_counts_as_a_preemption_and_its_worker_does_not_outlive_it(tmp_path):
     run_dir = tmp_path / "lost"
     proc = start_train(tmp_path, run_dir, 4, *TWO_HOSTS)

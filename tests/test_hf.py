@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +14,12 @@ import torch
 from flax import nnx
 from hf_fixtures import KINDS, hf_logits, make_hf_model, save_hf_model
 from safetensors.numpy import load_file, save_file
+from safetensors.torch import load_file as load_torch_file
+from safetensors.torch import save_file as save_torch_file
 from transformers import AutoModelForCausalLM
 
 import models.hf
+from models.deepseek import DeepseekV3
 from models.hf import INDEX_FILE, config_from_hf, config_to_hf, from_hf, to_hf
 from sharding.mesh import build_mesh
 from sharding.rules import DEFAULT_RULES, use_rules
@@ -40,13 +45,16 @@ def _batch(vocab_size: int):
     return input_ids, attention_mask
 
 
+# One jitted forward for the whole file: models of the same config and placement share its compilation.
+_forward = jax.jit(lambda m, ids, mask: m(ids, attention_mask=mask))
+
+
 def _our_logits(model, input_ids, attention_mask, mesh):
-    forward = jax.jit(lambda m, ids, mask: m(ids, attention_mask=mask))
     ids, mask = np.asarray(input_ids, np.int32), np.asarray(attention_mask, np.int32)
     if mesh is None:
-        return np.asarray(forward(model, ids, mask))
+        return np.asarray(_forward(model, ids, mask))
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
-        return np.asarray(forward(model, ids, mask))
+        return np.asarray(_forward(model, ids, mask))
 
 
 def _tensors(directory) -> dict[str, np.ndarray]:
@@ -64,8 +72,14 @@ def _rewrite_weights(directory, change) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("kind", KIND_NAMES)
-@pytest.mark.parametrize("placement", ["one_device", "mesh_fsdp2_tp2_ep2"])
+# The second DeepSeek kind differs from the first in maths a single device checks (no query
+# compression, rope layout, routing options), not in how it is sharded; it stays off the mesh.
+PLACEMENTS = [(kind, "one_device") for kind in KIND_NAMES] + [
+    (kind, "mesh_fsdp2_tp2_ep2") for kind in KIND_NAMES if kind != "deepseek_v3_plain"
+]
+
+
+@pytest.mark.parametrize(("kind", "placement"), PLACEMENTS)
 def test_from_hf_logits_match_transformers(kind, placement, tmp_path):
     mesh = _mesh_or_skip() if placement != "one_device" else None
     # The mesh case also reads a checkpoint split over several files with an index.
@@ -84,9 +98,12 @@ def test_from_hf_reads_each_shard_into_place(kind, tmp_path):
     save_hf_model(kind, tmp_path, max_shard_size="40KB")
     _, reference = from_hf(tmp_path)
     _, model = from_hf(tmp_path, mesh=mesh, rules=SHARD_EVERYTHING)
-    wq = model.layers.attn.wq[...]
-    assert tuple(wq.sharding.spec) == (None, "fsdp", "tp", "ep")
-    assert wq.addressable_shards[0].data.size == wq.size // 8
+    if isinstance(model, DeepseekV3):  # (layers, experts, moe_intermediate, embed), from per-expert tensors
+        weight, spec = model.moe_layers.mlp.w_down[...], (None, "ep", "tp", "fsdp")
+    else:
+        weight, spec = model.layers.attn.wq[...], (None, "fsdp", "tp", "ep")
+    assert tuple(weight.sharding.spec) == spec
+    assert weight.addressable_shards[0].data.size == weight.size // 8
     expected = dict(nnx.to_flat_state(nnx.state(reference)))
     for path, var in nnx.to_flat_state(nnx.state(model)):
         assert var.get_value().sharding.mesh == mesh, path
@@ -164,14 +181,18 @@ def test_from_hf_dtype_argument_casts_params(tmp_path):
 @pytest.mark.parametrize(
     ("kind", "changes", "message"),
     [
-        ("llama", {"model_type": "mistral"}, r"model_type: expected one of \['llama', 'qwen3'\], found 'mistral'"),
+        ("llama", {"model_type": "mistral"},
+         r"model_type: expected one of \['llama', 'qwen3', 'deepseek_v3'\], found 'mistral'"),
         ("qwen3", {"use_sliding_window": True}, "use_sliding_window: expected false"),
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
-         r"rope_parameters\.rope_type: expected one of \['default', 'llama3'\], found 'yarn'"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+         r"rope_parameters: rope_type 'yarn' needs factor and original_max_position_embeddings, missing "
+         r"\['original_max_position_embeddings'\]"),
         ("llama", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
          r"rope_scaling\.rope_type: .* found 'dynamic'"),
         ("llama", {"hidden_act": "gelu"}, "hidden_act: expected 'silu', found 'gelu'"),
         ("llama", {"dtype": "float64"}, r"dtype: expected one of .* found 'float64'"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func: expected 'sigmoid', found 'softmax'"),
+        ("deepseek_v3", {"topk_method": "greedy"}, "topk_method: expected 'noaux_tc', found 'greedy'"),
     ],
 )
 def test_from_hf_rejects_unsupported_config(kind, changes, message, tmp_path):
@@ -195,6 +216,8 @@ def test_from_hf_lists_every_tensor_problem_in_one_error(tmp_path):
     def damage(tensors):
         del tensors["model.norm.weight"], tensors["model.layers.1.mlp.up_proj.weight"]
         tensors["model.layers.0.self_attn.extra.weight"] = np.zeros(3, np.float32)
+        # Only DeepSeek-V3 checkpoints may have layers after the last (multi-token prediction).
+        tensors["model.layers.2.input_layernorm.weight"] = np.ones(64, np.float32)
         tensors["lm_head.bias"] = np.zeros(3, np.float32)
         tensors["model.layers.1.self_attn.q_proj.weight"] = np.zeros((64, 64), np.float32)
 
@@ -204,7 +227,8 @@ def test_from_hf_lists_every_tensor_problem_in_one_error(tmp_path):
     message = str(error.value)
     assert str(tmp_path) in message
     assert "missing tensors: model.layers.1.mlp.up_proj.weight, model.norm.weight" in message
-    assert "unexpected tensors: lm_head.bias, model.layers.0.self_attn.extra.weight" in message
+    assert ("unexpected tensors: lm_head.bias, model.layers.0.self_attn.extra.weight, "
+            "model.layers.2.input_layernorm.weight") in message
     assert "model.layers.1.self_attn.q_proj.weight in model.safetensors: expected (128, 64), found (64, 64)" in message
 
 
@@ -218,6 +242,110 @@ def test_from_hf_skips_tensors_transformers_skips(tmp_path):
     _rewrite_weights(tmp_path, add_ignored)
     config, _ = from_hf(tmp_path)
     assert config.tie_word_embeddings
+
+
+# The Linear weights the DeepSeek-V3 release stores as FP8 (attention, dense MLP, shared and routed
+# experts); embeddings, norms, lm_head, the router and its correction bias stay float32.
+FP8_WEIGHTS = re.compile(
+    r"model\.layers\.\d+\.(self_attn|mlp|mlp\.shared_experts|mlp\.experts\.\d+)\.\w+_proj(_with_mqa)?\.weight"
+)
+FP8_BLOCK = 16  # several blocks per weight in the tiny model, and partial ones (q_a_proj is 24 x 64)
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def _expand_blocks(scale_inv: torch.Tensor, shape, block: int) -> torch.Tensor:
+    return scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[: shape[0], : shape[1]]
+
+
+def _quantise_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv per block), with scale_inv = max|block| / 448."""
+    rows, cols = w.shape
+    padded = torch.nn.functional.pad(w, (0, -cols % block, 0, -rows % block))
+    blocks = padded.reshape(math.ceil(rows / block), block, math.ceil(cols / block), block)
+    scale_inv = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    return (w / _expand_blocks(scale_inv, w.shape, block)).to(torch.float8_e4m3fn), scale_inv
+
+
+def _save_fp8_release(directory, reference_directory) -> dict[str, tuple[int, int]]:
+    """The tiny deepseek_v3 model laid out like the DeepSeek-V3 release in `directory`, and the same
+    weights dequantised (fp8 * scale_inv, in float32) as a plain checkpoint in `reference_directory`.
+
+    As in the release: FP8_WEIGHTS are float8_e4m3fn with float32 `<name>_scale_inv` block scales,
+    config.json's quantization_config names the block size, and a multi-token-prediction layer
+    (FP8 too) follows the last layer. Returns the FP8 weights' shapes.
+    """
+    hf_model = save_hf_model("deepseek_v3", reference_directory)
+    tensors = load_torch_file(reference_directory / "model.safetensors")
+    hidden, num_layers = hf_model.config.hidden_size, hf_model.config.num_hidden_layers
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    extra = {mtp + name.removeprefix(last): t.clone() for name, t in tensors.items() if name.startswith(last)}
+    extra |= {mtp + name: torch.randn(shape) for name, shape in [
+        ("embed_tokens.weight", tensors["model.embed_tokens.weight"].shape), ("enorm.weight", (hidden,)),
+        ("hnorm.weight", (hidden,)), ("eh_proj.weight", (hidden, 2 * hidden)),
+        ("shared_head.norm.weight", (hidden,)), ("shared_head.head.weight", tensors["lm_head.weight"].shape),
+    ]}
+    release, dequantised, shapes = {}, {}, {}
+    for name, w in {**tensors, **extra}.items():
+        if FP8_WEIGHTS.fullmatch(name):
+            release[name], release[name + "_scale_inv"] = _quantise_fp8(w, FP8_BLOCK)
+            w = release[name].float() * _expand_blocks(release[name + "_scale_inv"], w.shape, FP8_BLOCK)
+            shapes[name] = tuple(w.shape)
+        else:
+            release[name] = w
+        if name in tensors:
+            dequantised[name] = w
+    directory.mkdir()
+    save_torch_file(release, directory / "model.safetensors", metadata={"format": "pt"})
+    save_torch_file(dequantised, reference_directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((reference_directory / "config.json").read_text())
+    config |= {"num_nextn_predict_layers": 1, "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [FP8_BLOCK] * 2,
+    }}
+    (directory / "config.json").write_text(json.dumps(config))
+    return shapes
+
+
+def test_from_hf_dequantises_the_fp8_release_layout(tmp_path):
+    mesh = _mesh_or_skip()
+    source, reference_dir = tmp_path / "fp8", tmp_path / "dequantised"
+    shapes = _save_fp8_release(source, reference_dir)
+    assert any(n % FP8_BLOCK for shape in shapes.values() for n in shape)
+    assert {name.split(".")[3] for name in shapes} == {"self_attn", "mlp"}
+    assert any(".experts." in name for name in shapes) and any(".shared_experts." in name for name in shapes)
+
+    _, reference = from_hf(reference_dir)
+    config, model = from_hf(source)
+    _, sharded = from_hf(source, mesh=mesh)
+    # Exact: both sides multiply the FP8 value (exact in float32) by its float32 scale, one
+    # correctly rounded float32 product; the multi-token-prediction layer is left out.
+    expected = dict(nnx.to_flat_state(nnx.state(reference)))
+    for loaded in (model, sharded):
+        for path, var in nnx.to_flat_state(nnx.state(loaded)):
+            np.testing.assert_array_equal(
+                np.asarray(var.get_value()), np.asarray(expected[path].get_value()), err_msg=str(path)
+            )
+    hf_model = AutoModelForCausalLM.from_pretrained(reference_dir, attn_implementation="eager").eval()
+    input_ids, attention_mask = _batch(config.vocab_size)
+    real = attention_mask.astype(bool)
+    ours = _our_logits(model, input_ids, attention_mask, None)[real]
+    np.testing.assert_allclose(ours, hf_logits(hf_model, input_ids, attention_mask)[real], rtol=0, atol=1e-4)
+
+
+def test_from_hf_names_fp8_weights_without_their_block_scales(tmp_path):
+    _save_fp8_release(tmp_path / "fp8", tmp_path / "dequantised")
+    file = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_torch_file(file)
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"]
+    tensors["model.layers.0.self_attn.q_a_proj.weight_scale_inv"] = torch.ones(1, 4)
+    save_torch_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError) as error:
+        from_hf(tmp_path / "fp8")
+    message = str(error.value)
+    assert str(tmp_path / "fp8") in message
+    assert ("model.layers.1.mlp.experts.3.up_proj.weight: an FP8 tensor without its "
+            "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv block scales") in message
+    assert ("model.layers.0.self_attn.q_a_proj.weight_scale_inv in model.safetensors: expected (2, 4) "
+            "(16x16 blocks of a (24, 64) weight), found (1, 4)") in message
 
 
 def test_to_hf_refuses_a_non_empty_directory(tmp_path):
