@@ -19,12 +19,15 @@ install: $(STAMP)
 train: install
 	$(VENV)/bin/podtrain train
 
+# Tests without Ray run on two pytest workers; the Ray tests (timing-sensitive: hang detection,
+# heartbeats) run one at a time after them.
 test: install
 	$(VENV)/bin/ruff check .
-	bash tests/netns.sh $(PY) -m pytest -q
+	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not ray"
+	bash tests/netns.sh $(PY) -m pytest -q -m ray
 
 test-quick: install
-	bash tests/netns.sh $(PY) -m pytest -q -m "not slow"
+	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

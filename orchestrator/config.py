@@ -72,7 +72,12 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """Batch geometry and seed; `loss_chunk` > 0 computes the loss over sequence chunks of that
-    length without materialising the full logits (it must divide `seq_len`)."""
+    length without materialising the full logits (it must divide `seq_len`).
+
+    `compilation_cache_dir` is JAX's persistent compilation cache (relative to the run directory
+    unless absolute; empty turns it off): a restarted or resumed run loads its compiled step
+    instead of compiling it again. `JAX_COMPILATION_CACHE_DIR` in the environment takes precedence.
+    """
 
     seed: int = 0
     batch_size: int = 8
@@ -83,6 +88,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_batches: int = 4
     peak_flops_per_device: float = 0.0
+    compilation_cache_dir: str = "compilation_cache"
 
 
 DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "array_record", "tokens")

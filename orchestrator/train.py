@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -103,6 +104,15 @@ def _make_datasets(config: Config):
     return train, evals
 
 
+def use_compilation_cache(directory: str, run_dir: Path) -> None:
+    """Points JAX's persistent compilation cache at `directory` (relative to `run_dir`), unless it
+    is empty or `JAX_COMPILATION_CACHE_DIR` already chose one."""
+    if not directory or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    path = Path(directory) if Path(directory).is_absolute() else run_dir / directory
+    jax.config.update("jax_compilation_cache_dir", str(path))
+
+
 def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: int) -> float:
     """Mean loss over the first `num_batches` eval batches (the same ones every time)."""
     total = count = 0.0
@@ -120,6 +130,7 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
     """
     run_dir = Path(run_dir)
     is_main = jax.process_index() == 0
+    use_compilation_cache(config.train.compilation_cache_dir, run_dir)
     training = build_training(config)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

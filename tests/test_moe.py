@@ -18,12 +18,13 @@ from orchestrator.config import ConfigError, load_config, validate
 from sharding.experts import capacity, routed_experts
 from sharding.mesh import build_mesh
 from sharding.place import create_sharded
-from sharding.rules import DEFAULT_RULES, use_rules
+from sharding.rules import DEFAULT_RULES, logical_to_spec, use_rules
 
 TINY = load_config("deepseek-v3-tiny").model
 E, K, D, F = TINY.moe.num_experts, TINY.moe.num_experts_per_tok, TINY.hidden_size, TINY.moe.moe_intermediate_size
 MESHES = {
     "ep1": {}, "ep2": {"ep": 2}, "ep4": {"ep": 4}, "ep2_fsdp2": {"ep": 2, "fsdp": 2}, "ep2_tp2": {"ep": 2, "tp": 2},
+    "dp2_ep2_tp2": {"dp": 2, "ep": 2, "tp": 2},
 }
 
 
@@ -76,9 +77,8 @@ def test_dispatch_equals_the_per_token_reference(mesh_name, capacity_factor):
     assert (want_dropped > 0) == (capacity_factor > 0)
 
     def place(a, names):
-        with use_rules(DEFAULT_RULES):
-            from sharding.rules import logical_to_spec
-            return jax.device_put(a, NamedSharding(mesh, logical_to_spec(names, dict(mesh.shape), shape=a.shape)))
+        spec = logical_to_spec(names, dict(mesh.shape), shape=a.shape, rules=DEFAULT_RULES)
+        return jax.device_put(a, NamedSharding(mesh, spec))
 
     tokens = ("batch", "seq", None)
     args = [place(x, tokens), place(experts, tokens), place(weights, tokens),

@@ -74,7 +74,8 @@ def test_same_seed_same_losses_and_kill_resume_is_bit_exact(tmp_path):
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tmp_path):
     run_dir = tmp_path / "preempted"
-    proc = subprocess.Popen(command(run_dir, 1000, every=500), cwd=ROOT, env=env(),
+    own_cache = {k: v for k, v in env().items() if k != "JAX_COMPILATION_CACHE_DIR"}  # the run's default cache
+    proc = subprocess.Popen(command(run_dir, 1000, every=500), cwd=ROOT, env=own_cache,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(run_dir, proc, 3)
     proc.send_signal(signal.SIGTERM)
@@ -83,6 +84,7 @@ def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tmp_path):
     last = max(losses(run_dir))
     assert sorted(int(p) for p in os.listdir(run_dir / "checkpoints")) == [last]
     assert "preemption notice" in out
+    assert any("train_step" in p.name for p in (run_dir / "compilation_cache").iterdir())  # for the restart
 
 
 def test_tokenizer_larger_than_model_vocab_is_a_clear_error(tmp_path):
