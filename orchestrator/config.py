@@ -21,7 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from models.config import ModelConfig
 from sharding.mesh import resolve_axis_sizes
-from sharding.rules import DEFAULT_RULES, check_rules, logical_to_spec
+from sharding.rules import DEFAULT_RULES, check_rules, logical_to_spec, sharded_over
 
 CONFIG_DIR = Path(os.environ.get("PODTRAIN_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
 
@@ -430,15 +430,17 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if m.model_type == "deepseek_v3" and m.num_moe_layers:
-        experts_axis = logical_to_spec(("experts",), sizes, rules=config.sharding.rules)[0]
-        axes = [] if experts_axis is None else [experts_axis] if isinstance(experts_axis, str) else list(experts_axis)
-        shards = 1
-        for axis in axes:
-            shards *= sizes[axis]
+        axes, shards = sharded_over(("experts",), sizes, config.sharding.rules)
+        token_axes, _ = sharded_over(("batch", "seq"), sizes, config.sharding.rules)
+        if len(axes) > 1 or not set(axes) <= set(token_axes):
+            raise ConfigError(
+                f"sharding.rules: experts are sharded over {list(axes)}; expected one mesh axis that the tokens "
+                f"('batch' or 'seq' rules, now over {list(token_axes)}) are sharded over too"
+            )
         if m.moe.num_experts % shards:
             raise ConfigError(
                 f"model.moe.num_experts={m.moe.num_experts} is not divisible by the {shards} expert shards "
-                f"(mesh axes {axes}); choose mesh.ep dividing {m.moe.num_experts}"
+                f"(mesh axes {list(axes)}); choose mesh.ep dividing {m.moe.num_experts}"
             )
     return sizes
 

@@ -13,7 +13,7 @@ from orchestrator.build import Training
 from sharding.experts import capacity
 from sharding.mesh import describe_mesh
 from sharding.place import path_str
-from sharding.rules import logical_to_spec
+from sharding.rules import sharded_over
 
 
 def _attention_params(config: ModelConfig) -> int:
@@ -75,16 +75,13 @@ def expert_plan(training: Training) -> dict | None:
     m = c.model
     if m.model_type != "deepseek_v3" or not m.num_moe_layers:
         return None
-    spec = logical_to_spec(("experts",), dict(training.mesh.shape), rules=c.sharding.rules)[0]
-    axes = [] if spec is None else [spec] if isinstance(spec, str) else list(spec)
-    shards = math.prod(training.mesh.shape[a] for a in axes)
-    token_spec = logical_to_spec(("batch",), dict(training.mesh.shape), rules=c.sharding.rules)[0]
-    token_axes = [] if token_spec is None else [token_spec] if isinstance(token_spec, str) else list(token_spec)
-    local_tokens = c.train.batch_size * c.train.seq_len // c.train.grad_accum
-    local_tokens //= math.prod(training.mesh.shape[a] for a in token_axes)
+    sizes = dict(training.mesh.shape)
+    axes, shards = sharded_over(("experts",), sizes, c.sharding.rules)
+    _, token_shards = sharded_over(("batch", "seq"), sizes, c.sharding.rules)
+    local_tokens = c.train.batch_size * c.train.seq_len // c.train.grad_accum // token_shards
     return {
         "num_experts": m.moe.num_experts, "per_token": m.moe.num_experts_per_tok, "shared": m.moe.num_shared_experts,
-        "moe_layers": m.num_moe_layers, "mesh_axes": axes, "experts_per_device": m.moe.num_experts // shards,
+        "moe_layers": m.num_moe_layers, "mesh_axes": list(axes), "experts_per_device": m.moe.num_experts // shards,
         "capacity_factor": m.moe.capacity_factor,
         "slots_per_expert": capacity(local_tokens, m.moe.num_experts_per_tok, m.moe.num_experts,
                                      m.moe.capacity_factor),

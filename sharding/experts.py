@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from sharding.rules import logical_to_spec
+from sharding.rules import axes_of, logical_to_spec
 
 EXPERT_GATE_NAMES = ("experts", "embed", "mlp")  # w_gate and w_up, (E, D, F)
 EXPERT_DOWN_NAMES = ("experts", "mlp", "embed")  # w_down, (E, F, D)
@@ -33,10 +33,6 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) 
     if capacity_factor <= 0:
         return tokens
     return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_experts, slots, ep_axis, ep,
@@ -111,8 +107,8 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
     gate_spec = logical_to_spec(EXPERT_GATE_NAMES, sizes, shape=w_gate_EDF.shape, what="MoE expert weights")
     down_spec = logical_to_spec(EXPERT_DOWN_NAMES, sizes, shape=w_down_EFD.shape, what="MoE expert weights")
     token_spec = logical_to_spec(("batch", "seq"), sizes, shape=(b, t), what="MoE tokens")
-    expert_axes = _axes(gate_spec[0])
-    token_axes = tuple(a for entry in token_spec for a in _axes(entry))
+    expert_axes = axes_of(gate_spec[0])
+    token_axes = tuple(a for entry in token_spec for a in axes_of(entry))
     if len(expert_axes) > 1:
         raise ValueError(
             f"sharding.rules.experts: experts can be sharded over one mesh axis, found {list(expert_axes)}"
@@ -129,7 +125,7 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
     x_spec = PartitionSpec(*token_spec, None)
     body = functools.partial(
         _local_experts, num_experts=num_experts, slots=slots, ep_axis=ep_axis, ep=ep,
-        embed_axes=_axes(gate_spec[1]), mlp_axes=_axes(gate_spec[2]), token_axes=token_axes,
+        embed_axes=axes_of(gate_spec[1]), mlp_axes=axes_of(gate_spec[2]), token_axes=token_axes,
     )
 
     def flat(x, expert, weight, w_gate, w_up, w_down):

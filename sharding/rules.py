@@ -42,11 +42,26 @@ Rules = Mapping[str, "str | Sequence[str] | None"]
 _ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("podtrain_rules", default=DEFAULT_RULES)
 
 
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of a rule target or a PartitionSpec entry: None, one name, or a sequence."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def sharded_over(names: Sequence[str | None], mesh_axis_sizes: Mapping[str, int], rules: Rules | None = None
+                 ) -> tuple[tuple[str, ...], int]:
+    """The mesh axes (of size > 1) that the logical axes `names` map to, and their product."""
+    spec = logical_to_spec(names, mesh_axis_sizes, rules=rules)
+    axes = tuple(a for entry in spec for a in axes_of(entry))
+    count = 1
+    for axis in axes:
+        count *= mesh_axis_sizes[axis]
+    return axes, count
+
+
 def check_rules(rules: Rules, key: str = "sharding.rules") -> None:
     """Raises ValueError if a rule names an axis that no mesh has."""
     for name, target in rules.items():
-        axes = [] if target is None else [target] if isinstance(target, str) else list(target)
-        for axis in axes:
+        for axis in axes_of(target):
             if axis not in MESH_AXES:
                 raise ValueError(
                     f"{key}.{name}: mesh axis {axis!r} does not exist; expected one of {list(MESH_AXES)} or null"
@@ -92,9 +107,7 @@ def logical_to_spec(
             raise ValueError(
                 f"{what}: logical axis {name!r} has no rule in sharding.rules; known: {sorted(rules)}"
             )
-        target = rules[name]
-        axes = [] if target is None else [target] if isinstance(target, str) else list(target)
-        axes = [a for a in axes if mesh_axis_sizes.get(a, 1) > 1 and a not in used]
+        axes = [a for a in axes_of(rules[name]) if mesh_axis_sizes.get(a, 1) > 1 and a not in used]
         if shape is not None and axes:
             size = 1
             for a in axes:

@@ -152,6 +152,12 @@ def test_bias_balancing_moves_the_router_bias_towards_the_mean_load():
     assert float(metrics["dropped_tokens"]) == 0.0
 
 
+def test_experts_must_be_sharded_over_a_token_axis():
+    config = load_config("deepseek-v3-tiny", ["mesh.fsdp=1", "mesh.ep=2", "sharding.rules.batch=[dp,fsdp]"])
+    with pytest.raises(ConfigError, match=r"experts are sharded over \['ep'\]; expected one mesh axis that the tokens"):
+        validate(config, 2)
+
+
 def test_experts_must_divide_over_ep():
     config = load_config("deepseek-v3-tiny", ["mesh.fsdp=1", "mesh.ep=16", "train.batch_size=16"])
     with pytest.raises(ConfigError, match=r"model.moe.num_experts=8 is not divisible by the 16 expert shards"):
