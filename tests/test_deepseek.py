@@ -15,6 +15,7 @@ from flax import nnx
 from hf_fixtures import hf_logits, save_hf_model
 
 from models import DeepseekV3, ModelConfig, causal_lm_loss, from_hf
+from orchestrator.config import load_config
 from sharding.mesh import build_mesh
 from sharding.rules import DEFAULT_RULES, use_rules
 
@@ -128,3 +129,22 @@ def test_capacity_factor_drops_tokens_and_reports_them(checkpoint):
     np.testing.assert_array_equal(dropped, np.maximum(load - slots, 0).sum(-1))
     assert np.all(dropped > 0)
     assert not np.allclose(np.asarray(logits), np.asarray(dropless), atol=1e-4)
+
+
+def test_cached_decode_of_both_stacks_equals_the_full_forward():
+    """Prefill then token-by-token decode through the dense and the MoE stack's cache pairs; the
+    cache holds MLA's latent and rotary key, `kv_lora_rank + qk_rope_head_dim` values per token."""
+    config = load_config("deepseek-v3-tiny", ["model.num_layers=2"]).model
+    model = DeepseekV3(config, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(_tokens(config.vocab_size, 10))
+    full = np.asarray(jax.jit(lambda m, ids: m(ids))(model, ids))
+    cache = model.init_cache(batch=BATCH, max_len=16)
+    step = jax.jit(lambda m, ids, cache: m(ids, kv_cache=cache))
+    assert [k.shape for k in cache.k] == [(1, BATCH, 16, 1, 32)] * 2
+    assert cache.bytes_per_token() == 2 * (32 + 16) * 4
+    logits, cache = step(model, ids[:, :6], cache)
+    steps = [np.asarray(logits)]
+    for t in range(6, 10):
+        logits, cache = step(model, ids[:, t:t + 1], cache)
+        steps.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=2e-5)
