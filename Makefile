@@ -35,6 +35,7 @@ lint: install
 bench: install
 	$(PY) bench/train_step.py
 	$(PY) bench/loop.py
+	$(PY) bench/moe.py
 	bash tests/netns.sh $(PY) bench/cluster.py
 
 clean:
