@@ -140,13 +140,16 @@ def test_expert_parallel_across_two_hosts_matches_one_process(tmp_path):
     model = ["model.num_layers=2", "train.batch_size=4", "train.seq_len=32", "checkpoint.async_save=false",
              "train.peak_flops_per_device=1e9", "mesh.fsdp=1", "mesh.ep=2", "mesh.tp=2", "train.steps=3",
              "checkpoint.every_steps=3", "optimizer.schedule=constant", f"run.dir={tmp_path}"]
-    runs = {}
+    procs = {}  # both runs at once: their start-up (Ray, imports, compiles) overlaps
     for name, placement, devices in (("one-process", ["cluster=none"], 4), ("two-hosts", TWO_HOSTS, 2)):
         command = [sys.executable, "-m", "launch.cli", "train", "-c", "deepseek-v3-tiny", *model, *placement,
                    f"run.name={name}"]
-        done = subprocess.run(command, cwd=ROOT, env=env(tmp_path, devices), capture_output=True, text=True,
-                              timeout=420)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        procs[name] = subprocess.Popen(command, cwd=ROOT, env=env(tmp_path, devices), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+    runs = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=420)
+        assert proc.returncode == 0, out[-4000:]
         runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     one, two = runs["one-process"], runs["two-hosts"]
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
