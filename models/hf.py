@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import ml_dtypes  # also registers bfloat16 with numpy, which safetensors' numpy reader needs
@@ -141,8 +142,17 @@ def _read_block(tensor, shape, axes, index) -> np.ndarray:
     return block[tuple(slice(None) if a in outer else index[a] for a in range(len(shape)))]
 
 
-def _read_headers(directory: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
-    """Maps every tensor name in the checkpoint to its file, shape and safetensors dtype (headers only)."""
+class _Stored(NamedTuple):
+    """Where a tensor lies in a safetensors file: its shape, dtype and first data byte."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+
+
+def _read_headers(directory: Path) -> dict[str, _Stored]:
+    """Maps every tensor name in the checkpoint to where it is stored (headers only)."""
     index = directory / INDEX_FILE
     if index.exists():
         files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -155,16 +165,13 @@ def _read_headers(directory: Path) -> dict[str, tuple[Path, tuple[int, ...], str
         raise ValueError(f"{directory}: expected *.safetensors weights (or {INDEX_FILE}), found none")
     found = {}
     for file in files:
-        for name, entry in _header(file).items():
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
             if name != "__metadata__":
-                found[name] = (file, tuple(entry["shape"]), entry["dtype"])
+                found[name] = _Stored(file, tuple(entry["shape"]), entry["dtype"], 8 + size + entry["data_offsets"][0])
     return found
-
-
-def _header(file: Path) -> dict:
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(size))
 
 
 class _Fp8Weights:
@@ -180,13 +187,10 @@ class _Fp8Weights:
 
     @functools.lru_cache(maxsize=4)  # noqa: B019  (one reader per load; a few tensors in flight)
     def __call__(self, name: str) -> np.ndarray:
-        file, shape, _ = self.found[name]
-        begin, _ = _header(file)[name]["data_offsets"]
-        with open(file, "rb") as f:
-            data_start = 8 + int.from_bytes(f.read(8), "little")
-        raw = np.memmap(file, dtype=ml_dtypes.float8_e4m3fn, mode="r", offset=data_start + begin, shape=shape)
-        scale_file, _, _ = self.found[name + FP8_SCALE_SUFFIX]
-        with safe_open(scale_file, framework="numpy") as f:
+        stored = self.found[name]
+        shape = stored.shape
+        raw = np.memmap(stored.file, dtype=ml_dtypes.float8_e4m3fn, mode="r", offset=stored.offset, shape=shape)
+        with safe_open(self.found[name + FP8_SCALE_SUFFIX].file, framework="numpy") as f:
             scale = f.get_tensor(name + FP8_SCALE_SUFFIX).astype(np.float32)
         rows, cols = self.block
         full = np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)[: shape[0], : shape[1]]
@@ -211,7 +215,8 @@ def _fp8_companions(found: dict) -> set[str]:
     return {
         name for name in found
         if name.endswith(FP8_SCALE_SUFFIX)
-        and found.get(name.removesuffix(FP8_SCALE_SUFFIX), (0, 0, ""))[2] == "F8_E4M3"
+        and name.removesuffix(FP8_SCALE_SUFFIX) in found
+        and found[name.removesuffix(FP8_SCALE_SUFFIX)].dtype == "F8_E4M3"
     }
 
 
@@ -219,15 +224,15 @@ def _fp8_problems(fp8: list[str], found: dict, block: tuple[int, int]) -> list[s
     """What stops the FP8 weights `fp8` from being dequantised: a missing or misshapen scale, a non-2-D weight."""
     problems = []
     for name in fp8:
-        shape, scale = found[name][1], name + FP8_SCALE_SUFFIX
+        shape, scale = found[name].shape, name + FP8_SCALE_SUFFIX
         if len(shape) != 2:
             problems.append(f"{name}: an FP8 tensor must be a 2-D weight to have block scales, found shape {shape}")
         elif scale not in found:
             problems.append(f"{name}: an FP8 tensor without its {scale} block scales")
-        elif found[scale][1] != _fp8_scale_shape(shape, block):
+        elif found[scale].shape != _fp8_scale_shape(shape, block):
             problems.append(
-                f"{scale} in {found[scale][0].name}: expected {_fp8_scale_shape(shape, block)} "
-                f"({block[0]}x{block[1]} blocks of a {shape} weight), found {found[scale][1]}"
+                f"{scale} in {found[scale].file.name}: expected {_fp8_scale_shape(shape, block)} "
+                f"({block[0]}x{block[1]} blocks of a {shape} weight), found {found[scale].shape}"
             )
     return problems
 
@@ -244,10 +249,10 @@ def _check_tensors(directory: Path, config: ModelConfig, expected: dict, found: 
 
     unexpected = sorted(name for name in set(found) - set(expected) - _fp8_companions(found) if not ignored(name))
     wrong = [
-        f"{name} in {found[name][0].name}: expected {expected[name]}, found {found[name][1]}"
-        for name in sorted(set(expected) & set(found)) if found[name][1] != expected[name]
+        f"{name} in {found[name].file.name}: expected {expected[name]}, found {found[name].shape}"
+        for name in sorted(set(expected) & set(found)) if found[name].shape != expected[name]
     ]
-    fp8 = sorted(name for name in set(expected) & set(found) if found[name][2] == "F8_E4M3")
+    fp8 = sorted(name for name in set(expected) & set(found) if found[name].dtype == "F8_E4M3")
     report = []
     if missing:
         report.append(f"missing tensors: {', '.join(missing)}")
@@ -307,11 +312,11 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None) -> tuple
 
     loaded = []
     with ExitStack() as stack:
-        files = {file for file, _, _ in found.values()}
+        files = {stored.file for stored in found.values()}
         handles = {file: stack.enter_context(safe_open(file, framework="numpy")) for file in files}
 
         def read(name, shape, axes, index):
-            file, _, hf_dtype = found[name]
+            file, _, hf_dtype, _ = found[name]
             tensor = fp8(name) if hf_dtype == "F8_E4M3" else handles[file].get_slice(name)
             return _read_block(tensor, shape, axes, index)
 

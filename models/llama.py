@@ -85,27 +85,24 @@ class Llama(nnx.Module):
         table = constrain(self.embed[...], (None, "embed"))
         h = jnp.take(table, input_ids, axis=0).astype(dtype)
         h = constrain(h, ("batch", "seq", "act_embed"))
-        stats = {}
+        stacks = self.stacks()
         if kv_cache is None:
             mask = make_attention_mask(positions, key_positions, segment_ids, segment_ids)
-            for stack in self.stacks():
-                h, outputs = run_layers(stack, h, remat=c.remat, scan=scan, positions_BT=positions, mask_BTS=mask)
-                stats |= {k: v for k, v in outputs.items() if k != "kv"}
-            new_cache = None
+            pairs, remat, cache_index = [None] * len(stacks), c.remat, None
         else:
             slot_positions = jax.lax.dynamic_update_slice_in_dim(
                 kv_cache.positions, key_positions, kv_cache.index, axis=1
             )
             mask = make_attention_mask(positions, slot_positions)
-            pairs = []
-            for stack, pair in zip(self.stacks(), kv_cache.split(), strict=True):
-                h, outputs = run_layers(
-                    stack, h, remat="none", scan=scan, kv=pair,
-                    positions_BT=positions, mask_BTS=mask, cache_index=kv_cache.index,
-                )
-                pairs.append(outputs.pop("kv"))
-                stats |= outputs
-            new_cache = kv_cache.join(pairs, positions=slot_positions, index=kv_cache.index + t)
+            pairs, remat, cache_index = kv_cache.split(), "none", kv_cache.index
+        stats, new_pairs = {}, []
+        for stack, pair in zip(stacks, pairs, strict=True):
+            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, positions_BT=positions, mask_BTS=mask,
+                                    cache_index=cache_index)
+            new_pairs.append(outputs.pop("kv"))
+            stats |= outputs
+        if kv_cache is not None:
+            new_cache = kv_cache.join(new_pairs, positions=slot_positions, index=kv_cache.index + t)
         h = self.final_norm(h)
         out = h if return_hidden else constrain(dense(h, self.head()), ("batch", "seq", "act_vocab"))
         result = (out,) if kv_cache is None else (out, new_cache)

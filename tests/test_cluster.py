@@ -100,38 +100,31 @@ def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_pat
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
 
-    killed = tmp_path / "killed"
-    proc = start_train(tmp_path, killed, steps, *TWO_HOSTS, constant)
-    wait_for_step(killed, proc, 3)
-    os.kill(worker_pid(killed, 1, 1), signal.SIGKILL)
-    out, _ = proc.communicate(timeout=420)
-    assert proc.returncode == 0, out[-4000:]
-    assert "attempt 1 ended: crash (rank 1): killed by SIGKILL" in out
-    result = job(killed)
-    assert result["restarts"] == {"crash": 1} and result["attempts"] == 2, result
-    resumed = losses(killed)
-    for step in want:
-        assert abs(resumed[step] - want[step]) <= 1e-6, (step, resumed[step], want[step])
-    assert_no_worker_left(killed)
+    def signal_rank_1(run_dir, steps, sig, *, at_step, every, ended, restart):
+        """Runs the gang, sends `sig` to rank 1's worker after `at_step`; the job must end in
+        success after one restart of kind `restart`, with the reference's losses."""
+        proc = start_train(tmp_path, run_dir, steps, *TWO_HOSTS, constant, every=every)
+        wait_for_step(run_dir, proc, at_step)
+        os.kill(worker_pid(run_dir, 1, 1), sig)
+        out, _ = proc.communicate(timeout=420)
+        assert proc.returncode == 0, out[-4000:]
+        assert f"attempt 1 ended: {ended}" in out
+        result = job(run_dir)
+        assert result["restarts"] == {restart: 1} and result["attempts"] == 2, result
+        after = losses(run_dir)
+        for step in want:
+            assert abs(after[step] - want[step]) <= 1e-6, (step, after[step], want[step])
+        assert_no_worker_left(run_dir)
+
+    signal_rank_1(tmp_path / "killed", steps, signal.SIGKILL, at_step=3, every=2,
+                  ended="crash (rank 1): killed by SIGKILL", restart="crash")
 
     # A preemption notice (SIGTERM) to one host: every process stops at the same step through JAX's
     # preemption sync point, checkpoints it, exits 75; the gang restarts on the preemption budget.
     # The run is long enough for the notice to reach every process (it may take a few steps).
     preempted = tmp_path / "preempted"
-    proc = start_train(tmp_path, preempted, 40, *TWO_HOSTS, constant, every=100)
-    wait_for_step(preempted, proc, 1)
-    os.kill(worker_pid(preempted, 1, 1), signal.SIGTERM)
-    out, _ = proc.communicate(timeout=420)
-    assert proc.returncode == 0, out[-4000:]
-    assert "attempt 1 ended: preempted" in out
-    result = job(preempted)
-    assert result["restarts"] == {"preempted": 1} and result["attempts"] == 2, result
-    attempt_2 = (preempted / "logs" / "attempt-2" / "rank0.log").read_text()
-    assert "resumed from step" in attempt_2
-    after = losses(preempted)
-    for step in want:
-        assert abs(after[step] - want[step]) <= 1e-6, (step, after[step], want[step])
-    assert_no_worker_left(preempted)
+    signal_rank_1(preempted, 40, signal.SIGTERM, at_step=1, every=100, ended="preempted", restart="preempted")
+    assert "resumed from step" in (preempted / "logs" / "attempt-2" / "rank0.log").read_text()
 
 
 def test_expert_parallel_across_two_hosts_matches_one_process(tmp_path):
