@@ -63,3 +63,15 @@ class KVCache:
         for array in (*self.k, *self.v):
             total += array.shape[0] * array.shape[3] * array.shape[4] * array.dtype.itemsize
         return total
+
+
+
+def write_tokens(stacked: jax.Array, new_LBT: jax.Array, index) -> jax.Array:
+    """`stacked` (L, B, S, ...) with the new tokens' entries `new_LBT` (L, B, T, ...) in slots `index`..`index + T`.
+
+    One `dynamic_update_slice` of the new tokens only: on a loop carry (the decode loop) or a
+    donated buffer XLA updates the cache in place.
+    """
+    starts = [jnp.zeros((), jnp.int32)] * stacked.ndim
+    starts[2] = jnp.asarray(index, jnp.int32)
+    return jax.lax.dynamic_update_slice(stacked, new_LBT.astype(stacked.dtype), starts)

@@ -100,6 +100,88 @@ def attention(q_BTHD, k_BSKD, v_BSKE, mask_BTS, *, scale: float) -> jax.Array:
     return out.reshape(b, kv_heads, group, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e)
 
 
+def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
+                     key_positions_BT, cache_positions_BS, cache_used, block: int = 512) -> jax.Array:
+    """Attention of T new tokens to themselves and to the filled slots of one layer of a stacked cache.
+
+    Args:
+        queries: per key part, the scaled queries (B, T, H, Dp). GQA has one part; MLA two (its
+            absorbed latent queries and its rotary queries). Scores are summed over the parts.
+        new_keys: per part, the new tokens' keys (B, T, K, Dp); `new_values` (B, T, K, E).
+        key_caches: per part, the stacked cache (L, B, S, K, Dp); `value_cache` (L, B, S, K, E).
+            Only read, never written: the caller writes the new tokens after all layers ran.
+        layer: the layer (traced or static) whose slots are read.
+        positions_BT: the new tokens' positions; `key_positions_BT` the same with -1 at padding.
+        cache_positions_BS: the position held in each slot (-1: empty or padding).
+        cache_used: slots filled before these tokens (a traced scalar); only those are read.
+        block: slots per step of the running softmax.
+
+    The new tokens are attended first (causally, by position); then the cache's slots below
+    `cache_used`, `block` at a time, straight from the stacked cache with a running softmax. A
+    token's cost grows with the filled length, not with `max_len`, and no cache is ever copied.
+    Returns (B, T, H, E) in the values' dtype.
+    """
+    b, t, heads, _ = queries[0].shape
+    length, kv_heads, e = value_cache.shape[2], value_cache.shape[3], value_cache.shape[4]
+    group = heads // kv_heads
+    block = min(block, length)
+    dtype = new_values.dtype
+    queries = [q.reshape(b, t, kv_heads, group, q.shape[-1]) for q in queries]
+    layer = jnp.asarray(layer, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+
+    # One new token (decoding): the products are multiply-and-sums, which XLA fuses with the read
+    # of the cache block; a matmul would first copy each block into a transposed layout.
+    def scores_of(keys, valid_BTS):
+        if t == 1:
+            scores = sum(jnp.sum(q[:, 0, :, :, None, None, :].astype(jnp.float32)
+                                 * jnp.moveaxis(k, 1, 2)[:, :, None, None].astype(jnp.float32), axis=-1)
+                         for q, k in zip(queries, keys, strict=True))
+        else:
+            scores = sum(jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+                         for q, k in zip(queries, keys, strict=True))
+        valid = valid_BTS[:, None, None]
+        return jnp.where(valid, scores, NEG_INF), valid
+
+    def accumulate(carry, scores, valid, values):
+        row_max, row_sum, acc = carry
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1, keepdims=True))
+        probs = jnp.where(valid, jnp.exp(scores - new_max), 0.0)
+        correction = jnp.exp(row_max - new_max)
+        if t == 1:
+            weighted = jnp.sum(probs[..., None] * jnp.moveaxis(values, 1, 2)[:, :, None, None].astype(jnp.float32),
+                               axis=-2)
+        else:
+            weighted = jnp.einsum("bkgts,bske->bkgte", probs.astype(dtype), values.astype(dtype),
+                                  preferred_element_type=jnp.float32)
+        return new_max, row_sum * correction + jnp.sum(probs, axis=-1, keepdims=True), acc * correction + weighted
+
+    def step(j, carry):
+        start = jnp.minimum(j * block, length - block)  # the last block may overlap the one before
+
+        def read(cache):
+            size = (1, b, block, *cache.shape[3:])
+            return jax.lax.dynamic_slice(cache, (layer, zero, start, zero, zero), size)[0]
+
+        slot_pos = jax.lax.dynamic_slice_in_dim(cache_positions_BS, start, block, axis=1)
+        slot = start + jnp.arange(block)
+        valid = ((slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= positions_BT[:, :, None])
+                 & (slot >= j * block) & (slot < cache_used))
+        scores, valid = scores_of([read(k) for k in key_caches], valid)
+        return accumulate(carry, scores, valid, read(value_cache))
+
+    init = (
+        jnp.full((b, kv_heads, group, t, 1), NEG_INF, jnp.float32),
+        jnp.zeros((b, kv_heads, group, t, 1), jnp.float32),
+        jnp.zeros((b, kv_heads, group, t, e), jnp.float32),
+    )
+    scores, valid = scores_of(new_keys, make_attention_mask(positions_BT, key_positions_BT))
+    carry = accumulate(init, scores, valid, new_values)
+    _, row_sum, acc = jax.lax.fori_loop(0, (cache_used + block - 1) // block, step, carry)
+    out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e).astype(dtype)
+
+
 def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
     """A parameter created by `init` and annotated with logical axis `names`."""
     # Sharding is applied by `sharding/` from the logical names, never eagerly at creation.
@@ -234,11 +316,16 @@ class Attention(nnx.Module):
             y = y + b[...].astype(self.dtype)
         return checkpoint_name(y, name)
 
-    def __call__(self, x_BTD, *, positions_BT, mask_BTS, kv=None, cache_index=None):
-        """Attends `x` to itself, or to the cache slots `kv = (k_BSKH, v_BSKH)` after writing into them.
+    def __call__(self, x_BTD, *, positions_BT, mask_BTS=None, kv=None, layer=None, **cache_kwargs):
+        """Attends `x` to itself (under `mask_BTS`), or to itself and a stacked cache.
+
+        With a cache, `kv = (k, v)` are the whole stacks (L, B, S, K, D), read only; this is layer
+        `layer`, and `cache_kwargs` are `cached_attention`'s `key_positions_BT`,
+        `cache_positions_BS` and `cache_used`.
 
         Returns:
-            (out_BTD, new_kv): new_kv is the updated (k, v) pair, or None without a cache.
+            (out_BTD, new_kv): new_kv is the new tokens' (k, v), each (B, T, K, D), to be written
+            into the cache at its next slots; None without a cache.
         """
         inv_freq = np.asarray(self.inv_freq, np.float32)
         q = self._project(x_BTD, self.wq, self.bq, "query")
@@ -248,14 +335,13 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, positions_BT, inv_freq, self.rope_scale), ("batch", "seq", "act_heads", None))
         k = apply_rope(k, positions_BT, inv_freq, self.rope_scale)
-        new_kv = None
-        if kv is not None:
-            k_cache, v_cache = kv
-            k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), cache_index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
-            new_kv = (k, v)
-            k, v = k.astype(self.dtype), v.astype(self.dtype)
-        out = attention(q, k, v, mask_BTS, scale=self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        if kv is None:
+            out = attention(q, k, v, mask_BTS, scale=scale)
+        else:
+            out = cached_attention([q * scale], [k], v, kv[:1], kv[1], layer=layer, positions_BT=positions_BT,
+                                   **cache_kwargs)
+        new_kv = None if kv is None else (k, v)
         out = dense(out, self.wo[...].astype(self.dtype), n_in=2)
         if self.bo is not None:
             out = out + self.bo[...].astype(self.dtype)
@@ -307,12 +393,11 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs) if mlp is None else mlp
 
-    def __call__(self, x_BTD, *, positions_BT, mask_BTS, kv=None, cache_index=None):
-        """Returns (x, outputs): `outputs["kv"]` is the updated cache pair (None without a cache),
-        plus the MoE block's statistics when the layer has one."""
-        attn, new_kv = self.attn(
-            self.input_norm(x_BTD), positions_BT=positions_BT, mask_BTS=mask_BTS, kv=kv, cache_index=cache_index
-        )
+    def __call__(self, x_BTD, *, positions_BT, **attention_kwargs):
+        """Returns (x, outputs): `outputs["kv"]` is the updated stacked cache pair (None without a
+        cache), plus the MoE block's statistics when the layer has one. `attention_kwargs` (the mask
+        or the cache arguments) go to the attention block."""
+        attn, new_kv = self.attn(self.input_norm(x_BTD), positions_BT=positions_BT, **attention_kwargs)
         x_BTD = x_BTD + attn
         mlp_out = self.mlp(self.post_attn_norm(x_BTD))
         stats = {}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.kv_cache import KVCache
+from models.kv_cache import KVCache, write_tokens
 from models.layers import DecoderLayer, RMSNorm, dense, dtype_of, make_attention_mask, param
 from models.runner import run_layers, stack_layers
 from sharding.rules import constrain
@@ -88,20 +88,22 @@ class Llama(nnx.Module):
         stacks = self.stacks()
         if kv_cache is None:
             mask = make_attention_mask(positions, key_positions, segment_ids, segment_ids)
-            pairs, remat, cache_index = [None] * len(stacks), c.remat, None
+            pairs, remat, kwargs = [None] * len(stacks), c.remat, {"mask_BTS": mask}
         else:
-            slot_positions = jax.lax.dynamic_update_slice_in_dim(
-                kv_cache.positions, key_positions, kv_cache.index, axis=1
-            )
-            mask = make_attention_mask(positions, slot_positions)
-            pairs, remat, cache_index = kv_cache.split(), "none", kv_cache.index
+            pairs, remat = kv_cache.split(), "none"
+            kwargs = {"key_positions_BT": key_positions, "cache_positions_BS": kv_cache.positions,
+                      "cache_used": kv_cache.index}
         stats, new_pairs = {}, []
         for stack, pair in zip(stacks, pairs, strict=True):
-            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, positions_BT=positions, mask_BTS=mask,
-                                    cache_index=cache_index)
-            new_pairs.append(outputs.pop("kv"))
+            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, positions_BT=positions, **kwargs)
+            new_entries = outputs.pop("kv")
+            if pair is not None:
+                new_pairs.append(tuple(write_tokens(c, n, kv_cache.index) for c, n in zip(pair, new_entries,
+                                                                                            strict=True)))
             stats |= outputs
         if kv_cache is not None:
+            slot_positions = jax.lax.dynamic_update_slice_in_dim(kv_cache.positions, key_positions, kv_cache.index,
+                                                                 axis=1)
             new_cache = kv_cache.join(new_pairs, positions=slot_positions, index=kv_cache.index + t)
         h = self.final_norm(h)
         out = h if return_hidden else constrain(dense(h, self.head()), ("batch", "seq", "act_vocab"))

@@ -13,6 +13,7 @@ from models.layers import (
     RMSNorm,
     apply_rope,
     attention,
+    cached_attention,
     dense,
     dtype_of,
     param,
@@ -72,35 +73,43 @@ class MLAttention(nnx.Module):
             x = _deinterleave(x)
         return apply_rope(x, positions_BT, np.asarray(self.inv_freq, np.float32), self.rope_scale)
 
-    def __call__(self, x_BTD, *, positions_BT, mask_BTS, kv=None, cache_index=None):
-        """Attends `x` to itself, or to the cache `kv = (latent_BS1R, rope_key_BS1r)` after writing into it.
+    def __call__(self, x_BTD, *, positions_BT, mask_BTS=None, kv=None, layer=None, **cache_kwargs):
+        """Attends `x` to itself, or to itself and a stacked cache `kv = (latent, rope_key)`.
+
+        The cache holds (L, B, S, 1, kv_lora_rank) normed latents and (L, B, S, 1, qk_rope_head_dim)
+        rotary keys. With a cache the key and value up-projections are absorbed into the queries
+        and the output (scores = (q_nope W_uk) . latent + q_rope . rope_key; out = (p . latent) W_uv),
+        so no per-head key or value is ever built for the cached slots. Other arguments as in
+        `models.layers.Attention`.
 
         Returns:
-            (out_BTD, new_kv): new_kv is the updated (latent, rotary key) pair, or None without a cache.
+            (out_BTD, new_kv): new_kv is the new tokens' (latent, rotary key), None without a cache.
         """
         if self.wq is None:
             q = dense(self.q_norm(dense(x_BTD, self._w(self.wq_a))), self._w(self.wq_b))
         else:
             q = dense(x_BTD, self._w(self.wq))
         q = checkpoint_name(q, "query")
-        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
-        q = jnp.concatenate([q_nope, self._rope(q_rope, positions_BT)], axis=-1)
-        q = constrain(q, ("batch", "seq", "act_heads", None))
+        q_nope, q_rope = q[..., : self.nope], self._rope(q[..., self.nope:], positions_BT)
         compressed = dense(x_BTD, self._w(self.wkv_a))
         latent = self.kv_norm(compressed[..., : self.rank])[:, :, None, :]
         rope_key = self._rope(compressed[..., None, self.rank:], positions_BT)
-        new_kv = None
-        if kv is not None:
-            latent_cache, key_cache = kv
-            write = jax.lax.dynamic_update_slice_in_dim
-            latent = write(latent_cache, latent.astype(latent_cache.dtype), cache_index, 1)
-            rope_key = write(key_cache, rope_key.astype(key_cache.dtype), cache_index, 1)
+        wkv_b = self._w(self.wkv_b)  # (R, H, nope + v)
+        if kv is None:
+            new_kv = None
+            q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "seq", "act_heads", None))
+            kv_heads = dense(latent[:, :, 0], wkv_b)  # (B, S, H, nope + v)
+            kv_heads = checkpoint_name(kv_heads, "key")
+            k_nope, v = kv_heads[..., : self.nope], kv_heads[..., self.nope:]
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, (*k_nope.shape[:-1], self.rope_dim))], axis=-1)
+            out = attention(q, k, v, mask_BTS, scale=self.scale)
+        else:
             new_kv = (latent, rope_key)
-            latent, rope_key = latent.astype(self.dtype), rope_key.astype(self.dtype)
-        kv_heads = dense(latent[:, :, 0], self._w(self.wkv_b))  # (B, S, H, nope + v)
-        kv_heads = checkpoint_name(kv_heads, "key")
-        k_nope, v = kv_heads[..., : self.nope], kv_heads[..., self.nope:]
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, (*k_nope.shape[:-1], self.rope_dim))], axis=-1)
-        out = attention(q, k, v, mask_BTS, scale=self.scale)
+            q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, wkv_b[..., : self.nope])
+            latent_out = cached_attention(
+                [q_latent * self.scale, q_rope * self.scale], [latent, rope_key], latent, kv, kv[0],
+                layer=layer, positions_BT=positions_BT, **cache_kwargs,
+            )
+            out = jnp.einsum("bthr,rhv->bthv", latent_out.astype(self.dtype), wkv_b[..., self.nope:])
         out = dense(out, self._w(self.wo), n_in=2)
         return checkpoint_name(out, "attn_out"), new_kv

@@ -78,41 +78,47 @@ def run_layers(
     *,
     remat: str = "none",
     scan: bool = True,
-    kv: tuple[jax.Array, jax.Array] | None = None,
+    kv: tuple[jax.Array, ...] | None = None,
     **layer_kwargs,
 ):
     """Runs the stacked layers over the hidden state `h`, layer 0 first.
 
     Args:
         stack: a module made by `stack_layers`; called per layer as
-            `layer(h, kv=..., **layer_kwargs) -> (h, outputs)`, `outputs` a pytree (the updated
-            cache pair, per-layer statistics).
+            `layer(h, **layer_kwargs) -> (h, outputs)` (with a cache also `kv=` and `layer=`),
+            `outputs` a pytree holding "kv" (the updated cache, or None) and per-layer statistics.
         h: the hidden state entering layer 0.
         remat: a name from `REMAT_POLICIES`; "none" keeps every intermediate for the backward pass.
         scan: True runs one `lax.scan`; False unrolls a Python loop (the reference, and the
             baseline the benchmarks compare against).
-        kv: optional stacked cache `(k, v)`, each `(num_layers, batch, slots, kv_heads, head_dim)`.
+        kv: optional stacked cache arrays, each `(num_layers, batch, slots, ...)`, read only:
+            layer `i` gets `kv=kv, layer=i` and reads its own slots straight from the stacks
+            (closed over by the scan, so never sliced into per-layer copies), and returns its new
+            tokens' entries as `outputs["kv"]`; the caller writes them into the cache after the
+            scan, in place (`models.kv_cache.write_tokens`). Writing inside the scan would make
+            XLA copy the whole cache, since the layers read what the writes overwrite.
 
     Returns:
         (h, outputs): the final hidden state and every layer's outputs stacked on a leading
-        layer axis (so the updated cache comes back as a stacked cache).
+        layer axis (the new tokens' cache entries come back as `(num_layers, batch, T, ...)`).
     """
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat: unknown policy {remat!r}; valid: {', '.join(REMAT_POLICIES)}")
     graphdef, state = nnx.split(stack)
+    num_layers = jax.tree.leaves(state)[0].shape[0]
 
     def body(h, xs):
-        layer_state, layer_kv = xs
+        layer_state, index = xs
         layer = nnx.merge(graphdef, layer_state)
-        return layer(h, kv=layer_kv, **layer_kwargs)
+        cache_kwargs = {} if kv is None else {"kv": kv, "layer": index}
+        return layer(h, **cache_kwargs, **layer_kwargs)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=_POLICIES[remat], prevent_cse=not scan)
     if scan:
-        return jax.lax.scan(body, h, (state, kv))
-    num_layers = jax.tree.leaves(state)[0].shape[0]
+        return jax.lax.scan(body, h, (state, jnp.arange(num_layers, dtype=jnp.int32)))
     outputs = []
     for i in range(num_layers):
-        h, out = body(h, jax.tree.map(lambda x, i=i: x[i], (state, kv)))
+        h, out = body(h, (jax.tree.map(lambda x, i=i: x[i], state), i))
         outputs.append(out)
     return h, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)

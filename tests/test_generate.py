@@ -1,0 +1,169 @@
+"""Generation: greedy parity with transformers, cached decode vs full forward, sampling, sharded decode."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hf_fixtures import save_hf_model
+
+from models import Llama, ModelConfig
+from models.generate import Sampling, generate, pad_prompts, sample
+from models.hf import from_hf
+from sharding import DEFAULT_RULES, build_mesh, use_rules
+
+PROMPT_LENGTHS = (7, 3, 12, 5)
+NEW_TOKENS = 10
+TINY = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                   head_dim=16, initializer_range=0.2)
+
+
+def _prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def _hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "deepseek_v3"])
+def test_greedy_generation_equals_transformers_generate(kind, tmp_path):
+    """Prompts of different lengths in one padded batch give, token for token, what transformers'
+    `generate()` gives for each prompt alone (which stops at its EOS, as ours does)."""
+    hf_model = save_hf_model(kind, tmp_path)
+    eos = hf_model.generation_config.eos_token_id
+    stop = [eos] if isinstance(eos, int) else list(eos or [])
+    _, model = from_hf(tmp_path)
+    prompts = _prompts(hf_model.config.vocab_size)
+    ours = generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=stop)
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        assert tokens == _hf_greedy(hf_model, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+
+
+def test_padded_prefill_then_decode_logits_equal_full_forward():
+    """Right-padded prompts prefilled together, then one token at a time from each row's own
+    position: every step's logits equal the full forward over that row's whole sequence."""
+    model = Llama(TINY, rngs=nnx.Rngs(1))
+    prompts = _prompts(TINY.vocab_size)
+    continuation = np.random.default_rng(1).integers(0, TINY.vocab_size, (len(prompts), 4))
+    ids, lengths = pad_prompts(prompts, pad_id=0)
+    run = jax.jit(lambda m, ids, positions, mask, cache: m(ids, positions, mask, kv_cache=cache))
+    cache = model.init_cache(len(prompts), ids.shape[1] + continuation.shape[1])
+    real = np.arange(ids.shape[1])[None] < lengths[:, None]
+    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    logits, cache = run(model, ids, positions, real, cache)
+    steps = [logits[np.arange(len(prompts)), lengths - 1]]
+    ones = np.ones((len(prompts), 1), bool)
+    for t in range(continuation.shape[1]):
+        step_logits, cache = run(model, continuation[:, t:t + 1], (lengths + t)[:, None], ones, cache)
+        steps.append(step_logits[:, 0])
+    full_ids, full_lengths = pad_prompts([p + c.tolist() for p, c in zip(prompts, continuation, strict=True)], 0)
+    full = jax.jit(lambda m, x, mask: m(x, attention_mask=mask))(
+        model, full_ids, np.arange(full_ids.shape[1])[None] < full_lengths[:, None])
+    for row, prompt in enumerate(prompts):
+        got = np.stack([s[row] for s in steps])
+        np.testing.assert_allclose(got, full[row, len(prompt) - 1: len(prompt) + 4], rtol=1e-5, atol=1e-5,
+                                   err_msg=f"row {row}")
+
+
+def test_stop_tokens_end_each_sequence_and_the_loop():
+    model = Llama(TINY, rngs=nnx.Rngs(2))
+    prompts = _prompts(TINY.vocab_size, seed=2)
+    free = generate(model, prompts, max_new_tokens=8)
+    stop = free[0][2]  # the third token of row 0
+    stopped = generate(model, prompts, max_new_tokens=8, stop_tokens=[stop])
+    for row, tokens in zip(free, stopped, strict=True):
+        end = row.index(stop) + 1 if stop in row else len(row)
+        assert tokens == row[:end]
+    # When every row has stopped the loop ends: one token each, all of them the stop token.
+    firsts = {row[0] for row in free}
+    assert generate(model, prompts, max_new_tokens=8, stop_tokens=sorted(firsts)) == [[row[0]] for row in free]
+
+
+def test_sampling_is_reproducible_per_seed_and_differs_across_seeds():
+    model = Llama(TINY, rngs=nnx.Rngs(3))
+    prompts = _prompts(TINY.vocab_size, seed=3)
+    hot = Sampling(temperature=1.5, top_k=20, top_p=0.95)
+    first = generate(model, prompts, max_new_tokens=8, sampling=hot, seed=7)
+    assert generate(model, prompts, max_new_tokens=8, sampling=hot, seed=7) == first
+    assert generate(model, prompts, max_new_tokens=8, sampling=hot, seed=8) != first
+
+
+def _frequencies(logits, sampling, n=20000):
+    keys = jax.random.split(jax.random.key(0), n)
+    draws = jax.vmap(lambda k: sample(jnp.asarray([logits], jnp.float32), k, sampling)[0])(keys)
+    return np.bincount(np.asarray(draws), minlength=len(logits)) / n
+
+
+def test_sample_follows_temperature_top_k_and_top_p():
+    probs = np.array([0.4, 0.3, 0.2, 0.06, 0.04])
+    logits = np.log(probs)
+    # Temperature 2 flattens the distribution to softmax(logits / 2).
+    tempered = np.exp(logits / 2) / np.exp(logits / 2).sum()
+    np.testing.assert_allclose(_frequencies(logits, Sampling(temperature=2.0)), tempered, atol=0.015)
+    # top-k 2: the two most likely, renormalised.
+    np.testing.assert_allclose(_frequencies(logits, Sampling(temperature=1.0, top_k=2)),
+                               [0.4 / 0.7, 0.3 / 0.7, 0, 0, 0], atol=0.015)
+    # top-p 0.75: 0.4 + 0.3 < 0.75, so the third token completes the set.
+    np.testing.assert_allclose(_frequencies(logits, Sampling(temperature=1.0, top_p=0.75)),
+                               [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0, 0], atol=0.015)
+    # Greedy, top-k 1 and a tiny top-p (at any temperature) all pick the most likely token.
+    rows = jnp.asarray(np.random.default_rng(0).normal(size=(64, 50)), jnp.float32)
+    for sampling in (Sampling(), Sampling(temperature=3.0, top_k=1), Sampling(temperature=3.0, top_p=1e-6)):
+        np.testing.assert_array_equal(sample(rows, jax.random.key(1), sampling), np.argmax(rows, axis=-1))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(sampling=Sampling(temperature=-1.0)), "temperature"),
+    (dict(sampling=Sampling(top_p=0.0)), "top_p"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_len=8), "max_len"),
+])
+def test_generate_rejects_bad_arguments(bad, message):
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=message):
+        generate(model, _prompts(TINY.vocab_size), **{"max_new_tokens": 4, **bad})
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_sharded_decode_equals_single_device(kind, tmp_path):
+    """Greedy tokens with params and cache sharded over (fsdp=2, tp=2) equal one device's."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    save_hf_model(kind, tmp_path)
+    _, single = from_hf(tmp_path)
+    prompts = _prompts(128, seed=5)
+    expected = generate(single, prompts, max_new_tokens=NEW_TOKENS)
+    mesh = build_mesh(dict(fsdp=2, tp=2), jax.devices()[:4])
+    _, sharded = from_hf(tmp_path, mesh=mesh)
+    assert len(sharded.embed[...].sharding.device_set) == 4
+    with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
+        assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS) == expected
+
+
+def test_decode_step_updates_the_stacked_cache_in_place():
+    """A compiled decode step at max_len 4096: no copy of a whole stacked cache (the output cache
+    aliases the donated input), and temporaries far below one layer's share of it."""
+    config = TINY.replace(num_layers=4)
+    model = Llama(config, rngs=nnx.Rngs(0))
+    cache = model.init_cache(2, 4096)
+    step = jax.jit(lambda m, token, cache: m(token, kv_cache=cache), donate_argnums=2)
+    compiled = step.lower(model, jnp.zeros((2, 1), jnp.int32), cache).compile()
+    cache_shape = ",".join(map(str, cache.k[0].shape))
+    copies = re.findall(rf"f32\[{cache_shape}\]\S* (?:copy|fusion)\(", compiled.as_text())
+    # The only full-cache-shaped results: the in-place writes of k and v (dynamic-update-slice fusions).
+    assert len(copies) == 2, copies
+    assert not re.search(rf"f32\[{cache_shape}\]\S* copy\(", compiled.as_text())
+    memory = compiled.memory_analysis()
+    cache_bytes = 2 * cache.k[0].nbytes
+    assert memory.alias_size_in_bytes >= cache_bytes
+    assert memory.temp_size_in_bytes < cache.k[0].nbytes // config.num_layers
