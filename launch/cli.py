@@ -10,6 +10,8 @@ COMMANDS = {
     "submit": ("launch.submit", "submit `podtrain train` as a Ray job (--address http://HEAD:8265)"),
     "plan": ("launch.plan", "show the resolved config, mesh, sharding, FLOPs and compiled memory; no training"),
     "export": ("launch.export", "write a checkpoint's weights as HF safetensors (checkpoint=<dir> out=<dir> [step=N])"),
+    "generate": ("launch.generate", "continue prompts with a checkpoint or HF model (checkpoint=<dir> prompt=<text> "
+                                    "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P])"),
     "check": ("launch.check", "build the model sharded over the devices and run train steps on random tokens"),
 }
 

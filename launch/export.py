@@ -18,9 +18,9 @@ import yaml
 from flax import nnx
 
 from models import to_hf
-from orchestrator.build import build_training
+from orchestrator.build import Training, build_training
 from orchestrator.checkpoint import Checkpointer
-from orchestrator.config import ConfigError, load_config
+from orchestrator.config import Config, ConfigError, load_config
 
 EXPORT_KEYS = ("checkpoint", "out", "step")
 
@@ -72,14 +72,12 @@ def _model_differences(saved: dict, model) -> list[str]:
     ]
 
 
-def run_command(args) -> int:
-    export, overrides = split_export_args(args.overrides)
-    config = load_config(args.config, overrides)
-    directory, step = resolve_checkpoint(export["checkpoint"])
-    step = int(export["step"]) if "step" in export else step
-    out = Path(export["out"]).expanduser()
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"out={export['out']}: directory exists and is not empty; choose a new path")
+def restore_model(config: Config, checkpoint: str, step: int | None = None) -> tuple[Training, nnx.Module, int]:
+    """(training setup, model, step): the params of `checkpoint=` (a run, checkpoint or step
+    directory) restored straight into their sharding on `config`'s mesh, the newest committed step
+    unless `step` (or the step folder) names one. The checkpoint's model keys must equal `config`'s."""
+    directory, found_step = resolve_checkpoint(checkpoint)
+    step = found_step if step is None else step
     training = build_training(config)
     with Checkpointer(directory, dataclasses.replace(config.checkpoint, resume="auto")) as checkpointer:
         steps = checkpointer.all_steps()
@@ -92,7 +90,18 @@ def run_command(args) -> int:
             raise ConfigError(f"checkpoint {directory / str(step)} was trained with a different model: "
                               + "; ".join(differences))
         params, _, step = checkpointer.restore_params(training.abstract_state(), step=step)
-    to_hf(nnx.merge(training.graphdef, params), config.model, out)
+    return training, nnx.merge(training.graphdef, params), step
+
+
+def run_command(args) -> int:
+    export, overrides = split_export_args(args.overrides)
+    config = load_config(args.config, overrides)
+    directory, _ = resolve_checkpoint(export["checkpoint"])
+    out = Path(export["out"]).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"out={export['out']}: directory exists and is not empty; choose a new path")
+    _, model, step = restore_model(config, export["checkpoint"], int(export["step"]) if "step" in export else None)
+    to_hf(model, config.model, out)
     files = sorted(out.iterdir())
     size = sum(f.stat().st_size for f in files)
     print(f"exported step {step} of {directory} to {out}: {len(files)} files, {size / 2**20:.1f} MiB "

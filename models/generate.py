@@ -85,7 +85,9 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
 
     cache = model.init_cache(batch, max_len)
     real = jnp.arange(prompt_len)[None] < lengths[:, None]
-    hidden, cache = model(prompt_ids, attention_mask=real, kv_cache=cache, return_hidden=True)
+    # Always the scanned runner: unrolled layers would each hand the cache to their own block loop,
+    # and XLA copies it for every one of them.
+    hidden, cache = model(prompt_ids, attention_mask=real, kv_cache=cache, return_hidden=True, scan=True)
     key, first_key = jax.random.split(key)
     token, done = next_token(hidden[jnp.arange(batch), lengths - 1], first_key, jnp.zeros((batch,), bool))
     tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
@@ -97,7 +99,8 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
     def body(carry):
         step, cache, token, tokens, done, key = carry
         positions = (lengths + step - 1)[:, None]
-        hidden, cache = model(token[:, None], positions=positions, kv_cache=cache, return_hidden=True)
+        hidden, cache = model(token[:, None], positions=positions, kv_cache=cache, return_hidden=True,
+                              scan=True)
         key, step_key = jax.random.split(key)
         token, done = next_token(hidden[:, 0], step_key, done)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)

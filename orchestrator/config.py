@@ -77,6 +77,10 @@ class TrainConfig:
     `compilation_cache_dir` is JAX's persistent compilation cache (relative to the run directory
     unless absolute; empty turns it off): a restarted or resumed run loads its compiled step
     instead of compiling it again. `JAX_COMPILATION_CACHE_DIR` in the environment takes precedence.
+
+    Every `eval_every` steps the loop computes the loss of `eval_batches` eval batches and, when
+    `sample_prompt` is set, greedily continues that prompt by up to `sample_tokens` tokens with the
+    current params (logged, and written to metrics.jsonl as "sample").
     """
 
     seed: int = 0
@@ -87,6 +91,8 @@ class TrainConfig:
     grad_accum: int = 1
     eval_every: int = 0
     eval_batches: int = 4
+    sample_prompt: str | None = None
+    sample_tokens: int = 32
     peak_flops_per_device: float = 0.0
     compilation_cache_dir: str = "compilation_cache"
 
@@ -401,9 +407,15 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
                     f"model.{name}={getattr(m, name)} is not divisible by mesh.tp={mesh.tp}; "
                     f"choose mesh.tp dividing {getattr(m, name)}"
                 )
-    for name in ("batch_size", "seq_len", "steps"):
-        if getattr(config.train, name) <= 0:
-            raise ConfigError(f"train.{name}: expected a positive integer, found {getattr(config.train, name)}")
+    train = config.train
+    for name in ("batch_size", "seq_len", "steps", "sample_tokens"):
+        if getattr(train, name) <= 0:
+            raise ConfigError(f"train.{name}: expected a positive integer, found {getattr(train, name)}")
+    if train.sample_prompt == "":
+        raise ConfigError("train.sample_prompt: expected a non-empty prompt or null (no samples), found ''")
+    if train.sample_prompt and not train.eval_every:
+        raise ConfigError("train.sample_prompt: samples are taken at evals, but train.eval_every=0; "
+                          "set train.eval_every > 0 or unset train.sample_prompt")
     opt = config.optimizer
     for name, value, valid in (("name", opt.name, OPTIMIZERS), ("schedule", opt.schedule, SCHEDULES)):
         if value not in valid:

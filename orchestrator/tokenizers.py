@@ -7,6 +7,7 @@ can produce. `check_vocab` compares that with the model's embedding table.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -104,3 +105,29 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
             f"the tokenizer's vocabulary ({tokenizer.vocab_size} ids) exceeds model.vocab_size={model_vocab_size}; "
             f"set model.vocab_size >= {tokenizer.vocab_size} or use a smaller tokenizer"
         )
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(token) -> str | None:
+    """A special token of tokenizer_config.json: a string, or a dict with its "content"."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def hf_directory_tokenizer(directory: Path) -> tuple[HFTokenizer, tuple[int, ...], bool]:
+    """(tokenizer, stop ids, add BOS?) from an HF directory's tokenizer.json and the special tokens that
+    its tokenizer_config.json names (else the ids config.json names)."""
+    special, hf_config = _read_json(directory / "tokenizer_config.json"), _read_json(directory / "config.json")
+    vocab = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    ids = {key: hf_config.get(f"{key}_token_id") for key in ("eos", "bos")}
+    ids = {key: [found] if isinstance(found, int) else list(found or []) for key, found in ids.items()}
+    names = {key: _token_text(special.get(f"{key}_token")) or (vocab.id_to_token(ids[key][0]) if ids[key] else None)
+             for key in ids}
+    eos, bos = names["eos"], names["bos"]
+    if eos is None:
+        raise ValueError("no EOS token in tokenizer_config.json (eos_token) or config.json (eos_token_id); "
+                         "add one there")
+    tokenizer = HFTokenizer(directory / "tokenizer.json", eos_token=eos, bos_token=bos)
+    return tokenizer, tuple(dict.fromkeys([tokenizer.eos_id, *ids["eos"]])), bool(special.get("add_bos_token"))

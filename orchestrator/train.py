@@ -17,8 +17,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 
+from models.generate import generate
 from orchestrator.build import Training, build_training
 from orchestrator.checkpoint import Checkpointer, run_metadata
 from orchestrator.cluster import protocol
@@ -27,8 +29,9 @@ from orchestrator.data import make_dataset, to_global_batch
 from orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
 from orchestrator.plan import flops_per_token
 from orchestrator.step import make_eval_step
-from orchestrator.tokenizers import check_vocab, load_tokenizer
+from orchestrator.tokenizers import Tokenizer, check_vocab, load_tokenizer
 from sharding.mesh import describe_mesh
+from sharding.rules import use_rules
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ def _make_datasets(config: Config):
     train = make_dataset(config.data, tokenizer, **kwargs)
     # Without evals (train.eval_every=0) the eval split is never built, so it may be empty.
     evals = make_dataset(config.data, tokenizer, split="eval", **kwargs) if config.train.eval_every else None
-    return train, evals
+    return train, evals, tokenizer
 
 
 def use_compilation_cache(directory: str, run_dir: Path) -> None:
@@ -123,6 +126,28 @@ def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: i
     return total / max(count, 1.0)
 
 
+def sample_prompt_ids(config: Config, tokenizer: Tokenizer) -> list[int]:
+    """`train.sample_prompt` as token ids, with BOS first when the documents start with one."""
+    ids = [tokenizer.bos_id] * config.data.add_bos + tokenizer.encode(config.train.sample_prompt).tolist()
+    if not ids:
+        raise ConfigError(f"train.sample_prompt={config.train.sample_prompt!r}: expected text that tokenises to at "
+                          "least one token, found none")
+    return ids
+
+
+def sample(training: Training, params, tokenizer: Tokenizer, prompt_ids: list[int]) -> str:
+    """The greedy continuation of `prompt_ids` by `params` (`train.sample_tokens` at most), as text.
+
+    Every process takes part (the params are sharded over all of them) and gets the same text.
+    """
+    config = training.config
+    with jax.set_mesh(training.mesh), use_rules(config.sharding.rules):
+        [tokens] = generate(nnx.merge(training.graphdef, params), [prompt_ids],
+                            max_new_tokens=config.train.sample_tokens, stop_tokens=(tokenizer.eos_id,),
+                            pad_id=tokenizer.pad_id)
+    return tokenizer.decode(tokens)
+
+
 def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None = None) -> RunResult:
     """Trains `config` to `train.steps`, resuming from `run_dir`'s checkpoints; see the module doc.
 
@@ -135,7 +160,8 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(config))
-    train_data, eval_data = _datasets(config)
+    train_data, eval_data, tokenizer = _datasets(config)
+    prompt_ids = sample_prompt_ids(config, tokenizer) if config.train.sample_prompt else None
     train_iter = iter(train_data)
     ckpt_dir = Path(config.checkpoint.dir)
     checkpointer = Checkpointer(ckpt_dir if ckpt_dir.is_absolute() else run_dir / ckpt_dir, config.checkpoint,
@@ -182,6 +208,10 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
         record = {"step": step + 1}
         if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
             record["eval_loss"] = evaluate(training, eval_step, eval_data, state.params, config.train.eval_batches)
+            if prompt_ids is not None:
+                record["sample"] = sample(training, state.params, tokenizer, prompt_ids)
+                if is_main:
+                    logger.info("sample at step %d: %r -> %r", step + 1, config.train.sample_prompt, record["sample"])
         pending = (record, metrics, step > start)
         preempted = notice.reached(step + 1)
         final = preempted or step + 1 == config.train.steps

@@ -1,0 +1,121 @@
+"""`podtrain generate` from a podtrain checkpoint and from an HF directory, its input errors, and
+the sample the training loop takes at each eval. Everything runs in this process on the 8 fake
+devices: the run's sample, `podtrain generate` on its checkpoint and the reference `generate`
+call have the same shapes and shardings, so they share one compiled program."""
+
+import json
+import signal
+
+import jax
+import pytest
+from flax import nnx
+from hf_fixtures import save_hf_model
+from test_train import TINY
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from launch.cli import main
+from models import from_hf
+from models.generate import generate
+from orchestrator.build import build_training
+from orchestrator.checkpoint import Checkpointer
+from orchestrator.config import ConfigError, load_config
+from orchestrator.tokenizers import ByteTokenizer
+from sharding.mesh import build_mesh, resolve_axis_sizes
+from sharding.rules import DEFAULT_RULES, use_rules
+
+# TINY's batch of 4 rows over fsdp=4; tp=2 shards the heads, so generation runs on a 2-D mesh.
+CONFIG = ["-c", "llama3-tiny", *TINY, "mesh.tp=2"]
+PROMPT, NEW_TOKENS = "def", 4
+SAMPLE = ["train.eval_every=1", "train.eval_batches=1", f"train.sample_prompt={PROMPT}",
+          f"train.sample_tokens={NEW_TOKENS}"]
+
+
+def test_training_samples_at_evals_and_generate_continues_its_checkpoint_greedily(tmp_path, capsys):
+    # One test, so that parallel workers never train the run twice.
+    run_dir = tmp_path / "run"
+    sigterm = signal.getsignal(signal.SIGTERM)  # the run turns SIGTERM into a preemption notice
+    try:
+        assert main(["train", *CONFIG, "cluster=none", "train.steps=1", *SAMPLE, f"run.dir={tmp_path}",
+                     f"run.name={run_dir.name}"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    capsys.readouterr()
+    assert main(["generate", *CONFIG, f"checkpoint={run_dir}", f"prompt={PROMPT}",
+                 f"max_new_tokens={NEW_TOKENS}"]) == 0
+    out = capsys.readouterr().out
+
+    # The reference: `generate` on the checkpoint restored as `podtrain export` does.
+    config = load_config(CONFIG[1], CONFIG[2:])
+    training = build_training(config)
+    with Checkpointer(run_dir / "checkpoints", config.checkpoint) as checkpointer:
+        params, _, _ = checkpointer.restore_params(training.abstract_state(), step=1)
+    tokenizer = ByteTokenizer()
+    with jax.set_mesh(training.mesh), use_rules(config.sharding.rules):
+        [tokens] = generate(nnx.merge(training.graphdef, params), [tokenizer.encode(PROMPT).tolist()],
+                            max_new_tokens=NEW_TOKENS, stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+    text = tokenizer.decode(tokens)
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("sample")) for r in records] == [(1, text)]
+    assert f"--- prompt 1 ---\n{PROMPT}\n--- completion 1 ({len(tokens)} tokens" in out
+    assert f" ---\n{text}\ngenerated {len(tokens)} tokens for 1 prompt in " in out and "tokens/s" in out
+
+
+def _write_tokenizer(directory, vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer.json of `vocab_size` ids: <unk>, <s> (BOS), </s> (EOS), then w3, w4, ...
+
+    Its ids of BOS and EOS are those in the HF fixture's config.json (bos_token_id 1, eos_token_id 2).
+    """
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True}
+    (directory / "tokenizer_config.json").write_text(json.dumps(special))
+    return tokenizer
+
+
+def test_generate_from_an_hf_directory_batches_prompts_with_its_tokenizer(tmp_path, capsys):
+    save_hf_model("llama", tmp_path)
+    tokenizer = _write_tokenizer(tmp_path, 128)
+    prompts = ["w5 w17 w99", "w3", "w100 w101 w102 w103 w104 w105 w106 w107 w108"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts[1:]) + "\n")
+    capsys.readouterr()
+    assert main(["generate", "-c", "llama3-tiny", f"checkpoint={tmp_path}", f"prompt={prompts[0]}",
+                 f"prompts_file={tmp_path / 'prompts.txt'}", "max_new_tokens=5"]) == 0
+    out = capsys.readouterr().out
+    # As the command does: the weights on the preset's mesh (fsdp over all devices), BOS first, EOS stops.
+    mesh = build_mesh(resolve_axis_sizes({"fsdp": -1}, jax.device_count()))
+    _, model = from_hf(tmp_path, mesh=mesh)
+    with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
+        want = generate(model, [[1, *tokenizer.encode(p).ids] for p in prompts], max_new_tokens=5, stop_tokens=(2,),
+                        pad_id=2)
+    for i, (prompt, tokens) in enumerate(zip(prompts, want, strict=True), 1):
+        assert f"--- prompt {i} ---\n{prompt}\n--- completion {i} ({len(tokens)} tokens" in out
+        assert f" ---\n{tokenizer.decode(tokens)}\n" in out
+    assert f"generated {sum(map(len, want))} tokens for 3 prompts" in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["prompt=hi"], "checkpoint= expects"),
+    (["checkpoint=."], "prompt= expects a non-empty prompt"),
+    (["checkpoint=.", "prompt=hi", "temperature=-1"], "temperature= expects a number >= 0"),
+    (["checkpoint=.", "prompt=hi", "top_p=1.5"], "top_p= expects a number in (0, 1], found '1.5'"),
+    (["checkpoint=.", "prompt=hi", "max_new_tokens=many"], "max_new_tokens= expects a positive integer"),
+    (["checkpoint=.", "prompt=hi", "stop=2,eos"], "stop= expects comma-separated token ids"),
+    (["checkpoint=.", "prompts_file=missing.txt"], "prompts_file=missing.txt: no such file"),
+    (["checkpoint=no/such/dir", "prompt=hi"], "checkpoint=no/such/dir: no such directory"),
+])
+def test_bad_generate_input_is_one_line_and_exit_code_2(args, needle, capsys):
+    assert main(["generate", "-c", "llama3-tiny", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["train.sample_tokens=0"], "train.sample_tokens: expected a positive integer, found 0"),
+    (["train.sample_prompt=hi", "train.eval_every=0"], "train.sample_prompt: samples are taken at evals"),
+])
+def test_sample_config_errors_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config("llama3-tiny", overrides)
