@@ -36,6 +36,7 @@ bench: install
 	$(PY) bench/train_step.py
 	$(PY) bench/loop.py
 	$(PY) bench/moe.py
+	$(PY) bench/generate.py
 	bash tests/netns.sh $(PY) bench/cluster.py
 
 clean:

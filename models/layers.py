@@ -101,7 +101,7 @@ def attention(q_BTHD, k_BSKD, v_BSKE, mask_BTS, *, scale: float) -> jax.Array:
 
 
 def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
-                     key_positions_BT, cache_positions_BS, cache_used, block: int = 512) -> jax.Array:
+                     key_positions_BT, cache_positions_BS, cache_used, block: int = 128) -> jax.Array:
     """Attention of T new tokens to themselves and to the filled slots of one layer of a stacked cache.
 
     Args:
@@ -130,13 +130,22 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     layer = jnp.asarray(layer, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
 
-    # One new token (decoding): the products are multiply-and-sums, which XLA fuses with the read
-    # of the cache block; a matmul would first copy each block into a transposed layout.
+    # One new token (decoding): the products are batched matmuls over `batch` only, with the
+    # block's kv-head axis folded into its rows (a free reshape of the (B, block, K, D) layout),
+    # and the matching kv-head pairs kept. This computes K times the (tiny) attention FLOPs but
+    # reads the cache in the layout it is stored in; matmuls batched over (batch, kv head) would
+    # first copy every block into a transposed layout.
+    same_head = jnp.eye(kv_heads, dtype=bool)
+
     def scores_of(keys, valid_BTS):
         if t == 1:
-            scores = sum(jnp.sum(q[:, 0, :, :, None, None, :].astype(jnp.float32)
-                                 * jnp.moveaxis(k, 1, 2)[:, :, None, None].astype(jnp.float32), axis=-1)
-                         for q, k in zip(queries, keys, strict=True))
+            scores = 0.0
+            for q, k in zip(queries, keys, strict=True):
+                rows = k.reshape(b, -1, k.shape[-1]).astype(q.dtype)  # (B, S * K, D)
+                all_pairs = jax.lax.dot_general(q.reshape(b, kv_heads * group, -1), rows, (((2,), (2,)), ((0,), (0,))),
+                                                preferred_element_type=jnp.float32)
+                all_pairs = all_pairs.reshape(b, kv_heads, group, -1, kv_heads)  # (B, K, G, S, K')
+                scores += jnp.sum(jnp.where(same_head[None, :, None, None, :], all_pairs, 0.0), axis=-1)[:, :, :, None]
         else:
             scores = sum(jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
                          for q, k in zip(queries, keys, strict=True))
@@ -149,8 +158,11 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
         probs = jnp.where(valid, jnp.exp(scores - new_max), 0.0)
         correction = jnp.exp(row_max - new_max)
         if t == 1:
-            weighted = jnp.sum(probs[..., None] * jnp.moveaxis(values, 1, 2)[:, :, None, None].astype(jnp.float32),
-                               axis=-2)
+            columns = values.reshape(b, values.shape[1], -1).astype(dtype)  # (B, S, K * E)
+            all_pairs = jax.lax.dot_general(probs.reshape(b, kv_heads * group, -1).astype(dtype), columns,
+                                            (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+            all_pairs = all_pairs.reshape(b, kv_heads, group, kv_heads, e)  # (B, K, G, K', E)
+            weighted = jnp.sum(jnp.where(same_head[None, :, None, :, None], all_pairs, 0.0), axis=3)[:, :, :, None]
         else:
             weighted = jnp.einsum("bkgts,bske->bkgte", probs.astype(dtype), values.astype(dtype),
                                   preferred_element_type=jnp.float32)
