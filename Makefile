@@ -23,8 +23,8 @@ train: install
 # heartbeats) run one at a time after them.
 test: install
 	$(VENV)/bin/ruff check .
-	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not ray"
-	bash tests/netns.sh $(PY) -m pytest -q -m ray
+	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not ray" --durations=25
+	bash tests/netns.sh $(PY) -m pytest -q -m ray --durations=10
 
 test-quick: install
 	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not slow"

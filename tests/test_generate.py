@@ -13,7 +13,7 @@ from flax import nnx
 from hf_fixtures import save_hf_model
 
 from models import Llama, ModelConfig
-from models.generate import Sampling, generate, pad_prompts, sample
+from models.generate import Sampling, generate, sample
 from models.hf import from_hf
 from sharding import DEFAULT_RULES, build_mesh, use_rules
 
@@ -47,32 +47,6 @@ def test_greedy_generation_equals_transformers_generate(kind, tmp_path):
     ours = generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=stop)
     for prompt, tokens in zip(prompts, ours, strict=True):
         assert tokens == _hf_greedy(hf_model, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
-
-
-def test_padded_prefill_then_decode_logits_equal_full_forward():
-    """Right-padded prompts prefilled together, then one token at a time from each row's own
-    position: every step's logits equal the full forward over that row's whole sequence."""
-    model = Llama(TINY, rngs=nnx.Rngs(1))
-    prompts = _prompts(TINY.vocab_size)
-    continuation = np.random.default_rng(1).integers(0, TINY.vocab_size, (len(prompts), 4))
-    ids, lengths = pad_prompts(prompts, pad_id=0)
-    run = jax.jit(lambda m, ids, positions, mask, cache: m(ids, positions, mask, kv_cache=cache))
-    cache = model.init_cache(len(prompts), ids.shape[1] + continuation.shape[1])
-    real = np.arange(ids.shape[1])[None] < lengths[:, None]
-    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-    logits, cache = run(model, ids, positions, real, cache)
-    steps = [logits[np.arange(len(prompts)), lengths - 1]]
-    ones = np.ones((len(prompts), 1), bool)
-    for t in range(continuation.shape[1]):
-        step_logits, cache = run(model, continuation[:, t:t + 1], (lengths + t)[:, None], ones, cache)
-        steps.append(step_logits[:, 0])
-    full_ids, full_lengths = pad_prompts([p + c.tolist() for p, c in zip(prompts, continuation, strict=True)], 0)
-    full = jax.jit(lambda m, x, mask: m(x, attention_mask=mask))(
-        model, full_ids, np.arange(full_ids.shape[1])[None] < full_lengths[:, None])
-    for row, prompt in enumerate(prompts):
-        got = np.stack([s[row] for s in steps])
-        np.testing.assert_allclose(got, full[row, len(prompt) - 1: len(prompt) + 4], rtol=1e-5, atol=1e-5,
-                                   err_msg=f"row {row}")
 
 
 def test_stop_tokens_end_each_sequence_and_the_loop():
