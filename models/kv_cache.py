@@ -65,7 +65,6 @@ class KVCache:
         return total
 
 
-
 def write_tokens(stacked: jax.Array, new_LBT: jax.Array, index) -> jax.Array:
     """`stacked` (L, B, S, ...) with the new tokens' entries `new_LBT` (L, B, T, ...) in slots `index`..`index + T`.
 

@@ -98,8 +98,8 @@ class Llama(nnx.Module):
             h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, positions_BT=positions, **kwargs)
             new_entries = outputs.pop("kv")
             if pair is not None:
-                new_pairs.append(tuple(write_tokens(c, n, kv_cache.index) for c, n in zip(pair, new_entries,
-                                                                                            strict=True)))
+                new_pairs.append(tuple(write_tokens(cache, new, kv_cache.index)
+                                       for cache, new in zip(pair, new_entries, strict=True)))
             stats |= outputs
         if kv_cache is not None:
             slot_positions = jax.lax.dynamic_update_slice_in_dim(kv_cache.positions, key_positions, kv_cache.index,
