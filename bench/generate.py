@@ -241,6 +241,64 @@ def decode_step_memory(model: Llama, batch: int, max_lens: list[int]) -> list[di
     return rows
 
 
+def time_per_call(fn: Callable, *args, calls: int = 20, repeats: int = 7) -> float:
+    """Seconds per call of `fn(*args)`: `calls` calls chained in one jitted loop, best of `repeats`."""
+    looped = jax.jit(lambda x, *rest: jax.lax.fori_loop(0, calls, lambda _, x: fn(x, *rest), x))
+    looped(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        looped(*args).block_until_ready()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def decode_floors(model: Llama, batch: int) -> list[dict]:
+    """Lower bounds for one decode step on this machine, from the model's own weights and matmuls.
+
+    - `read every weight once`: one pass summing as many bytes as the weights a step uses (layers
+      and head, as one flat array): the memory-bandwidth floor, since a decode step must read each
+      weight once.
+    - `layer matmuls, weights in cache`: the step's seven matmuls per layer on (batch, hidden) rows,
+      `num_layers` times over layer 0's weights (3.8 MiB, they stay in cache): the time XLA:CPU's
+      dot kernels take for the arithmetic alone, with no weight coming from memory.
+    - `head matmul, weights in cache`: (batch, hidden) @ (hidden, vocab), repeated.
+    """
+    weights = per_layer_weights(model)
+    layer, c = weights["layers"][0], model.config
+    stacked = [p[...] for p in jax.tree.leaves(nnx.state(model.layers, nnx.Param))]
+    every_weight = [*stacked, weights["final_norm"], weights["head"]]
+    rows_BH = jnp.full((batch, c.hidden_size), 0.01, jnp.float32)
+
+    def read_all(total, flat):  # `+ total` keeps XLA from hoisting the sum out of the timing loop
+        return total + jnp.sum(flat + total) * 1e-9
+
+    def layer_matmuls(x, w):
+        def one_layer(x, _):
+            q, k, v = dense(x, w["wq"]), dense(x, w["wk"]), dense(x, w["wv"])
+            x = x + dense(q, w["wo"], n_in=2) + 1e-6 * (k.sum() + v.sum())
+            return x + 0.5 * dense(jax.nn.silu(dense(x, w["w_gate"])) * dense(x, w["w_up"]), w["w_down"]), None
+
+        return jax.lax.scan(one_layer, x, None, length=c.num_layers)[0]
+
+    def head_matmul(x, head):
+        return x + 1e-6 * jnp.sum(x @ head)
+
+    flat = jnp.concatenate([a.reshape(-1) for a in every_weight])  # one array: the best case for streaming
+    read_s = time_per_call(read_all, jnp.zeros((), jnp.float32), flat)
+    matmul_s = time_per_call(layer_matmuls, rows_BH, layer)
+    head_s = time_per_call(head_matmul, rows_BH, weights["head"])
+    mib = sum(a.nbytes for a in every_weight) / 2**20
+    return [{"floor": f"read every weight once ({mib:.1f} MiB)", "ms_per_step": read_s * 1e3,
+             "gb_per_s": f"{mib * 2**20 / read_s / 1e9:.1f}"},
+            {"floor": f"layer matmuls, weights in cache ({c.num_layers} x 7)", "ms_per_step": matmul_s * 1e3,
+             "gb_per_s": ""},
+            {"floor": "head matmul, weights in cache", "ms_per_step": head_s * 1e3, "gb_per_s": ""}]
+
+
+FLOOR_COLUMNS = (("floor", "per decode step", "<44"), ("ms_per_step", "ms", ".3f"), ("gb_per_s", "GB/s", "<6"))
+
+
 MEMORY_COLUMNS = (("max_len", "max_len", "d"), ("cache_mib", "KV cache MiB", ".1f"),
                   ("alias_mib", "updated in place (alias) MiB", ".1f"), ("temp_mib", "temporaries MiB", ".2f"),
                   ("bytes_mib", "bytes accessed MiB (scan body once)", ".1f"))
@@ -292,13 +350,20 @@ def main(argv: list[str] | None = None) -> int:
             ("implementation", "implementation", "<9"), ("batch", "batch", "d"),
             ("short", f"ms / token at {short}", ".3f"), ("long", f"ms / token at {long}", ".3f"),
             ("ratio", f"{long} / {short}", ".2f"))))
+    floors = decode_floors(model, HEADLINE_BATCH)
+    compute_floor = sum(f["ms_per_step"] for f in floors[1:])
+    say(f"\nfloors, batch {HEADLINE_BATCH} (each timed alone; podtrain's decode step: "
+        f"{headline[0]['ms_per_step']:.3f} ms; the target is {TARGET_MS_PER_TOKEN * HEADLINE_BATCH:.3f} ms):\n"
+        + format_table(floors, FLOOR_COLUMNS)
+        + f"\nmatmuls with every weight already in cache: {compute_floor:.3f} ms per step, "
+          f"{compute_floor / HEADLINE_BATCH:.3f} ms per token")
     memory = decode_step_memory(model, HEADLINE_BATCH, sorted({*args.max_lens, HEADLINE_MAX_LEN}))
     say(f"\ncompiled decode step, batch {HEADLINE_BATCH} (XLA memory_analysis / cost_analysis):\n"
         + format_table(memory, MEMORY_COLUMNS))
     if args.json:
         strip = [{k: v for k, v in row.items() if k != "tokens"} for row in headline + rows]
         print(json.dumps({"machine": machine_description(), "rows": strip, "ratios": ratios, "targets": targets,
-                          "decode_step_memory": memory}, indent=1))
+                          "floors": floors, "decode_step_memory": memory}, indent=1))
     return 0
 
 

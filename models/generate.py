@@ -50,9 +50,9 @@ def sample(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampling.top_p < 1.0:
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
         # Keep a token while the mass before it is below p: the most likely one is always kept.
-        keep = (cumulative - jax.nn.softmax(sorted_logits, axis=-1)) < sampling.top_p
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
         threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < threshold, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -55,6 +55,21 @@ def peak_flops_per_device(configured: float = 0.0) -> tuple[float, str]:
     )
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch whenever it is
+    installed, only to accept torch tensors (about 4 s at every worker start); podtrain logs floats."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsWriter:
     """Appends one JSON object per step to `metrics.jsonl`, mirrors scalars to TensorBoard, prints."""
 
@@ -67,9 +82,7 @@ class MetricsWriter:
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = (run_dir / "metrics.jsonl").open("a")
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = _summary_writer_class()(str(run_dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
         if not self.enabled:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+from orbax.checkpoint import multihost
 
 from models.generate import generate
 from orchestrator.build import Training, build_training
@@ -109,11 +110,27 @@ def _make_datasets(config: Config):
 
 def use_compilation_cache(directory: str, run_dir: Path) -> None:
     """Points JAX's persistent compilation cache at `directory` (relative to `run_dir`), unless it
-    is empty or `JAX_COMPILATION_CACHE_DIR` already chose one."""
+    is empty or `JAX_COMPILATION_CACHE_DIR` already chose one, and caches every program however
+    short its compile (JAX's default skips those under 1 s: the many small init programs then
+    compile again at every restart) unless `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` is set."""
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if not directory or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     path = Path(directory) if Path(directory).is_absolute() else run_dir / directory
     jax.config.update("jax_compilation_cache_dir", str(path))
+
+
+def compile_then_meet(step_fn, *args, timeout_s: float) -> None:
+    """Compiles `step_fn` for `args` (the jitted call reuses it), then waits until every process
+    has: a barrier of the coordination service, not a collective. On CPU, gloo gives a process
+    30 s to join a collective's first run, and a process that loads its program from the
+    persistent compilation cache (only process 0 writes it; on CPU its keys differ per process)
+    would otherwise wait there for processes still compiling."""
+    if jax.process_count() == 1:
+        return
+    step_fn.lower(*args).compile()
+    multihost.get_barrier_sync_fn()(key="podtrain_train_step_compiled", timeout_ms=int(timeout_s * 1000))
 
 
 def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: int) -> float:
@@ -202,6 +219,8 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
 
     for step in range(start, config.train.steps):
         batch = to_global_batch(next(train_iter), training.batch_sharding)
+        if step == start:
+            compile_then_meet(training.step, state, batch, timeout_s=config.cluster.startup_timeout_s)
         state, metrics = training.step(state, batch)
         if pending is not None:
             finish(*pending)
