@@ -62,24 +62,38 @@ def _pick(state: nnx.State, path) -> jax.Array:
 
 @dataclasses.dataclass
 class _VariableInit:
-    """How one variable is born sharded: one program, or zeros then one program per layer."""
+    """How one unstacked variable is born sharded: one program that returns it."""
 
     path: tuple
     var: nnx.Variable
-    init: Callable | None = None
-    zeros: Callable | None = None
-    write_layer: Callable | None = None
-    num_layers: int = 0
+    init: Callable
+
+
+@dataclasses.dataclass
+class _StackInit:
+    """How the stacked variables of one depth are born sharded: one program makes them all zeros,
+    then one program, called once per layer with the layer index, writes layer i of each."""
+
+    paths: list
+    vars: list
+    zeros: Callable
+    write_layer: Callable
+    num_layers: int
 
 
 def _variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None, layer_slice):
-    """Programs that create each variable directly in its sharding, largest shards first.
+    """Programs that create every variable directly in its sharding, largest shards first.
 
-    Each program builds the whole model but returns one variable, so XLA drops every other
-    initialiser. A stacked variable (leading logical axis "layers") is allocated as zeros and then
-    written one layer per call (`layer_slice(i)` makes the factory create layer i only, the buffer
-    is donated), so the random-number scratch is that of one layer's shard (on CPU, JAX's rolled
-    threefry loop needs about 3x what it generates).
+    Each program builds the whole model but returns only its variables, so XLA drops every other
+    initialiser. Stacked variables (leading logical axis "layers") are allocated as zeros and then
+    written one layer at a time (`layer_slice(i)` makes the factory create layer i only, the
+    buffers are donated), so the random-number scratch is that of one layer's shards (on CPU,
+    JAX's rolled threefry loop needs about 3x what it generates). Stacked variables of the same
+    depth share their two programs in groups no larger per layer than the largest one
+    (`_stack_groups`): far fewer programs to trace and compile, the same scratch bound.
+
+    Returns:
+        (graphdef, [_VariableInit | _StackInit, ...])
     """
     graphdef, abstract = abstract_model(factory, mesh, rules)
 
@@ -87,28 +101,57 @@ def _variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules 
         with nnx.use_eager_sharding(False):
             return nnx.state(factory())
 
-    inits = []
+    inits, stacked = [], {}
     by_size = sorted(nnx.to_flat_state(abstract), key=lambda item: -_shard_bytes(item[1].get_value()))
     for path, var in by_size:
         value = var.get_value()
         names = var.get_metadata().get("out_sharding") or ()
         if layer_slice is None or not names or names[0] != "layers":
             program = jax.jit(lambda path=path: _pick(build(), path), out_shardings=value.sharding)
-            inits.append(_VariableInit(path, var, init=program))
-            continue
+            inits.append(_VariableInit(path, var, program))
+        else:
+            stacked.setdefault(value.shape[0], []).append((path, var))
+    for num_layers, group in _stack_groups(stacked):
+        paths, variables = [p for p, _ in group], [v for _, v in group]
+        values = [v.get_value() for v in variables]
+        shardings = tuple(v.sharding for v in values)
 
-        def write_layer(buffer, index, path=path):
+        def write_layer(buffers, index, paths=paths):
             with layer_slice(index):
-                one = _pick(build(), path)
-            return jax.lax.dynamic_update_slice_in_dim(buffer, one.astype(buffer.dtype), index, axis=0)
+                flat = dict(nnx.to_flat_state(build()))
+            return tuple(jax.lax.dynamic_update_slice_in_dim(buffer, flat[path].get_value().astype(buffer.dtype),
+                                                             index, axis=0)
+                         for buffer, path in zip(buffers, paths, strict=True))
 
-        inits.append(_VariableInit(
-            path, var,
-            zeros=jax.jit(lambda v=value: jnp.zeros(v.shape, v.dtype), out_shardings=value.sharding),
-            write_layer=jax.jit(write_layer, out_shardings=value.sharding, donate_argnums=0),
-            num_layers=value.shape[0],
+        inits.append(_StackInit(
+            paths, variables,
+            zeros=jax.jit(lambda values=values: tuple(jnp.zeros(v.shape, v.dtype) for v in values),
+                          out_shardings=shardings),
+            write_layer=jax.jit(write_layer, out_shardings=shardings, donate_argnums=0),
+            num_layers=num_layers,
         ))
     return graphdef, inits
+
+
+def _stack_groups(stacked: dict[int, list]) -> list[tuple[int, list]]:
+    """(num_layers, [(path, var), ...]) groups of stacked variables that share their programs: per
+    depth, packed largest first so that one layer of a group holds at most as many bytes per device
+    as one layer of the largest stacked variable (the scratch of a per-variable program)."""
+    per_layer = {id(var): _shard_bytes(var.get_value()) // num_layers
+                 for num_layers, items in stacked.items() for _, var in items}
+    cap = max(per_layer.values(), default=0)
+    groups = []
+    for num_layers, items in stacked.items():
+        bins: list[list] = []
+        for path, var in items:  # largest first
+            for bin_ in bins:
+                if sum(per_layer[id(v)] for _, v in bin_) + per_layer[id(var)] <= cap:
+                    bin_.append((path, var))
+                    break
+            else:
+                bins.append([(path, var)])
+        groups += [(num_layers, bin_) for bin_ in bins]
+    return groups
 
 
 def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None = None, *,
@@ -125,13 +168,14 @@ def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules |
     flat = []
     with jax.set_mesh(mesh):
         for item in inits:
-            if item.init is not None:
-                value = item.init()
-            else:
-                value = item.zeros()
-                for index in range(item.num_layers):
-                    value = item.write_layer(value, jnp.int32(index))
-            flat.append((item.path, item.var.replace(value)))
+            if isinstance(item, _VariableInit):
+                flat.append((item.path, item.var.replace(item.init())))
+                continue
+            buffers = item.zeros()
+            for index in range(item.num_layers):
+                buffers = item.write_layer(buffers, jnp.int32(index))
+            flat += [(path, var.replace(value))
+                     for path, var, value in zip(item.paths, item.vars, buffers, strict=True)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -147,12 +191,13 @@ def init_peak_bytes(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules 
     made = peak = 0
     with jax.set_mesh(mesh):
         for item in inits:
-            if item.init is not None:
+            if isinstance(item, _VariableInit):
                 mem = item.init.lower().compile().memory_analysis()
                 peak = max(peak, made + mem.output_size_in_bytes + mem.temp_size_in_bytes)
                 made += mem.output_size_in_bytes
                 continue
             made += item.zeros.lower().compile().memory_analysis().output_size_in_bytes
-            mem = item.write_layer.lower(item.var.get_value(), jnp.int32(0)).compile().memory_analysis()
+            values = tuple(v.get_value() for v in item.vars)
+            mem = item.write_layer.lower(values, jnp.int32(0)).compile().memory_analysis()
             peak = max(peak, made + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
     return {"param_bytes": made, "peak_bytes": peak}
