@@ -71,8 +71,8 @@ class _VariableInit:
 
 @dataclasses.dataclass
 class _StackInit:
-    """How the stacked variables of one depth are born sharded: one program makes them all zeros,
-    then one program, called once per layer with the layer index, writes layer i of each."""
+    """How a group of stacked variables of one depth is born sharded: one program makes them all
+    zeros, then one program, called once per layer with the layer index, writes layer i of each."""
 
     paths: list
     vars: list
