@@ -40,7 +40,7 @@ from flax import nnx
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import format_table, machine_description  # noqa: E402
+from bench.common import format_table, machine_description, time_calls  # noqa: E402
 from models import Llama, ModelConfig  # noqa: E402
 from models.generate import generate  # noqa: E402
 from models.layers import NEG_INF, apply_rope, dense, rope_inv_freq  # noqa: E402
@@ -245,12 +245,7 @@ def time_per_call(fn: Callable, *args, calls: int = 20, repeats: int = 7) -> flo
     """Seconds per call of `fn(*args)`: `calls` calls chained in one jitted loop, best of `repeats`."""
     looped = jax.jit(lambda x, *rest: jax.lax.fori_loop(0, calls, lambda _, x: fn(x, *rest), x))
     looped(*args).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        looped(*args).block_until_ready()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+    return min(time_calls(lambda: looped(*args), repeats).wall) / calls
 
 
 def decode_floors(model: Llama, batch: int) -> list[dict]:

@@ -137,20 +137,19 @@ def _stack_groups(stacked: dict[int, list]) -> list[tuple[int, list]]:
     """(num_layers, [(path, var), ...]) groups of stacked variables that share their programs: per
     depth, packed largest first so that one layer of a group holds at most as many bytes per device
     as one layer of the largest stacked variable (the scratch of a per-variable program)."""
-    per_layer = {id(var): _shard_bytes(var.get_value()) // num_layers
-                 for num_layers, items in stacked.items() for _, var in items}
-    cap = max(per_layer.values(), default=0)
+    sized = {n: [(path, var, _shard_bytes(var.get_value()) // n) for path, var in items]
+             for n, items in stacked.items()}
+    cap = max((size for items in sized.values() for *_, size in items), default=0)
     groups = []
-    for num_layers, items in stacked.items():
-        bins: list[list] = []
-        for path, var in items:  # largest first
-            for bin_ in bins:
-                if sum(per_layer[id(v)] for _, v in bin_) + per_layer[id(var)] <= cap:
-                    bin_.append((path, var))
-                    break
-            else:
-                bins.append([(path, var)])
-        groups += [(num_layers, bin_) for bin_ in bins]
+    for num_layers, items in sized.items():
+        bins: list[list] = []  # [one layer's bytes, members]
+        for path, var, size in items:  # largest first: first fit
+            target = next((b for b in bins if b[0] + size <= cap), None)
+            if target is None:
+                bins.append(target := [0, []])
+            target[0] += size
+            target[1].append((path, var))
+        groups += [(num_layers, members) for _, members in bins]
     return groups
 
 
