@@ -1,14 +1,10 @@
 """`podtrain generate -c <preset> checkpoint=<dir> prompt=<text> [...]`: continue prompts with a model.
 
-`checkpoint=` is a podtrain run directory, checkpoint directory or step folder (its params are
-restored onto the mesh of `-c` and the overrides, as `podtrain export` does: the newest committed
-step unless `step=`), or a Hugging Face directory with config.json (then its tokenizer.json, if it
-has one, with the EOS and BOS tokens its tokenizer_config.json / config.json name; else the
-config's `data.tokenizer`). `prompt=` may be repeated and `prompts_file=` adds one prompt per
-line: all prompts go through one batched `models.generate.generate` call, with BOS first when
-`data.add_bos` (or an HF tokenizer_config.json's `add_bos_token`) says so. Generation stops at the
-EOS ids unless `stop=<id,id>` names others (`stop=` alone: none). Sampling is greedy unless
-`temperature=` > 0.
+`checkpoint=` is a podtrain run, checkpoint or step directory or a Hugging Face directory (see
+`orchestrator.load`). `prompt=` may be repeated and `prompts_file=` adds one prompt per line: all go
+through one batched `models.generate.generate` call, BOS first when `data.add_bos` (or an HF
+tokenizer_config.json's `add_bos_token`) says so. Generation stops at the EOS ids unless
+`stop=<id,id>` names others (`stop=` alone: none); greedy unless `temperature=` > 0.
 """
 
 from __future__ import annotations
@@ -18,15 +14,11 @@ import time
 from pathlib import Path
 
 import jax
-from flax import nnx
-from jax.sharding import Mesh
 
-from launch.export import restore_model
-from models import from_hf
 from models.generate import Sampling, generate
-from orchestrator.config import Config, ConfigError, load_config
-from orchestrator.tokenizers import Tokenizer, check_vocab, hf_directory_tokenizer, load_tokenizer
-from sharding.mesh import build_mesh, resolve_axis_sizes
+from orchestrator.config import ConfigError, load_config
+from orchestrator.load import load_checkpoint_tokenizer, load_model
+from orchestrator.tokenizers import check_vocab
 from sharding.rules import use_rules
 
 USAGE = ("podtrain generate -c <preset> checkpoint=<dir> prompt=<text> [prompt=...] [prompts_file=<path>] "
@@ -102,49 +94,11 @@ def split_generate_args(overrides: list[str]) -> tuple[Request, list[str]]:
     return Request(found["checkpoint"], prompts, sampling=sampling, stop=stop, **numbers), rest
 
 
-def load_tokenizer_for(config: Config, request: Request) -> tuple[Tokenizer, tuple[int, ...], bool]:
-    """(tokenizer, default stop ids, add BOS?): an HF checkpoint's own tokenizer.json, else the config's."""
-    directory = Path(request.checkpoint).expanduser()
-    if (directory / "config.json").is_file() and (directory / "tokenizer.json").is_file():
-        try:
-            tokenizer, stop, add_bos = hf_directory_tokenizer(directory)
-        except ValueError as e:
-            raise ConfigError(f"checkpoint={directory}: {e}") from None
-        add_bos = add_bos or config.data.add_bos
-        if add_bos and tokenizer.bos_id is None:
-            raise ConfigError(f"data.add_bos: the tokenizer of checkpoint={directory} names no BOS token "
-                              "(tokenizer_config.json bos_token or config.json bos_token_id); unset data.add_bos")
-        return tokenizer, stop, add_bos
-    try:
-        tokenizer = load_tokenizer(config.data.tokenizer, eos_token=config.data.eos_token,
-                                   bos_token=config.data.bos_token)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return tokenizer, (tokenizer.eos_id,), config.data.add_bos
-
-
-def load_model(config: Config, request: Request) -> tuple[nnx.Module, Mesh, int]:
-    """(model, mesh, vocabulary size) of `checkpoint=`, its params sharded on the config's mesh."""
-    directory = Path(request.checkpoint).expanduser()
-    if (directory / "config.json").is_file():
-        if request.step is not None:
-            raise ConfigError(f"step={request.step}: {directory} is a Hugging Face directory, which has no steps")
-        try:
-            sizes = resolve_axis_sizes(dataclasses.asdict(config.mesh), jax.device_count())
-            mesh = build_mesh(sizes, num_slices=config.cluster.num_slices)
-            model_config, model = from_hf(directory, mesh=mesh, rules=config.sharding.rules)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        return model, mesh, model_config.vocab_size
-    training, model, _ = restore_model(config, request.checkpoint, request.step)
-    return model, training.mesh, config.model.vocab_size
-
-
 def run_command(args) -> int:
     request, overrides = split_generate_args(args.overrides)
     config = load_config(args.config, overrides)
-    tokenizer, stop, add_bos = load_tokenizer_for(config, request)
-    model, mesh, vocab_size = load_model(config, request)
+    tokenizer, stop, add_bos = load_checkpoint_tokenizer(config, request.checkpoint)
+    model, mesh, vocab_size = load_model(config, request.checkpoint, request.step)
     try:
         check_vocab(tokenizer, vocab_size)
     except ValueError as e:

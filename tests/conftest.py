@@ -2,10 +2,15 @@
 
 import os
 
+from xla_flags import FAST_COMPILE, xla_flags
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    flags = f"{flags} {xla_flags(8)}".strip()
+elif FAST_COMPILE not in flags:
+    flags = f"{flags} {FAST_COMPILE}"
+os.environ["XLA_FLAGS"] = flags
 # One persistent compilation cache for the whole session, the processes tests start included: the
 # many runs of the same tiny configs compile their programs once. Results do not depend on it.
 os.environ.setdefault(

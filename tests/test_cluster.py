@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_train import TINY, losses
+from xla_flags import xla_flags
 
 ROOT = Path(__file__).parent.parent
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -33,7 +34,7 @@ def ray_tmpdir(tmp_path: Path) -> str:
 
 def env(tmp_path: Path, devices: int = 2) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), RAY_TMPDIR=ray_tmpdir(tmp_path), RAY_AUTH_MODE="disabled",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                XLA_FLAGS=xla_flags(devices),
                 PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
 
 
@@ -304,7 +305,7 @@ def test_fake_tpu_slices_are_reserved_whole_and_train(tmp_path, monkeypatch, num
         done = run_train(tmp_path, run_dir, 2, "cluster=tpu", "cluster.tpu_type=v4-16", "cluster.reserve_timeout_s=60",
                          f"cluster.num_slices={num_slices}", f"cluster.address={cluster.address}",
                          "cluster.env.JAX_PLATFORMS=cpu", "cluster.init_timeout_s=60", *mesh,
-                         "cluster.env.XLA_FLAGS=--xla_force_host_platform_device_count=2", devices=2)
+                         f"cluster.env.XLA_FLAGS={xla_flags(2)}", devices=2)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
         assert f"reserved {2 * num_slices} hosts" in done.stdout
         hosts = 2 * num_slices

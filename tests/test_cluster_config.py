@@ -26,6 +26,10 @@ def test_cluster_shorthand_and_kinds():
     assert _bundles(local)[:2] == ([{"CPU": 1.0}] * 3, "PACK")
     assert host_env(local, {}) == {"JAX_PLATFORMS": "cpu", "FOO": "bar",
                                    "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    # The driver's other XLA flags reach the workers; its device count does not.
+    inherited = "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/hlo"
+    assert host_env(local, {}, xla_flags=inherited)["XLA_FLAGS"] == (
+        "--xla_force_host_platform_device_count=2 --xla_dump_to=/tmp/hlo")
 
 
 def test_megascale_variables_only_for_several_tpu_slices():

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from xla_flags import xla_flags
 
 ROOT = Path(__file__).parent.parent
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=384",
@@ -23,7 +24,7 @@ def command(run_dir: Path, steps: int, *extra: str, every: int = 2) -> list[str]
 
 
 def env():
-    return dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    return dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags(2))
 
 
 def train(run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:

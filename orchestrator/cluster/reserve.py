@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from typing import Any
 
 from orchestrator.cluster.host import HostActor
 from orchestrator.config import ClusterConfig
 
 # TPU generations whose type names count TensorCores (two per chip); the others count chips.
+DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host
 _CORES_NAMED = ("v2", "v3", "v4", "v5p")
 _TWO_D = ("v5e", "v5litepod", "v6e")
 
@@ -145,16 +147,20 @@ def reserve(cluster: ClusterConfig, name: str) -> Gang:
         order = sorted(range(len(actors)), key=lambda r: (
             gang.slices[r], int(gang.infos[r]["labels"].get("ray.io/tpu-worker-id", r))))
         gang.actors, gang.infos, gang.slices = ([xs[r] for r in order] for xs in (gang.actors, gang.infos, gang.slices))
-    gang.host_env = [host_env(cluster, info) for info in gang.infos]
+    gang.host_env = [host_env(cluster, info, xla_flags=os.environ.get("XLA_FLAGS", "")) for info in gang.infos]
     return gang
 
 
-def host_env(cluster: ClusterConfig, info: dict) -> dict[str, str]:
-    """Environment for one host's worker: platform and device flags per kind, then `cluster.env`."""
+def host_env(cluster: ClusterConfig, info: dict, xla_flags: str = "") -> dict[str, str]:
+    """Environment for one host's worker: platform and device flags per kind, then `cluster.env`.
+
+    A local host keeps the driver's `xla_flags` (say, `--xla_dump_to`) with its own fake device count.
+    """
     env: dict[str, str] = {}
     if cluster.kind == "local":
         env["JAX_PLATFORMS"] = "cpu"
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cluster.devices_per_host}"
+        kept = [flag for flag in xla_flags.split() if not flag.startswith(f"--{DEVICE_COUNT_FLAG}")]
+        env["XLA_FLAGS"] = " ".join([f"--{DEVICE_COUNT_FLAG}={cluster.devices_per_host}", *kept])
     elif cluster.kind == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, info["gpu_ids"]))
     return {**env, **{str(k): str(v) for k, v in cluster.env.items()}}

@@ -1,0 +1,116 @@
+"""A trained model outside the training loop (`podtrain export`, `podtrain generate`).
+
+A podtrain checkpoint is named by its run directory, its checkpoint directory or one step folder;
+only its params are read (never the optimizer state), each straight into its sharding on the
+config's mesh, and the config's model section must equal the one the checkpoint was trained with.
+A Hugging Face directory (config.json and safetensors) is read by `models.from_hf`, with its own
+tokenizer.json when it has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import yaml
+from flax import nnx
+from jax.sharding import Mesh
+
+from models import from_hf
+from orchestrator.build import Training, build_training
+from orchestrator.checkpoint import Checkpointer
+from orchestrator.config import Config, ConfigError
+from orchestrator.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
+from sharding.mesh import build_mesh, resolve_axis_sizes
+
+# Model keys that change how the model runs or is initialised, not what its weights are.
+RUNTIME_KEYS = {"dtype", "remat", "scan_layers", "initializer_range"}
+
+
+def resolve_checkpoint(path: str) -> tuple[Path, int | None]:
+    """(checkpoint directory, step or None) for a run directory, a checkpoint directory or a step folder."""
+    p = Path(path).expanduser().absolute()
+    if not p.is_dir():
+        raise ConfigError(f"checkpoint={path}: no such directory")
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    if p.name.isdigit() and (p / "state").is_dir():
+        return p.parent, int(p.name)
+    if not any(child.name.isdigit() for child in p.iterdir()):
+        raise ConfigError(f"checkpoint={path}: expected a run directory, a checkpoint directory or a step folder; "
+                          f"found no committed step folder in {p}")
+    return p, None
+
+
+def _model_differences(saved: dict, model) -> list[str]:
+    current = dataclasses.asdict(model)
+    return [
+        f"model.{key}: checkpoint has {saved.get(key)!r}, config has {current.get(key)!r}"
+        for key in sorted((set(saved) | set(current)) - RUNTIME_KEYS) if saved.get(key) != current.get(key)
+    ]
+
+
+def restore_model(config: Config, checkpoint: str, step: int | None = None) -> tuple[Training, nnx.Module, int]:
+    """(training setup, model, step): the params of `checkpoint=` (a run, checkpoint or step
+    directory) restored straight into their sharding on `config`'s mesh, the newest committed step
+    unless `step` (or the step folder) names one. The checkpoint's model keys must equal `config`'s."""
+    directory, found_step = resolve_checkpoint(checkpoint)
+    step = found_step if step is None else step
+    training = build_training(config)
+    with Checkpointer(directory, dataclasses.replace(config.checkpoint, resume="auto")) as checkpointer:
+        steps = checkpointer.all_steps()
+        step = steps[-1] if step is None and steps else step
+        if step not in steps:
+            raise ConfigError(f"step={step}: not in {directory} (committed steps: {steps})")
+        saved_model = (yaml.safe_load(checkpointer.meta(step).get("config_yaml", "")) or {}).get("model")
+        differences = _model_differences(saved_model, config.model) if saved_model is not None else []
+        if differences:
+            raise ConfigError(f"checkpoint {directory / str(step)} was trained with a different model: "
+                              + "; ".join(differences))
+        params, _, step = checkpointer.restore_params(training.abstract_state(), step=step)
+    return training, nnx.merge(training.graphdef, params), step
+
+
+def is_hf_directory(checkpoint: str) -> bool:
+    return (Path(checkpoint).expanduser() / "config.json").is_file()
+
+
+def load_model(config: Config, checkpoint: str, step: int | None = None) -> tuple[nnx.Module, Mesh, int]:
+    """(model, mesh, vocabulary size) of a podtrain checkpoint or an HF directory, its params
+    sharded on the config's mesh."""
+    directory = Path(checkpoint).expanduser()
+    if not is_hf_directory(checkpoint):
+        training, model, _ = restore_model(config, checkpoint, step)
+        return model, training.mesh, config.model.vocab_size
+    if step is not None:
+        raise ConfigError(f"step={step}: {directory} is a Hugging Face directory, which has no steps")
+    try:
+        sizes = resolve_axis_sizes(dataclasses.asdict(config.mesh), jax.device_count())
+        mesh = build_mesh(sizes, num_slices=config.cluster.num_slices)
+        model_config, model = from_hf(directory, mesh=mesh, rules=config.sharding.rules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return model, mesh, model_config.vocab_size
+
+
+def load_checkpoint_tokenizer(config: Config, checkpoint: str) -> tuple[Tokenizer, tuple[int, ...], bool]:
+    """(tokenizer, default stop ids, add BOS?): an HF directory's own tokenizer.json (with the EOS
+    and BOS its tokenizer_config.json / config.json name), else the config's `data.tokenizer`."""
+    directory = Path(checkpoint).expanduser()
+    if is_hf_directory(checkpoint) and (directory / "tokenizer.json").is_file():
+        try:
+            tokenizer, stop, add_bos = hf_directory_tokenizer(directory)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint={directory}: {e}") from None
+        add_bos = add_bos or config.data.add_bos
+        if add_bos and tokenizer.bos_id is None:
+            raise ConfigError(f"data.add_bos: the tokenizer of checkpoint={directory} names no BOS token "
+                              "(tokenizer_config.json bos_token or config.json bos_token_id); unset data.add_bos")
+        return tokenizer, stop, add_bos
+    try:
+        tokenizer = load_tokenizer(config.data.tokenizer, eos_token=config.data.eos_token,
+                                   bos_token=config.data.bos_token)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return tokenizer, (tokenizer.eos_id,), config.data.add_bos
