@@ -279,7 +279,7 @@ def test_ray_job_submit_then_ray_job_stop_checkpoints_and_leaves_nothing_running
 TPU_NODE_ENV = {"TPU_NAME": "fake-slice", "TPU_ACCELERATOR_TYPE": "v4-16", "TPU_TOPOLOGY": "2x2x2"}
 
 
-@pytest.mark.parametrize("num_slices", [2])  # 1 slice passes too (locally); CI time keeps one case
+@pytest.mark.parametrize("num_slices", [1, 2])
 def test_fake_tpu_slices_are_reserved_whole_and_train(tmp_path, monkeypatch, num_slices):
     """v4-16 slices (2 hosts x 4 chips each) made of Ray nodes with TPU resources and labels."""
     import ray
