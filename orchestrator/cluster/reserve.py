@@ -16,8 +16,8 @@ from typing import Any
 from orchestrator.cluster.host import HostActor
 from orchestrator.config import ClusterConfig
 
-# TPU generations whose type names count TensorCores (two per chip); the others count chips.
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host
+# TPU generations whose type names count TensorCores (two per chip); the others count chips.
 _CORES_NAMED = ("v2", "v3", "v4", "v5p")
 _TWO_D = ("v5e", "v5litepod", "v6e")
 
