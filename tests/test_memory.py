@@ -48,6 +48,6 @@ def test_full_remat_bounds_backward_memory():
     assert full_32["grad"] - full_8["grad"] <= 1.05 * 24 * residual_bytes, (full_8, full_32)
     # The train step adds the gradients (one param-sized buffer) and the optimizer's scratch.
     assert full_32["train"] <= full_32["grad"] + 2 * full_32["param_bytes"], full_32
-    assert full_32["train"] <= none_32["train"] / 2, (full_32, none_32)
+    assert full_32["train"] <= none_32["train"] / 4, (full_32, none_32)  # the issue: at most 1/4
     # The issue's target for this step (32 layers, full remat, bench shape, one device).
     assert full_32["train"] <= 300 * 2**20, full_32
