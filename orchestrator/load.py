@@ -73,6 +73,7 @@ def restore_model(config: Config, checkpoint: str, step: int | None = None) -> t
 
 
 def is_hf_directory(checkpoint: str) -> bool:
+    """Whether `checkpoint=` names a Hugging Face directory (it holds config.json) rather than a podtrain one."""
     return (Path(checkpoint).expanduser() / "config.json").is_file()
 
 
