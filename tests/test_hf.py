@@ -32,9 +32,8 @@ LENGTHS = (12, 9, 5, 12)
 SHARD_EVERYTHING = {**DEFAULT_RULES, "head_dim": "ep", "norm": "fsdp", "vocab": ["tp", "ep"]}
 
 
-def _mesh_or_skip():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+def _mesh():
+    """The (fsdp, tp, ep) mesh over the 8 devices tests/conftest.py gives every test."""
     return build_mesh(MESH_SIZES, jax.devices()[:8])
 
 
@@ -81,7 +80,7 @@ PLACEMENTS = [(kind, "one_device") for kind in KIND_NAMES] + [
 
 @pytest.mark.parametrize(("kind", "placement"), PLACEMENTS)
 def test_from_hf_logits_match_transformers(kind, placement, tmp_path):
-    mesh = _mesh_or_skip() if placement != "one_device" else None
+    mesh = _mesh() if placement != "one_device" else None
     # The mesh case also reads a checkpoint split over several files with an index.
     hf_model = save_hf_model(kind, tmp_path, max_shard_size=None if mesh is None else "40KB")
     assert (tmp_path / INDEX_FILE).exists() == (mesh is not None)
@@ -94,7 +93,7 @@ def test_from_hf_logits_match_transformers(kind, placement, tmp_path):
 
 @pytest.mark.parametrize("kind", KIND_NAMES)
 def test_from_hf_reads_each_shard_into_place(kind, tmp_path):
-    mesh = _mesh_or_skip()
+    mesh = _mesh()
     save_hf_model(kind, tmp_path, max_shard_size="40KB")
     _, reference = from_hf(tmp_path)
     _, model = from_hf(tmp_path, mesh=mesh, rules=SHARD_EVERYTHING)
@@ -113,7 +112,7 @@ def test_from_hf_reads_each_shard_into_place(kind, tmp_path):
 @pytest.mark.parametrize("kind", KIND_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_hf_podtrain_hf_round_trip_is_byte_identical(kind, dtype, tmp_path):
-    mesh = _mesh_or_skip()
+    mesh = _mesh()
     source, exported = tmp_path / "source", tmp_path / "exported"
     save_hf_model(kind, source, dtype=dtype, max_shard_size="40KB")
     config, model = from_hf(source, mesh=mesh)
@@ -306,7 +305,7 @@ def _save_fp8_release(directory, reference_directory) -> dict[str, tuple[int, in
 
 
 def test_from_hf_dequantises_the_fp8_release_layout(tmp_path):
-    mesh = _mesh_or_skip()
+    mesh = _mesh()
     source, reference_dir = tmp_path / "fp8", tmp_path / "dequantised"
     shapes = _save_fp8_release(source, reference_dir)
     assert any(n % FP8_BLOCK for shape in shapes.values() for n in shape)
