@@ -30,6 +30,11 @@ def test_cluster_shorthand_and_kinds():
     inherited = "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/hlo"
     assert host_env(local, {}, xla_flags=inherited)["XLA_FLAGS"] == (
         "--xla_force_host_platform_device_count=2 --xla_dump_to=/tmp/hlo")
+    # cluster.env.XLA_FLAGS replaces the driver's flags, and the host still gets its device count.
+    own = load_config("llama3-tiny", ["cluster.devices_per_host=2",
+                                      "cluster.env.XLA_FLAGS=--xla_cpu_use_thunk_runtime=true"])
+    assert host_env(own.cluster, {}, xla_flags=inherited)["XLA_FLAGS"] == (
+        "--xla_force_host_platform_device_count=2 --xla_cpu_use_thunk_runtime=true")
 
 
 def test_megascale_variables_only_for_several_tpu_slices():

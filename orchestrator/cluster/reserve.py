@@ -154,16 +154,18 @@ def reserve(cluster: ClusterConfig, name: str) -> Gang:
 def host_env(cluster: ClusterConfig, info: dict, xla_flags: str = "") -> dict[str, str]:
     """Environment for one host's worker: platform and device flags per kind, then `cluster.env`.
 
-    A local host keeps the driver's `xla_flags` (say, `--xla_dump_to`) with its own fake device count.
+    A local host runs with `cluster.env.XLA_FLAGS` if set, else the driver's `xla_flags` (say,
+    `--xla_dump_to`), and always with its own fake device count, `cluster.devices_per_host`.
     """
-    env: dict[str, str] = {}
+    env = {str(k): str(v) for k, v in cluster.env.items()}
     if cluster.kind == "local":
-        env["JAX_PLATFORMS"] = "cpu"
-        kept = [flag for flag in xla_flags.split() if not flag.startswith(f"--{DEVICE_COUNT_FLAG}")]
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        flags = env.get("XLA_FLAGS", xla_flags).split()
+        kept = [flag for flag in flags if not flag.startswith(f"--{DEVICE_COUNT_FLAG}")]
         env["XLA_FLAGS"] = " ".join([f"--{DEVICE_COUNT_FLAG}={cluster.devices_per_host}", *kept])
     elif cluster.kind == "gpu":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, info["gpu_ids"]))
-    return {**env, **{str(k): str(v) for k, v in cluster.env.items()}}
+        env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, info["gpu_ids"])))
+    return env
 
 
 def megascale_env(cluster: ClusterConfig, coordinator_ip: str, slice_index: int, port: int) -> dict[str, str]:
