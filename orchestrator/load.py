@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import jax
 import yaml
 from flax import nnx
 from jax.sharding import Mesh
@@ -22,7 +21,7 @@ from orchestrator.build import Training, build_training
 from orchestrator.checkpoint import Checkpointer
 from orchestrator.config import Config, ConfigError
 from orchestrator.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
-from sharding.mesh import build_mesh, resolve_axis_sizes
+from sharding.mesh import build_mesh
 
 # Model keys that change how the model runs or is initialised, not what its weights are.
 RUNTIME_KEYS = {"dtype", "remat", "scan_layers", "initializer_range"}
@@ -87,8 +86,7 @@ def load_model(config: Config, checkpoint: str, step: int | None = None) -> tupl
     if step is not None:
         raise ConfigError(f"step={step}: {directory} is a Hugging Face directory, which has no steps")
     try:
-        sizes = resolve_axis_sizes(dataclasses.asdict(config.mesh), jax.device_count())
-        mesh = build_mesh(sizes, num_slices=config.cluster.num_slices)
+        mesh = build_mesh(dataclasses.asdict(config.mesh), num_slices=config.cluster.num_slices)
         model_config, model = from_hf(directory, mesh=mesh, rules=config.sharding.rules)
     except ValueError as e:
         raise ConfigError(str(e)) from None
