@@ -52,7 +52,7 @@ def first_batch(config, training):
     tokenizer = load_tokenizer(config.data.tokenizer, eos_token=config.data.eos_token,
                                bos_token=config.data.bos_token)
     dataset = make_dataset(config.data, tokenizer, seq_len=config.train.seq_len,
-                           global_batch=config.train.batch_size, process_index=0, process_count=1)
+                           global_batch=config.train.batch_size)
     return to_global_batch(next(iter(dataset)), training.batch_sharding)
 
 

@@ -17,16 +17,26 @@ once every process has finished, so a folder named by a bare integer is a commit
           ocdbt.process_<i>/            the shards process i wrote
           array_metadatas/process_<i>
         meta/metadata                   JSON: step, seed, config_yaml, mesh, and the caller's extras
-        data/process_<i>-of-<n>.json    grain iterator state of process i (only when an iterator was given)
+        data_position/metadata          JSON: the input pipeline's position, merged from every process's
+                                        part (the training loop saves each global batch row's stream
+                                        state, so a run resumes on any number of processes)
       <step>.orbax-checkpoint-tmp/      a save in flight or interrupted: never listed, never restored
 
 Resuming (`checkpoint.resume`): `auto` restores the newest step that restores; a step that fails
 (a truncated or missing array file, broken metadata, or a state that no longer matches the model)
-is logged and the step before it is tried. Nothing is ever deleted by a restore. With no checkpoint
+is logged and the step before it is tried. Nothing is ever deleted by a restore; once an older step
+restored, the damaged newer ones are renamed `<step>.damaged` (Orbax then ignores them, so the run
+checkpoints those step numbers again instead of skipping every save up to them). With no checkpoint
 the run starts fresh; when checkpoints exist but none restores, `NoRestorableCheckpointError` lists
 every step with its error, because silently starting over would throw away a run. `none` starts
 fresh and refuses a directory that already holds checkpoints (Orbax would silently skip saving any
-step not newer than the ones there); a step number restores exactly that step.
+step not newer than the ones there); a step number restores exactly that step. Both mistakes are
+`ConfigError`s.
+
+With several processes the directory must be one that every process sees (a shared filesystem
+or a URL such as gs://): each process writes its own shards into it. A `Checkpointer` checks this
+when it opens the directory and raises `ConfigError` naming the processes that cannot see a file
+process 0 wrote there.
 
 Every process tries the same steps, newest first, and a damaged step normally fails on all of them
 (the files under a step are shared). Damage that only some processes read would let them restore
@@ -36,19 +46,22 @@ different steps; the processes compare the step they restored and raise rather t
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
+from orbax.checkpoint import multihost
 
-from orchestrator.config import CheckpointConfig, Config, to_yaml
+from orchestrator.config import CheckpointConfig, Config, ConfigError, to_yaml
 from sharding.mesh import describe_mesh
 
 logger = logging.getLogger(__name__)
@@ -100,7 +113,7 @@ def _manager_options(config: CheckpointConfig) -> ocp.CheckpointManagerOptions:
 
 
 class Checkpointer:
-    """Saves and restores a run's TrainState, metadata and (optionally) its grain data iterator.
+    """Saves and restores a run's TrainState, metadata and (optionally) its input pipeline's position.
 
     Args:
         directory: where the step folders live (a local path or any path Orbax accepts).
@@ -115,6 +128,8 @@ class Checkpointer:
         self.directory = directory if "://" in str(directory) else os.path.abspath(directory)
         self._run_meta = dict(run_meta or {})
         self._manager = ocp.CheckpointManager(self.directory, options=_manager_options(config))
+        if jax.process_count() > 1:
+            _check_shared(self.directory)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -135,7 +150,7 @@ class Checkpointer:
         step: int,
         state: Any,
         *,
-        data_iterator: Any = None,
+        data_position: Callable[[], Mapping] | None = None,
         meta: Mapping | None = None,
         force: bool = False,
     ) -> bool:
@@ -148,22 +163,28 @@ class Checkpointer:
         Args:
             step: the step `state` is at.
             state: a pytree of (sharded) arrays, normally the TrainState.
-            data_iterator: a grain iterator whose position is saved per process, or None.
+            data_position: called only when the step is saved: this process's part of the input
+                pipeline's position (JSON-able, keyed so that the processes' parts merge into one
+                mapping; processes that share a key must give the same value). `restore` returns the
+                merged mapping as `meta["data_position"]`.
             meta: JSON-able extras for this step's `meta` (e.g. a data position shared by all processes).
             force: save regardless of the interval (final step, preemption handled by the caller).
 
         Returns:
             True if a save was started; False if not due or `step` is already saved.
         """
-        if step in self._manager.all_steps():
+        if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
             return False
         items = {
             "state": ocp.args.StandardSave(state),
             "meta": ocp.args.JsonSave({**self._run_meta, **(meta or {}), "step": step}),
         }
-        if data_iterator is not None:
-            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-        return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+        if data_position is not None:
+            merged = {}
+            for part in _gather_json(dict(data_position())):
+                merged.update(part)
+            items["data_position"] = ocp.args.JsonSave(merged)
+        return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def wait(self) -> None:
         """Blocks until every save started so far is committed (raises what a background save raised)."""
@@ -177,19 +198,17 @@ class Checkpointer:
             raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} (steps: {self.all_steps()})")
         return step
 
-    def restore(
-        self, abstract_state: Any, *, step: int | None = None, data_iterator: Any = None
-    ) -> tuple[Any, dict, int]:
+    def restore(self, abstract_state: Any, *, step: int | None = None) -> tuple[Any, dict, int]:
         """Restores one step onto the shardings `abstract_state` asks for (any mesh).
 
         Args:
             abstract_state: the state's tree of `jax.ShapeDtypeStruct`s with concrete NamedShardings
                 (`Training.abstract_state()`); arrays are read shard by shard onto that layout.
             step: the step to restore; the newest one if None.
-            data_iterator: a grain iterator to set to the saved position, in place; or None.
 
         Returns:
-            (state, meta, step).
+            (state, meta, step); `meta["data_position"]` is the merged data position when the step
+            was saved with one.
 
         Raises:
             FileNotFoundError: the step (or, with `step=None`, any step) is not in the directory.
@@ -197,10 +216,14 @@ class Checkpointer:
         """
         step = self._committed_step(step)
         items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
-        if data_iterator is not None:
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        has_position = (epath.Path(self.directory) / str(step) / "data_position").exists()
+        if has_position:
+            items["data_position"] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        return restored.state, dict(restored.meta), step
+        meta = dict(restored.meta)
+        if has_position:
+            meta["data_position"] = dict(restored.data_position)
+        return restored.state, meta, step
 
     def meta(self, step: int) -> dict:
         """The JSON metadata of one step (its `config_yaml`, mesh, seed...), without reading any array."""
@@ -227,7 +250,7 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored.state.params, dict(restored.meta), step
 
-    def restore_latest(self, abstract_state: Any, *, data_iterator: Any = None) -> tuple[Any, dict, int] | None:
+    def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, int] | None:
         """Restores the newest step that restores, falling back past damaged ones (logged, kept on disk).
 
         Returns:
@@ -240,41 +263,90 @@ class Checkpointer:
         failures = {}
         for step in reversed(self.all_steps()):
             try:
-                restored = self.restore(abstract_state, step=step, data_iterator=data_iterator)
+                restored = self.restore(abstract_state, step=step)
             except _DAMAGED_STEP_ERRORS as error:
                 failures[step] = error
                 _warn("checkpoint step %d in %s cannot be restored (%s); falling back to an older step",
                       step, self.directory, _describe(error))
                 continue
             _check_same_step_everywhere(step, self.directory, failures)
+            self._set_aside(failures)
             return restored
         if failures:
             raise NoRestorableCheckpointError(str(self.directory), failures)
         return None
 
-    def resume(self, abstract_state: Any, *, data_iterator: Any = None) -> tuple[Any, dict, int] | None:
+    def _set_aside(self, damaged: Mapping[int, Exception]) -> None:
+        """Renames damaged step folders to `<step>.damaged` (process 0, once every process restored)."""
+        if not damaged:
+            return
+        if jax.process_index() == 0:
+            for step in damaged:
+                folder = epath.Path(self.directory) / str(step)
+                folder.rename(folder.parent / f"{step}.damaged")
+                _warn("checkpoint step %d in %s renamed to %s.damaged (kept for inspection)", step, self.directory,
+                      step)
+        if jax.process_count() > 1:
+            multihost.sync_global_processes(f"podtrain_damaged_steps_set_aside_{max(damaged)}")
+        self._manager.reload()
+
+    def resume(self, abstract_state: Any) -> tuple[Any, dict, int] | None:
         """Restores what `config.resume` asks for.
 
         Returns:
             (state, meta, step), or None for a fresh start.
 
         Raises:
-            ValueError: `resume` is `none` but the directory already holds checkpoints.
+            ConfigError: `resume` is `none` but the directory already holds checkpoints, or a step
+                number that is not there.
         """
         if self.config.resume == "auto":
-            return self.restore_latest(abstract_state, data_iterator=data_iterator)
+            return self.restore_latest(abstract_state)
         if self.config.resume == "none":
             if self.all_steps():
-                raise ValueError(
+                raise ConfigError(
                     f"checkpoint.resume=none, but {self.directory} already holds steps {self.all_steps()}: "
                     "use resume=auto to continue that run, or a new checkpoint.dir to start over"
                 )
             return None
-        return self.restore(abstract_state, step=int(self.config.resume), data_iterator=data_iterator)
+        step = int(self.config.resume)
+        if step not in self.all_steps():
+            raise ConfigError(f"checkpoint.resume={step}: no such step in {self.directory} (steps: {self.all_steps()})")
+        return self.restore(abstract_state, step=step)
 
     def close(self) -> None:
         """Waits for pending saves, then releases Orbax's threads."""
         self._manager.close()
+
+
+def _gather_json(value: Any) -> list:
+    """`value` (JSON-able) of every process, in process order, through two allgathers of bytes."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.int32(data.size)).tolist()
+    padded = np.zeros(max(sizes), np.uint8)
+    padded[: data.size] = data
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes, strict=True)]
+
+
+def _check_shared(directory: str) -> None:
+    """Raises ConfigError unless every process sees a file that process 0 writes into `directory`."""
+    token = _gather_json(uuid.uuid4().hex if jax.process_index() == 0 else "")[0]
+    probe = epath.Path(directory) / f".podtrain-shared-{token}"
+    if jax.process_index() == 0:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("written by process 0 to check that every process sees this directory\n")
+    multihost.sync_global_processes(f"podtrain_checkpoint_probe_written_{token}")
+    seen = _gather_json(probe.exists())
+    multihost.sync_global_processes(f"podtrain_checkpoint_probe_read_{token}")
+    if jax.process_index() == 0:
+        probe.unlink()
+    blind = [i for i, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(f"checkpoint.dir={directory}: processes {blind} do not see the file process 0 wrote "
+                          f"there; with several hosts it must be a shared filesystem or a URL such as gs://")
 
 
 def _check_same_step_everywhere(step: int, directory: str, failures: Mapping[int, Exception]) -> None:

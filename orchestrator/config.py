@@ -30,6 +30,14 @@ class ConfigError(ValueError):
     """A mistake in a preset file or an override; the message is meant for the user as is."""
 
 
+def checkpoint_directory(directory: str, run_dir: str | os.PathLike) -> str:
+    """`checkpoint.dir` as Orbax takes it: a URL (gs://...) as is, an absolute path as is, a relative
+    path under `run_dir`."""
+    if "://" in directory:
+        return directory
+    return os.path.abspath(Path(run_dir) / Path(directory).expanduser())
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """Mesh axis sizes; exactly one may be -1 (= the devices that remain)."""
@@ -207,8 +215,10 @@ class ClusterConfig:
     - `none`: no orchestrator: train in this process on its own devices (what each worker runs).
 
     `address` is the Ray cluster to use: empty means the one the job runs in (`ray job submit`,
-    `RAY_ADDRESS`), or else an embedded Ray on loopback. Failures other than preemptions draw on
-    `max_failures`; preemptions and lost nodes on `max_preemptions`. A process that finishes no
+    `RAY_ADDRESS`), or else an embedded Ray on loopback. Preemptions and lost nodes draw on
+    `max_preemptions`, and so does a gang not reserved in time right after one of them (capacity
+    coming back); crashes, exceptions, hangs and other reservation timeouts on `max_failures`
+    (details in `orchestrator/cluster/driver.py`). A process that finishes no
     step for `hang_timeout_s` (`startup_timeout_s` before its first step, which compiles) is hung.
     """
 

@@ -6,9 +6,10 @@ Every row of the global batch has its own stream: row `r` of `train.batch_size` 
 (BOS optional, EOS always) and packs them with grain's concat-then-split into rows of `seq_len + 1`
 tokens. A process reads only the streams of its own rows and interleaves them into batches, so
 the global batch of every step is the same whatever the number of processes (a 2-host run sees
-exactly the data of a 1-host run). A background thread prefetches batches. A batch holds int32
-`inputs`, `targets`, `positions`, `segment_ids` and float32 `weights`, each
-(global_batch / process_count, seq_len):
+exactly the data of a 1-host run). A process's rows are the ones its devices hold under the batch
+sharding (`process_rows`): processes that hold the same rows (a `tp` axis spanning hosts) load the
+same ones. A background thread prefetches batches. A batch holds int32 `inputs`, `targets`,
+`positions`, `segment_ids` and float32 `weights`, each (rows of this process, seq_len):
 
 - `segment_ids` number the documents of a row from 1 (0 is padding), so attention stays within one;
   `positions` restart at 0 with each segment (a document cut at a row's end goes on in the next
@@ -17,7 +18,8 @@ exactly the data of a 1-host run). A background thread prefetches batches. A bat
   document boundary and on padding); padding appears only at the end of a finite number of epochs.
 
 The iterator of the returned dataset is a grain `DatasetIterator`: `get_state()`/`set_state()`
-resume it exactly, and `grain.checkpoint.CheckpointSave(iterator)` puts it into an Orbax `Composite`.
+resume it exactly. `row_positions` / `set_row_positions` express that state per global row, which is
+what checkpoints keep, so a run resumes on any number of processes.
 """
 
 from __future__ import annotations
@@ -305,8 +307,7 @@ def make_dataset(
     *,
     seq_len: int,
     global_batch: int,
-    process_index: int = 0,
-    process_count: int = 1,
+    rows: range | None = None,
     split: str = "train",
 ) -> grain.IterDataset:
     """This process's batches of the train or eval split; `iter()` of it is a checkpointable iterator.
@@ -320,24 +321,22 @@ def make_dataset(
         tokenizer: from `orchestrator.tokenizers.load_tokenizer`; check it with `check_vocab`.
         seq_len: tokens per row (`train.seq_len`).
         global_batch: rows per step over all processes (`train.batch_size`).
-        process_index: this process among the data-loading processes (`jax.process_index()`).
-        process_count: their number (`jax.process_count()`); each reads a disjoint share of documents.
+        rows: the global batch rows this process loads (`process_rows`); all of them if None.
         split: "train" or "eval".
 
     Returns:
-        A grain IterDataset of batches (dicts of numpy arrays, global_batch / process_count rows).
+        A grain IterDataset of batches (dicts of numpy arrays, `len(rows)` rows).
 
     Raises:
         ValueError: naming the key when the corpus, split or batch geometry is not as expected.
     """
-    if global_batch % process_count:
-        raise ValueError(f"train.batch_size={global_batch} is not divisible by the {process_count} processes")
-    local_batch = global_batch // process_count
+    rows = range(global_batch) if rows is None else rows
+    if not rows or rows.step != 1 or rows.start < 0 or rows.stop > global_batch:
+        raise ValueError(f"rows: expected consecutive rows of the {global_batch} of train.batch_size, found {rows}")
     corpus = open_corpus(config, seq_len=seq_len)
-    first_row = process_index * local_batch
-    threads = -(-config.read_threads // local_batch) if config.read_threads else 0
-    streams = [_row_stream(corpus, config, tokenizer, seq_len=seq_len, split=split, row=first_row + j,
-                           rows=global_batch, read_threads=threads) for j in range(local_batch)]
+    threads = -(-config.read_threads // len(rows)) if config.read_threads else 0
+    streams = [_row_stream(corpus, config, tokenizer, seq_len=seq_len, split=split, row=row,
+                           rows=global_batch, read_threads=threads) for row in rows]
     batches = _ZipRows(streams, row_len=seq_len + 1).map(functools.partial(_training_batch, pad_id=tokenizer.pad_id))
     return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=config.prefetch)
 
@@ -398,12 +397,67 @@ def _row_stream(corpus: Sequence, config: DataConfig, tokenizer: Tokenizer, *, s
     return grain.experimental.ConcatThenSplitIterDataset(encoded, length_struct={"tokens": seq_len + 1})
 
 
-def to_global_batch(local_batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Assembles every process's `local_batch` (from `make_dataset`) into global arrays laid out by `sharding`.
+def process_rows(sharding: NamedSharding, global_batch: int) -> range:
+    """The rows of a (global_batch, ...) batch that this process's devices hold under `sharding`.
 
-    Each process's rows land on the batch shards its own devices hold. Processes whose devices hold
-    the same rows (a batch axis not split over all processes) must pass identical rows: give
-    `make_dataset` the data-parallel rank and count of the process then, not `jax.process_index()`.
+    Processes whose devices hold the same rows (a batch axis not split over every process, e.g. `tp`
+    spanning hosts) get the same range and so load the same data.
+
+    Raises:
+        ValueError: the process's rows are not one consecutive range (a device order that
+            interleaves processes along the batch axis), which the data pipeline cannot load.
     """
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+    indices = sharding.addressable_devices_indices_map((global_batch, 1)).values()
+    return consecutive_rows([(i[0].start or 0, global_batch if i[0].stop is None else i[0].stop) for i in indices],
+                            global_batch)
+
+
+def consecutive_rows(intervals: Sequence[tuple[int, int]], global_batch: int) -> range:
+    """The union of row intervals `[start, stop)` as one range; ValueError if it has a gap."""
+    intervals = sorted(set(intervals))
+    end = intervals[0][0]
+    for start, stop in intervals:
+        if start > end:
+            raise ValueError(f"this process's devices hold rows {intervals} of the {global_batch} of "
+                             f"train.batch_size, not one consecutive range; order the mesh so that each "
+                             f"process holds neighbouring batch shards")
+        end = max(end, stop)
+    return range(intervals[0][0], end)
+
+
+def to_global_batch(local_batch: dict[str, np.ndarray], sharding: NamedSharding, global_batch: int | None = None
+                    ) -> dict[str, jax.Array]:
+    """Assembles every process's `local_batch` (its `process_rows`) into global arrays laid out by `sharding`.
+
+    Each process's rows land on the batch shards its own devices hold; processes that hold the same
+    rows pass the same rows. `global_batch` defaults to this process's rows (one process).
+    """
+    out = {}
+    for key, value in local_batch.items():
+        shape = (global_batch or value.shape[0], *value.shape[1:])
+        out[key] = jax.make_array_from_process_local_data(sharding, value, shape)
+    return out
+
+
+def row_positions(iterator: grain.DatasetIterator, rows: range) -> dict[str, dict]:
+    """The position of each of `rows` in an iterator of `make_dataset(..., rows=rows)`, keyed by the
+    global row (as a string, for JSON): what a checkpoint keeps, independent of the process layout."""
+    state = iterator.get_state()
+    return {str(row): {"stream": stream, "ended": ended}
+            for row, stream, ended in zip(rows, state["streams"], state["ended"], strict=True)}
+
+
+def set_row_positions(iterator: grain.DatasetIterator, rows: range, positions: dict[str, dict]) -> None:
+    """Moves an iterator of `make_dataset(..., rows=rows)` to the positions `row_positions` recorded
+    (possibly by other processes, for other rows too).
+
+    Raises:
+        ValueError: a row of `rows` has no recorded position (the global batch size changed).
+    """
+    missing = [row for row in rows if str(row) not in positions]
+    if missing:
+        raise ValueError(f"the saved data position has {len(positions)} rows and none for rows {missing[:8]} of "
+                         f"this run: resume with the train.batch_size it was saved with ({len(positions)})")
+    picked = [positions[str(row)] for row in rows]
+    iterator.set_state({"streams": [p["stream"] for p in picked], "ended": [p["ended"] for p in picked]})
 

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orchestrator.config import ConfigError
+
 # Dense bf16 peak FLOP/s per device (chip or GPU), from the vendors' spec sheets.
 PEAK_FLOPS = {
     "TPU v4": 275e12,
@@ -50,8 +52,8 @@ def peak_flops_per_device(configured: float = 0.0) -> tuple[float, str]:
         return PEAK_FLOPS[kind], f"table ({kind})"
     if jax.devices()[0].platform == "cpu":
         return measure_matmul_flops() / jax.local_device_count(), "measured f32 matmul on this CPU, per device"
-    raise ValueError(
-        f"train.peak_flops_per_device: no peak FLOP/s known for device kind {kind!r}; set it in the config"
+    raise ConfigError(
+        f"train.peak_flops_per_device: no peak FLOP/s known for device kind {kind!r} (for MFU); set it in the config"
     )
 
 

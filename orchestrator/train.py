@@ -25,8 +25,8 @@ from models.generate import generate
 from orchestrator.build import Training, build_training
 from orchestrator.checkpoint import Checkpointer, run_metadata
 from orchestrator.cluster import protocol
-from orchestrator.config import Config, ConfigError, to_yaml
-from orchestrator.data import make_dataset, to_global_batch
+from orchestrator.config import Config, ConfigError, checkpoint_directory, to_yaml
+from orchestrator.data import make_dataset, process_rows, row_positions, set_row_positions, to_global_batch
 from orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
 from orchestrator.plan import flops_per_token
 from orchestrator.step import make_eval_step
@@ -53,6 +53,7 @@ class RunResult:
     tokens_per_s: float
     last_checkpoint: int | None
     preempted: bool
+    data_ended: bool = False
 
     def summary(self) -> str:
         """What a user reads at the end of a run: steps, first and last loss, tokens/s, where things went."""
@@ -65,6 +66,8 @@ class RunResult:
                      f"checkpoints/ (last committed step {self.last_checkpoint})")
         if self.preempted:
             lines.append(f"stopped on a preemption notice after checkpointing step {self.last_checkpoint}")
+        if self.data_ended:
+            lines.append(f"stopped at step {self.end_step}: the training data ended (data.epochs)")
         return "\n".join(lines)
 
 
@@ -90,18 +93,17 @@ class PreemptionNotice:
         return self.received
 
 
-def _datasets(config: Config):
+def _datasets(config: Config, rows: range):
     try:
-        return _make_datasets(config)
+        return _make_datasets(config, rows)
     except ValueError as e:  # bad paths, empty corpora, vocab sizes: the user's input
         raise ConfigError(str(e)) from None
 
 
-def _make_datasets(config: Config):
+def _make_datasets(config: Config, rows: range):
     tokenizer = load_tokenizer(config.data.tokenizer, eos_token=config.data.eos_token, bos_token=config.data.bos_token)
     check_vocab(tokenizer, config.model.vocab_size)
-    kwargs = dict(seq_len=config.train.seq_len, global_batch=config.train.batch_size,
-                  process_index=jax.process_index(), process_count=jax.process_count())
+    kwargs = dict(seq_len=config.train.seq_len, global_batch=config.train.batch_size, rows=rows)
     train = make_dataset(config.data, tokenizer, **kwargs)
     # Without evals (train.eval_every=0) the eval split is never built, so it may be empty.
     evals = make_dataset(config.data, tokenizer, split="eval", **kwargs) if config.train.eval_every else None
@@ -138,7 +140,8 @@ def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: i
     total = count = 0.0
     iterator = iter(eval_dataset)
     for _ in range(num_batches):
-        loss_sum, (tokens, _) = eval_step(params, to_global_batch(next(iterator), training.batch_sharding))
+        batch = to_global_batch(next(iterator), training.batch_sharding, training.config.train.batch_size)
+        loss_sum, (tokens, _) = eval_step(params, batch)
         total, count = total + float(loss_sum), count + float(tokens)
     return total / max(count, 1.0)
 
@@ -165,6 +168,25 @@ def sample(training: Training, params, tokenizer: Tokenizer, prompt_ids: list[in
     return tokenizer.decode(tokens)
 
 
+def _data_ended(ended_here: bool, *, finite: bool) -> bool:
+    """Whether any process's training data ran out (finite epochs), so that every process stops at
+    the same step; an infinite pipeline never ends, so no collective is needed then."""
+    if not finite or jax.process_count() == 1:
+        return ended_here
+    return bool(multihost_utils.process_allgather(np.int32(ended_here)).any())
+
+
+def _restore_data_position(iterator, rows: range, meta: dict, where: str) -> None:
+    """Moves the training data iterator to where the restored checkpoint `meta` says it was."""
+    if "data_position" not in meta:
+        raise ConfigError(f"checkpoint {where} holds no data position (written by an older podtrain, which kept "
+                          "one per process): resume it with that version, or start over with a new checkpoint.dir")
+    try:
+        set_row_positions(iterator, rows, meta["data_position"])
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {where}: {e}") from None
+
+
 def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None = None) -> RunResult:
     """Trains `config` to `train.steps`, resuming from `run_dir`'s checkpoints; see the module doc.
 
@@ -177,13 +199,18 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(config))
-    train_data, eval_data, tokenizer = _datasets(config)
+    try:
+        rows = process_rows(training.batch_sharding, config.train.batch_size)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e}") from None
+    train_data, eval_data, tokenizer = _datasets(config, rows)
     prompt_ids = sample_prompt_ids(config, tokenizer) if config.train.sample_prompt else None
     train_iter = iter(train_data)
-    ckpt_dir = Path(config.checkpoint.dir)
-    checkpointer = Checkpointer(ckpt_dir if ckpt_dir.is_absolute() else run_dir / ckpt_dir, config.checkpoint,
+    checkpointer = Checkpointer(checkpoint_directory(config.checkpoint.dir, run_dir), config.checkpoint,
                                 run_meta=run_metadata(config, training.mesh))
-    resumed = checkpointer.resume(training.abstract_state(), data_iterator=train_iter)
+    resumed = checkpointer.resume(training.abstract_state())
+    if resumed:
+        _restore_data_position(train_iter, rows, resumed[1], f"step {resumed[2]} in {checkpointer.directory}")
     state = resumed[0] if resumed else training.init_state()
     start = int(state.step)
     logger.info("starting at step %d (%s) on mesh %s", start, f"resumed from step {resumed[2]}" if resumed else "fresh",
@@ -217,8 +244,16 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
         if on_step is not None:
             on_step(record["step"])
 
+    data_ended = False
     for step in range(start, config.train.steps):
-        batch = to_global_batch(next(train_iter), training.batch_sharding)
+        local_batch = next(train_iter, None)
+        if _data_ended(local_batch is None, finite=config.data.epochs is not None):
+            logger.warning("the training data ended after data.epochs=%s at step %d of train.steps=%d: stopping",
+                           config.data.epochs, step, config.train.steps)
+            checkpointer.save(step, state, data_position=lambda: row_positions(train_iter, rows), force=True)
+            data_ended = True
+            break
+        batch = to_global_batch(local_batch, training.batch_sharding, config.train.batch_size)
         if step == start:
             compile_then_meet(training.step, state, batch, timeout_s=config.cluster.startup_timeout_s)
         state, metrics = training.step(state, batch)
@@ -237,8 +272,7 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
         if final or (step + 1) % config.checkpoint.every_steps == 0:
             jax.block_until_ready(state)  # so that save_block_s is the save's own time, not the step's
         save_started = time.perf_counter()
-        if checkpointer.save(step + 1, state, data_iterator=train_iter,
-                             force=final):
+        if checkpointer.save(step + 1, state, data_position=lambda: row_positions(train_iter, rows), force=final):
             record["save_block_s"] = time.perf_counter() - save_started  # the loop's share of an async save
         if preempted:
             break
@@ -250,4 +284,4 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
     checkpointer.close()
     writer.close()
     return RunResult(run_dir, start, int(state.step), first_loss, last_loss,
-                     timed_tokens / timed_seconds if timed_seconds else 0.0, last_checkpoint, preempted)
+                     timed_tokens / timed_seconds if timed_seconds else 0.0, last_checkpoint, preempted, data_ended)

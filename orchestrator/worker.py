@@ -22,6 +22,11 @@ import traceback
 from pathlib import Path
 
 from orchestrator.cluster import protocol as p
+from orchestrator.cluster.host import port_is_free
+
+# What `jax.distributed.initialize` says when the coordinator's port is taken (jax 0.10: "UNKNOWN: Failed to
+# start RPC server", with gRPC's "Failed to add port to server" on stderr).
+_PORT_TAKEN = ("failed to start rpc server", "address already in use", "failed to bind")
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -36,12 +41,27 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="podtrain-parent-watch", daemon=True).start()
 
 
+def port_taken(error: Exception) -> bool:
+    """Whether `jax.distributed.initialize` failed because the coordinator could not bind its port."""
+    return any(needle in str(error).lower() for needle in _PORT_TAKEN)
+
+
+def _leave_if_coordinator_port_taken(env) -> None:
+    """Process 0 checks its coordinator port first: on a taken port JAX raises an unhelpful error, or dies
+    of SIGSEGV before any handler runs (seen with jax 0.10.2), so the driver could not retry another port."""
+    port = int(env[p.ENV_COORDINATOR].rpartition(":")[2])
+    if int(env[p.ENV_PROCESS_ID]) == 0 and not port_is_free(port):
+        print(f"podtrain worker: coordinator port {port} is taken on this host", file=sys.stderr, flush=True)
+        sys.exit(p.EXIT_COORDINATOR_PORT)
+
+
 def _initialize_distributed(env) -> None:
     import jax
 
     num_processes = int(env[p.ENV_NUM_PROCESSES])
     if num_processes == 1:
         return
+    _leave_if_coordinator_port_taken(env)
     local_ids = env.get(p.ENV_LOCAL_DEVICE_IDS)
     # Simulated slices on CPU: a TPU learns its slice from the MEGASCALE variables; CPU devices get it here.
     slice_index = int(env["MEGASCALE_SLICE_ID"]) if "MEGASCALE_SLICE_ID" in env and env.get(
@@ -55,7 +75,7 @@ def _initialize_distributed(env) -> None:
             slice_index=slice_index,
         )
     except Exception as error:  # the coordinator's port was taken between choosing and binding it
-        if "address already in use" in str(error).lower() or "failed to bind" in str(error).lower():
+        if port_taken(error):
             print(f"podtrain worker: coordinator port unavailable: {error}", file=sys.stderr, flush=True)
             sys.exit(p.EXIT_COORDINATOR_PORT)
         raise

@@ -11,7 +11,7 @@ import yaml
 
 from orchestrator.build import build_training
 from orchestrator.checkpoint import Checkpointer, NoRestorableCheckpointError, run_metadata
-from orchestrator.config import CheckpointConfig, load_config
+from orchestrator.config import CheckpointConfig, ConfigError, checkpoint_directory, load_config
 
 # A restore that fails part way leaves tensorstore reads in flight; they complete on tensorstore's threads after
 # Orbax closed its event loop, which Python reports as an unraisable "Event loop is closed" (harmless).
@@ -156,9 +156,16 @@ def test_damaged_latest_step_falls_back_to_the_previous_one(training, tmp_path, 
         restored, meta, step = ckpt.restore_latest(training.abstract_state())
     assert (step, meta["step"]) == (2, 2)
     assert_bit_equal(restored, older)
-    [record] = [r for r in caplog.records if r.name == "orchestrator.checkpoint"]
-    assert "checkpoint step 4" in record.getMessage() and "Error" in record.getMessage()
-    assert files(tmp_path) == before, "a restore never deletes or changes anything"
+    failed, renamed = [r.getMessage() for r in caplog.records if r.name == "orchestrator.checkpoint"]
+    assert "checkpoint step 4" in failed and "Error" in failed and "4.damaged" in renamed
+    # Nothing is deleted or changed: the damaged step is renamed so that Orbax ignores it, and the
+    # run can checkpoint step 4 again (Orbax skips saves of steps not newer than its latest).
+    assert files(tmp_path) == {name.replace("4/", "4.damaged/", 1) if name.startswith("4/") else name: data
+                               for name, data in before.items()}
+    with checkpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == [2] and ckpt.save(4, newer)
+        ckpt.wait()
+        assert ckpt.restore_latest(training.abstract_state())[2] == 4
 
 
 def test_all_steps_damaged_is_a_clear_error(training, tmp_path):
@@ -204,21 +211,42 @@ def test_restore_onto_another_mesh_is_bit_equal(training, tmp_path, mesh, num_de
         assert r.sharding == s
 
 
-def test_data_iterator_position_round_trips(training, tmp_path):
+def test_data_position_is_saved_only_with_a_step_and_comes_back_in_meta(training, tmp_path):
     def iterator():
         return grain.MapDataset.range(100).seed(0).shuffle().batch(4).to_iter_dataset().__iter__()
 
-    data = iterator()
+    data, asked = iterator(), []
+
+    def position():
+        asked.append(True)
+        return {"stream": data.get_state()}
+
     for _ in range(3):
         next(data)
     with checkpointer(tmp_path) as ckpt:
-        ckpt.save(2, random_state(training, seed=0), data_iterator=data)
+        assert not ckpt.save(1, random_state(training, seed=0), data_position=position)  # not due: not asked
+        assert not asked
+        assert ckpt.save(2, random_state(training, seed=0), data_position=position)
         ckpt.wait()
         expected = [next(data) for _ in range(2)]
-        resumed = iterator()
-        ckpt.restore(training.abstract_state(), data_iterator=resumed)
+        _, meta, _ = ckpt.restore(training.abstract_state())
+        ckpt.save(4, random_state(training, seed=0))
+        ckpt.wait()
+        assert "data_position" not in ckpt.restore(training.abstract_state())[1]
+    resumed = iterator()
+    resumed.set_state(meta["data_position"]["stream"])
     np.testing.assert_array_equal([next(resumed) for _ in range(2)], expected)
-    assert (tmp_path / "2" / "data" / "process_0-of-1.json").is_file()
+    assert asked == [True] and (tmp_path / "2" / "data_position").is_dir()
+
+
+@pytest.mark.parametrize("directory, expected", [
+    ("gs://bucket/run/checkpoints", "gs://bucket/run/checkpoints"),
+    ("/abs/checkpoints", "/abs/checkpoints"),
+    ("checkpoints", "/runs/x/checkpoints"),
+    ("../elsewhere", "/runs/elsewhere"),
+])
+def test_checkpoint_directory_keeps_urls_and_resolves_paths_under_the_run(directory, expected):
+    assert checkpoint_directory(directory, "/runs/x") == expected
 
 
 def resume(path, mode, abstract):
@@ -234,10 +262,10 @@ def test_resume_modes(training, tmp_path):
         ckpt.save(2, random_state(training, seed=0))
         ckpt.save(4, random_state(training, seed=1))
     assert resume(tmp_path, "2", abstract)[2] == 2
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 3 in .* \(steps: \[2, 4\]\)"):
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=3: no such step in .* \(steps: \[2, 4\]\)"):
         resume(tmp_path, "3", abstract)
     assert resume(tmp_path, "auto", abstract)[2] == 4
-    with pytest.raises(ValueError, match=r"checkpoint.resume=none, but .* already holds steps \[2, 4\]"):
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=none, but .* already holds steps \[2, 4\]"):
         resume(tmp_path, "none", abstract)
 
 

@@ -109,10 +109,10 @@ def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_pat
     want = losses(reference)
     assert want.keys() == set(range(1, steps + 1))
 
-    def signal_rank_1(run_dir, steps, sig, *, at_step, every, ended, restart):
+    def signal_rank_1(run_dir, steps, sig, *, at_step, every, ended, restart, extra=()):
         """Runs the gang, sends `sig` to rank 1's worker after `at_step`; the job must end in
         success after one restart of kind `restart`, with the reference's losses."""
-        proc = start_train(tmp_path, run_dir, steps, *TWO_HOSTS, constant, every=every)
+        proc = start_train(tmp_path, run_dir, steps, *TWO_HOSTS, constant, *extra, every=every)
         wait_for_step(run_dir, proc, at_step)
         os.kill(worker_pid(run_dir, 1, 1), sig)
         out = finish(proc)
@@ -132,8 +132,12 @@ def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_pat
             assert abs(after[step] - want[step]) <= 1e-6, (step, after[step], want[step])
         assert_no_worker_left(run_dir)
 
-    signal_rank_1(tmp_path / "killed", steps, signal.SIGKILL, at_step=3, every=2,
-                  ended="crash (rank 1): killed by SIGKILL", restart="crash")
+    # checkpoint.resume=none holds for the first attempt only: the restart resumes from the job's
+    # own step 2 (it would refuse that checkpoint, twice, and fail the job).
+    killed = tmp_path / "killed"
+    signal_rank_1(killed, steps, signal.SIGKILL, at_step=3, every=2, ended="crash (rank 1): killed by SIGKILL",
+                  restart="crash", extra=("checkpoint.resume=none",))
+    assert "resumed from step" in (killed / "logs" / "attempt-2" / "rank0.log").read_text()
 
     # A preemption notice (SIGTERM) to one host: every process stops at the same step through JAX's
     # preemption sync point, checkpoints it, exits 75; the gang restarts on the preemption budget.
@@ -220,11 +224,17 @@ def test_an_exception_in_user_code_fails_the_job_with_its_traceback_without_retr
     assert_no_worker_left(run_dir)
 
 
-def test_a_config_mistake_found_by_the_workers_fails_at_once(tmp_path):
+def test_a_config_mistake_found_by_the_workers_fails_at_once_and_a_rerun_keeps_the_first_runs_logs(tmp_path):
     run_dir = tmp_path / "no-data"
-    done = run_train(tmp_path, run_dir, 4, *TWO_HOSTS, "data.source=jsonl", f"data.path={tmp_path}/missing.jsonl")
-    assert done.returncode == 1, done.stdout[-4000:]
-    assert "missing.jsonl" in done.stdout and job(run_dir)["attempts"] == 1
+    for attempt in (1, 2):  # the same run name twice, as when resuming a run
+        done = run_train(tmp_path, run_dir, 4, *TWO_HOSTS, "data.source=jsonl", f"data.path={tmp_path}/missing.jsonl")
+        assert done.returncode == 1, done.stdout[-4000:]
+        assert f"attempt {attempt} ended: config" in done.stdout and job(run_dir)["attempts"] == 1
+        # Only this job's lines are echoed: the first job's log is neither appended to nor printed again.
+        echoed = [line for line in done.stdout.splitlines() if line.startswith("[rank 0]") and "missing.jsonl" in line]
+        assert len(echoed) == 1, done.stdout[-4000:]
+    first = (run_dir / "logs" / "attempt-1" / "rank0.log").read_text()
+    assert first.count("missing.jsonl") == 1 and (run_dir / "logs" / "attempt-2" / "rank0.log").exists()
 
 
 def free_port() -> int:

@@ -1,10 +1,23 @@
-"""The cluster config and reservation shapes, without starting Ray."""
+"""The cluster config, reservation shapes and the driver's restart rules, without starting Ray."""
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster.driver import _normalise
-from orchestrator.cluster.reserve import _bundles, host_env, megascale_env, tpu_topology
+from orchestrator.cluster import driver
+from orchestrator.cluster import protocol as p
+from orchestrator.cluster.driver import Budgets, _normalise, next_attempt, worker_config
+from orchestrator.cluster.reserve import ReservationError, _bundles, host_env, megascale_env, reserve, tpu_topology
 from orchestrator.config import ConfigError, load_config
+from orchestrator.worker import port_taken
+
+ROOT = Path(__file__).parent.parent
 
 
 @pytest.mark.parametrize("tpu_type, topology", [
@@ -66,3 +79,123 @@ def test_tracebacks_compare_without_addresses():
     a = "Traceback\n  File x, line 3\nValueError: <object at 0x7f00aa>"
     b = "Traceback\n  File x, line 3\nValueError: <object at 0x7f11bb>"
     assert _normalise(a) == _normalise(b) != _normalise(a.replace("line 3", "line 4"))
+
+
+@pytest.mark.parametrize("resume", ["none", "auto", "4"])
+def test_restarts_resume_from_the_jobs_latest_checkpoint_whatever_the_first_attempt_asked(resume):
+    config = load_config("llama3-tiny", [f"checkpoint.resume={resume}", "cluster.num_hosts=2"])
+    first = worker_config(config, own_checkpoint=False)
+    assert first.checkpoint.resume == resume and first.cluster.kind == "none"
+    restart = worker_config(config, own_checkpoint=True)
+    assert restart.checkpoint.resume == "auto" and restart.cluster.kind == "none"
+    assert restart.checkpoint.dir == config.checkpoint.dir and restart.train == config.train
+
+
+
+def charges(kinds, max_failures=1, max_preemptions=2):
+    """(failures, preemptions, what each charge returned) after charging `kinds` in order."""
+    budgets = Budgets(max_failures, max_preemptions)
+    spent = [budgets.charge(kind) for kind in kinds]
+    return budgets.failures, budgets.preemptions, spent
+
+
+def test_waiting_for_capacity_after_a_preemption_draws_on_the_preemption_budget():
+    # However many reservation failures follow a preemption or a lost node, they are part of it.
+    assert charges(["preempted", "reservation", "reservation"]) == (
+        0, 3, [None, None, "3 preemptions, more than cluster.max_preemptions=2"])
+    assert charges(["node_lost", "reservation"])[:2] == (0, 2)
+    # Without a preemption before it, a reservation failure is a failure (the cluster may be too small).
+    assert charges(["reservation", "reservation"]) == (2, 0, [None, "2 failures, more than cluster.max_failures=1"])
+    assert charges(["preempted", "crash", "reservation"])[:2] == (2, 1)
+    assert charges(["hang", "exception"]) == (2, 0, [None, "2 failures, more than cluster.max_failures=1"])
+
+
+def test_attempt_numbers_continue_after_the_run_directorys_earlier_attempts(tmp_path):
+    assert next_attempt(tmp_path / "new-run") == 1
+    for name in ("attempt-1", "attempt-3", "attempt-x", "other"):
+        (tmp_path / "logs" / name).mkdir(parents=True)
+    assert next_attempt(tmp_path) == 4
+
+
+def run_driver(tmp_path, monkeypatch, errors, *overrides):
+    """Runs the driver with `reserve` raising `errors` in turn (no Ray); returns (job.json, output)."""
+    names = []
+
+    def fake_reserve(cluster, name):
+        names.append(name)
+        raise errors[len(names) - 1]
+
+    monkeypatch.setattr(driver, "connect", lambda config: None)
+    monkeypatch.setattr(driver, "reserve", fake_reserve)
+    (tmp_path / "run" / "logs" / "attempt-2").mkdir(parents=True)  # an earlier job of this run name
+    out = io.StringIO()
+    config = load_config("llama3-tiny", list(overrides))
+    result = driver.run_job(config, tmp_path / "run", out=out)
+    assert names == [f"podtrain-run-{n}" for n in range(3, 3 + len(names))]
+    assert result.exit_code == 1
+    return json.loads((tmp_path / "run" / "job.json").read_text()), out.getvalue()
+
+
+def test_a_host_lost_while_the_gang_starts_and_the_wait_for_capacity_draw_on_preemptions(tmp_path, monkeypatch):
+    import ray
+
+    errors = [ray.exceptions.ActorDiedError(), ReservationError("no capacity"), ReservationError("no capacity")]
+    job, out = run_driver(tmp_path, monkeypatch, errors, "cluster.max_failures=0", "cluster.max_preemptions=2")
+    assert job["status"] == "failed" and job["attempts"] == 3, job
+    assert job["restarts"] == {"node_lost": 1, "reservation": 2}, job
+    assert job["reason"] == "3 preemptions, more than cluster.max_preemptions=2; last: reservation: no capacity"
+    assert "attempt 3 ended: node_lost (rank None): host actor lost: ActorDiedError" in out
+
+
+def test_a_host_actor_that_does_not_answer_is_a_lost_node_and_a_bad_slice_a_config_error(tmp_path, monkeypatch):
+    import ray
+
+    errors = [ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready."), ReservationError("none")]
+    job, out = run_driver(tmp_path / "timeout", monkeypatch, errors, "cluster.max_failures=0",
+                          "cluster.max_preemptions=1")
+    assert job["restarts"] == {"node_lost": 1, "reservation": 1} and job["attempts"] == 2, job
+    assert "node_lost (rank None): host actor lost: GetTimeoutError: Get timed out" in out
+    errors = [ConfigError("cluster.tpu_topology='2x2x3': not a slice Ray can reserve")]
+    job, _ = run_driver(tmp_path / "config", monkeypatch, errors)
+    assert job["reason"] == "cluster.tpu_topology='2x2x3': not a slice Ray can reserve" and job["attempts"] == 1
+
+
+@pytest.mark.parametrize("error, expected, message", [
+    (RuntimeError("Failed to reserve TPU slice. Requested 1 slice(s)"), ReservationError,
+     "could not reserve 1 x v4-16 within cluster.reserve_timeout_s=5s: Failed to reserve TPU slice"),
+    (ValueError("Invalid accelerator topology: '2x2x3' for accelerator version: 'v4'"), ConfigError,
+     "cluster.tpu_type='v4-16', cluster.tpu_topology='2x2x3': not a slice Ray can reserve: Invalid"),
+])
+def test_a_tpu_slice_ray_cannot_reserve_is_a_reservation_or_config_error(monkeypatch, error, expected, message):
+    import ray.util.tpu
+
+    def no_slice(**kwargs):  # stands in for Ray's SlicePlacementGroup: no free slice, or a topology it rejects
+        raise error
+
+    monkeypatch.setattr(ray.util.tpu, "SlicePlacementGroup", no_slice)
+    cluster = load_config("llama3-tiny", ["cluster=tpu", "cluster.tpu_type=v4-16", "cluster.tpu_topology=2x2x3",
+                                          "cluster.reserve_timeout_s=5"]).cluster
+    with pytest.raises(expected) as info:
+        reserve(cluster, name="podtrain-test-1")
+    assert message in str(info.value)
+
+
+def test_jaxs_busy_coordinator_port_errors_are_recognised():
+    assert port_taken(RuntimeError("UNKNOWN: Failed to start RPC server"))  # jax 0.10.2's words
+    assert port_taken(OSError("[Errno 98] Address already in use"))
+    assert not port_taken(RuntimeError("DEADLINE_EXCEEDED: Barrier timed out"))
+
+
+def test_a_worker_whose_coordinator_port_is_taken_asks_for_another(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **{
+            p.ENV_COORDINATOR: f"127.0.0.1:{port}", p.ENV_NUM_PROCESSES: "2", p.ENV_PROCESS_ID: "0",
+            p.ENV_INIT_TIMEOUT: "5", p.ENV_HEARTBEAT_TIMEOUT: "5", p.ENV_CONFIG: str(tmp_path / "unused.yaml"),
+            p.ENV_RUN_DIR: str(tmp_path)})
+        done = subprocess.run([sys.executable, "-m", "orchestrator.worker"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == p.EXIT_COORDINATOR_PORT, done.stderr[-3000:]
+    assert f"coordinator port {port} is taken" in done.stderr

@@ -14,7 +14,17 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from jax.sharding import NamedSharding, PartitionSpec
 from omegaconf import OmegaConf
 
-from orchestrator.data import DataConfig, document_indices, make_dataset, open_corpus, to_global_batch
+from orchestrator.data import (
+    DataConfig,
+    consecutive_rows,
+    document_indices,
+    make_dataset,
+    open_corpus,
+    process_rows,
+    row_positions,
+    set_row_positions,
+    to_global_batch,
+)
 from orchestrator.tokenizers import ByteTokenizer, check_vocab, load_tokenizer
 
 BYTE = ByteTokenizer()
@@ -231,7 +241,7 @@ def test_processes_read_disjoint_documents_that_cover_the_split(tmp_path):
     config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl")), eval_fraction=0.2, epochs=1)
     per_process = []
     for p in range(2):
-        batches = _batches(_dataset(config, global_batch=4, process_index=p, process_count=2))
+        batches = _batches(_dataset(config, global_batch=4, rows=range(2 * p, 2 * p + 2)))
         assert batches[0]["inputs"].shape == (2, 16)
         per_process.append(set(_texts(batches)))
     held = set(_texts(_batches(_dataset(config, global_batch=1, split="eval"), 20)))
@@ -260,6 +270,44 @@ def test_restored_iterator_continues_with_identical_batches(tmp_path, prefetch, 
         for key in want:
             np.testing.assert_array_equal(got[key], want[key])
     restored.close()
+
+
+def test_row_positions_of_two_processes_resume_one_process_and_back(tmp_path):
+    """Positions are kept per global row, so a run saved by 2 processes (2 rows each) resumes on 1
+    process (4 rows), and one saved by 1 resumes on 2, with the batches an uninterrupted run reads."""
+    docs = ["y" * n + f" doc {n}" for n in np.random.default_rng(1).integers(0, 30, 40)]
+    config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl", docs)), prefetch=2)
+    whole = iter(_dataset(config, global_batch=4))
+    halves = [iter(_dataset(config, global_batch=4, rows=range(2 * p, 2 * p + 2))) for p in range(2)]
+    for _ in range(5):
+        got = [next(half) for half in halves]
+        want = next(whole)
+        np.testing.assert_array_equal(np.concatenate([g["inputs"] for g in got]), want["inputs"])
+    saved = {**row_positions(halves[0], range(0, 2)), **row_positions(halves[1], range(2, 4))}
+    assert sorted(saved) == ["0", "1", "2", "3"]
+    one = iter(_dataset(config, global_batch=4))
+    set_row_positions(one, range(4), json.loads(json.dumps(saved)))
+    expected = [next(whole) for _ in range(6)]
+    for want in expected[:3]:
+        np.testing.assert_array_equal(next(one)["inputs"], want["inputs"])
+    back = [iter(_dataset(config, global_batch=4, rows=range(2 * p, 2 * p + 2))) for p in range(2)]
+    for p, it in enumerate(back):
+        set_row_positions(it, range(2 * p, 2 * p + 2), row_positions(one, range(4)))
+    for want in expected[3:]:
+        np.testing.assert_array_equal(np.concatenate([next(it)["inputs"] for it in back]), want["inputs"])
+    with pytest.raises(ValueError, match=r"none for rows \[4, 5\].*train.batch_size it was saved with \(4\)"):
+        set_row_positions(iter(_dataset(config, global_batch=6, rows=range(4, 6))), range(4, 6), saved)
+    for it in [whole, *halves, one, *back]:
+        it.close()
+
+
+def test_process_rows_follow_the_batch_sharding():
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    assert process_rows(NamedSharding(mesh, PartitionSpec("fsdp", None)), 8) == range(8)  # one process: all rows
+    # Devices of one process holding rows [0, 2) and [2, 4) twice (a tp pair): rows 0-3.
+    assert consecutive_rows([(0, 2), (0, 2), (2, 4), (2, 4)], 8) == range(0, 4)
+    with pytest.raises(ValueError, match=r"rows \[\(0, 2\), \(4, 6\)\] of the 8 of train.batch_size, not one"):
+        consecutive_rows([(0, 2), (4, 6)], 8)
 
 
 def test_iterator_checkpoints_inside_an_orbax_composite(tmp_path):
@@ -357,9 +405,10 @@ def test_a_bad_line_after_the_first_fails_when_read(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"global_batch": 3, "process_count": 2}, "train.batch_size=3 is not divisible by the 2 processes"),
+        ({"global_batch": 4, "rows": range(2, 6)}, "rows: expected consecutive rows of the 4 of train.batch_size, "
+                                                  "found range(2, 6)"),
         ({"split": "test"}, "split: expected one of ['train', 'eval']"),
-        ({"process_count": 2000, "global_batch": 2000}, "fewer than the 2000 batch rows"),
+        ({"rows": range(1000, 1001), "global_batch": 2000}, "fewer than the 2000 batch rows"),
     ],
 )
 def test_bad_split_or_batch_geometry_is_a_clear_error(kwargs, needle):

@@ -90,6 +90,23 @@ def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tmp_path):
     assert any(name.startswith("jit__lambda") for name in cached)  # short init programs too (JAX skips < 1 s)
 
 
+def test_finite_data_stops_the_run_with_a_checkpoint_and_resume_mistakes_are_one_line(tmp_path):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "abc" * 9}) + "\n" for i in range(8)))
+    run_dir = tmp_path / "finite"
+    data = ["data.source=jsonl", f"data.path={corpus}", "data.epochs=1", "data.eval_fraction=0", "train.eval_every=0"]
+    out = train(run_dir, 50, *data)
+    last = max(losses(run_dir))
+    assert 1 < last < 50 and f"stopped at step {last}: the training data ended (data.epochs)" in out.stdout
+    assert max(int(p) for p in os.listdir(run_dir / "checkpoints")) == last
+    again = train(run_dir, 50, *data)  # resumes at the end of the data: nothing to train, still a success
+    assert f"nothing to do: the run is already at step {last}" in again.stdout and max(losses(run_dir)) == last
+    for resume, needle in (("none", "checkpoint.resume=none, but"), ("1", "checkpoint.resume=1: no such step")):
+        done = subprocess.run(command(run_dir, 50, *data, f"checkpoint.resume={resume}"), cwd=ROOT, env=env(),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_tokenizer_larger_than_model_vocab_is_a_clear_error(tmp_path):
     cmd = [arg for arg in command(tmp_path / "r", 2) if not arg.startswith("model.vocab_size=")]
     done = subprocess.run(cmd + ["model.vocab_size=200"], cwd=ROOT, env=env(),

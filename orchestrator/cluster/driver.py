@@ -6,22 +6,31 @@ attempt reserves the whole gang again, starts one fresh worker process per host 
 actor, and watches them:
 
 - every process's output goes to `<run_dir>/logs/attempt-<n>/rank<r>.log`; rank 0's lines and
-  every rank's tracebacks are printed here with a `[rank r]` prefix;
+  every rank's tracebacks are printed here with a `[rank r]` prefix. Attempt numbers continue
+  after the run directory's existing `attempt-<n>` folders, so running a run name again (to
+  resume it) neither overwrites nor re-reads an earlier job's files;
 - a process that finishes no step for `cluster.hang_timeout_s` (`startup_timeout_s` before its
   first step) is hung: every rank's Python stacks go to `<run_dir>/stacks/attempt-<n>/`, then the
   gang is killed;
-- the first process to end decides the class: exit 75 (preempted after a checkpoint) or a lost
-  host actor/node draw on `cluster.max_preemptions`; a signal or abort (crash), an exception
-  (exit 1 with a traceback) or a hang draw on `cluster.max_failures`. The same traceback twice in
-  a row fails the job at once, and so does a mistake in the config or the data it names (exit
-  2). A coordinator port that cannot be bound is retried on another.
+- the first process to end decides the class, and the class the budget (`Budgets`):
+  - `preempted` (exit 75, after a checkpoint) and `node_lost` (a host actor or its node died or
+    stopped answering, also while the gang starts) draw on `cluster.max_preemptions`;
+  - `crash` (a signal or abort), `exception` (exit 1 with a traceback) and `hang` draw on
+    `cluster.max_failures`;
+  - `reservation` (the gang was not ready within `cluster.reserve_timeout_s`) draws on
+    `cluster.max_preemptions` while it follows a preemption or a lost node (waiting for capacity
+    to come back is part of that preemption), else on `cluster.max_failures`;
+  - `config` (exit 2: a mistake in the config or the data it names) fails the job at once, and so
+    does the same traceback twice in a row; `port` (the coordinator port could not be bound) is
+    retried on another port, at most `MAX_PORT_RETRIES` times in a row.
 - SIGTERM or SIGINT to the driver (`ray job stop`, Ctrl-C) is passed on to every worker, which
   checkpoints and exits within `cluster.stop_grace_s`; then the gang is killed and the job ends
   as stopped.
 
-Any failure kills every process of the gang (and removes TPU lock files) before the next attempt
-restores the latest committed checkpoint (`checkpoint.resume=auto`). The outcome is printed and
-written to `<run_dir>/job.json`.
+Any failure kills every process of the gang (and removes TPU lock files) before the next attempt.
+`checkpoint.resume` decides where the job starts; once the job has committed a checkpoint of its
+own, every later attempt restores the latest one (`resume=auto`, see `worker_config`). The outcome
+is printed and written to `<run_dir>/job.json` (`attempts` counts this job's attempts).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from pathlib import Path
 
 from orchestrator.cluster import protocol as p
 from orchestrator.cluster.reserve import Gang, ReservationError, megascale_env, reserve
-from orchestrator.config import Config, to_yaml
+from orchestrator.config import Config, ConfigError, checkpoint_directory, to_yaml
 
 PREEMPTION_CLASSES = ("preempted", "node_lost")
 FAILURE_CLASSES = ("crash", "exception", "hang", "reservation")
@@ -89,13 +98,79 @@ def connect(config: Config) -> None:
              _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
 
 
+def _host_errors() -> tuple[type[Exception], ...]:
+    """Ray's errors for a host actor (or its node) that died or stopped answering."""
+    import ray
+
+    return ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.NodeDiedError
+
+
+def _lost(rank: int | None, error: Exception) -> Outcome:
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    return Outcome("node_lost", rank, f"host actor lost: {type(error).__name__}: {first_line}")
+
+
+@dataclasses.dataclass
+class Budgets:
+    """What the restarts so far have drawn on `cluster.max_failures` and `cluster.max_preemptions`."""
+
+    max_failures: int
+    max_preemptions: int
+    failures: int = 0
+    preemptions: int = 0
+    cause: str | None = None  # the class of the last attempt that was not a reservation failure
+
+    def charge(self, kind: str) -> str | None:
+        """Draws an attempt that ended as `kind` on its budget; returns why the job fails if that is spent."""
+        after_preemption = kind == "reservation" and self.cause in PREEMPTION_CLASSES
+        if kind != "reservation":
+            self.cause = kind
+        if kind in PREEMPTION_CLASSES or after_preemption:
+            self.preemptions += 1
+            if self.preemptions > self.max_preemptions:
+                return f"{self.preemptions} preemptions, more than cluster.max_preemptions={self.max_preemptions}"
+            return None
+        self.failures += 1
+        if self.failures > self.max_failures:
+            return f"{self.failures} failures, more than cluster.max_failures={self.max_failures}"
+        return None
+
+
+def next_attempt(run_dir: Path) -> int:
+    """The number after the run directory's last `logs/attempt-<n>` folder (1 for a new run)."""
+    numbers = [int(d.name.removeprefix("attempt-")) for d in (Path(run_dir) / "logs").glob("attempt-*")
+               if d.name.removeprefix("attempt-").isdigit()]
+    return max(numbers, default=0) + 1
+
+
+def worker_config(config: Config, *, own_checkpoint: bool) -> Config:
+    """The config the workers of an attempt train with: no cluster of their own (`kind=none`), and
+    `checkpoint.resume=auto` once the job has committed a checkpoint of its own (`own_checkpoint`).
+
+    The user's `resume` says where the job starts; a restart must continue from the job's latest
+    step instead: `none` would refuse the job's own checkpoints, a step number would drop the steps
+    trained since.
+    """
+    cluster = dataclasses.replace(config.cluster, kind="none")
+    if not own_checkpoint:
+        return dataclasses.replace(config, cluster=cluster)
+    checkpoint = dataclasses.replace(config.checkpoint, resume="auto")
+    return dataclasses.replace(config, cluster=cluster, checkpoint=checkpoint)
+
+
 def _normalise(tb: str) -> str:
     return re.sub(r"0x[0-9a-fA-F]+", "0x?", tb).strip()
 
 
 def _last_checkpoint(config: Config, run_dir: Path) -> int | None:
-    ckpt = Path(config.checkpoint.dir)
-    ckpt = ckpt if ckpt.is_absolute() else run_dir / ckpt
+    """The newest committed step in `checkpoint.dir` (a step folder named by its number), or None."""
+    directory = checkpoint_directory(config.checkpoint.dir, run_dir)
+    if "://" in directory:
+        from etils import epath  # only for URLs (gs://): keeps the driver's start light
+
+        ckpt = epath.Path(directory)
+    else:
+        ckpt = Path(directory)
     steps = [int(d.name) for d in ckpt.glob("*") if d.name.isdigit() and d.is_dir()] if ckpt.is_dir() else []
     return max(steps, default=None)
 
@@ -157,17 +232,20 @@ class Driver:
 
     def _attempts(self) -> JobResult:
         restarts = {kind: 0 for kind in PREEMPTION_CLASSES + FAILURE_CLASSES + ("port",)}
-        failures = preemptions = port_retries = 0
-        previous_tb, attempt = None, 0
+        budgets = Budgets(self.cluster.max_failures, self.cluster.max_preemptions)
+        port_retries, previous_tb, attempts = 0, None, 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        first_attempt, checkpoint_at_start = next_attempt(self.run_dir), _last_checkpoint(self.config, self.run_dir)
 
         def result(status, reason):
-            return JobResult(status, reason, attempt, {k: v for k, v in restarts.items() if v}, self.last_step,
+            return JobResult(status, reason, attempts, {k: v for k, v in restarts.items() if v}, self.last_step,
                              _last_checkpoint(self.config, self.run_dir), str(self.run_dir))
 
         while True:
-            attempt += 1
-            outcome = self._one_attempt(attempt, port_retries)
+            attempt, attempts = first_attempt + attempts, attempts + 1
+            own_checkpoint = _last_checkpoint(self.config, self.run_dir) != checkpoint_at_start
+            config = worker_config(self.config, own_checkpoint=own_checkpoint)
+            outcome = self._one_attempt(attempt, port_retries, config)
             if outcome.kind == "done":
                 return result("succeeded", f"trained to step {self.config.train.steps}")
             if outcome.kind == "stopped" or self.stop_requested:
@@ -175,59 +253,55 @@ class Driver:
             self.say(f"attempt {attempt} ended: {outcome.kind} (rank {outcome.rank}): {outcome.detail}")
             if outcome.kind == "config":
                 return result("failed", outcome.detail)
+            restarts[outcome.kind] += 1
             if outcome.kind == "port":
                 port_retries += 1
-                restarts["port"] += 1
                 if port_retries > MAX_PORT_RETRIES:
                     return result("failed", f"no coordinator port could be bound in {port_retries} tries")
                 continue
             port_retries = 0
-            if outcome.kind in PREEMPTION_CLASSES:
-                preemptions += 1
-                restarts[outcome.kind] += 1
-                previous_tb = None
-                if preemptions > self.cluster.max_preemptions:
-                    return result("failed", f"{preemptions} preemptions, more than cluster.max_preemptions="
-                                            f"{self.cluster.max_preemptions}")
-                continue
-            failures += 1
-            restarts[outcome.kind] += 1
+            spent = budgets.charge(outcome.kind)
             tb = _normalise(outcome.traceback) if outcome.traceback else None
             if tb is not None and tb == previous_tb:
                 self.say(f"the same exception twice in a row; not retrying it:\n{outcome.traceback}")
                 return result("failed", f"the same exception twice in a row on rank {outcome.rank}: "
                                         f"{outcome.detail}")
             previous_tb = tb
-            if failures > self.cluster.max_failures:
-                return result("failed", f"{failures} failures, more than cluster.max_failures="
-                                        f"{self.cluster.max_failures}; last: {outcome.kind}: {outcome.detail}")
+            if spent:
+                return result("failed", f"{spent}; last: {outcome.kind}: {outcome.detail}")
             self.say(f"restarting from the last committed checkpoint "
-                     f"({_last_checkpoint(self.config, self.run_dir)}); failures {failures}/"
-                     f"{self.cluster.max_failures}, preemptions {preemptions}/{self.cluster.max_preemptions}")
+                     f"({_last_checkpoint(self.config, self.run_dir)}); failures {budgets.failures}/"
+                     f"{self.cluster.max_failures}, preemptions {budgets.preemptions}/{self.cluster.max_preemptions}")
 
-    def _one_attempt(self, attempt: int, port_retries: int) -> Outcome:
+    def _one_attempt(self, attempt: int, port_retries: int, config: Config) -> Outcome:
+        """Reserves the gang, runs `config` on it and watches it; how it ended (never raises for a lost host)."""
         started = time.time()
         try:
             gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}")
         except ReservationError as error:
             return Outcome("reservation", None, str(error))
+        except ConfigError as error:
+            return Outcome("config", None, str(error))
+        except _host_errors() as error:  # a host actor died before it answered
+            return _lost(None, error)
         try:
             self.say(f"attempt {attempt}: reserved {len(gang.actors)} hosts in {time.time() - started:.1f}s "
                      f"({', '.join(sorted({i['ip'] for i in gang.infos}))})")
-            return self._watch(gang, attempt, port_retries)
+            return self._watch(gang, attempt, port_retries, config)
+        except _host_errors() as error:  # a host actor died while its worker started
+            return _lost(None, error)
         finally:
             gang.release()
 
-    def _start(self, gang: Gang, attempt: int, port_retries: int) -> None:
+    def _start(self, gang: Gang, attempt: int, port_retries: int, config: Config) -> None:
         import ray
 
         preferred = self.cluster.coordinator_port if port_retries == 0 else 0
-        port = ray.get(gang.actors[0].pick_port.remote(preferred))
+        port = ray.get(gang.actors[0].pick_port.remote(preferred), timeout=60)
         coordinator_ip = gang.infos[0]["ip"]
         if preferred and port != preferred:
             self.say(f"coordinator port {preferred} is in use on {coordinator_ip}; using {port}")
-        worker_config = dataclasses.replace(self.config, cluster=dataclasses.replace(self.cluster, kind="none"))
-        config_yaml = to_yaml(worker_config)
+        config_yaml = to_yaml(config)
         attempt_dir = self.run_dir / "logs" / f"attempt-{attempt}"
         starts = []
         for rank, actor in enumerate(gang.actors):
@@ -242,7 +316,7 @@ class Driver:
                 p.ENV_HEARTBEAT_TIMEOUT: str(self.cluster.heartbeat_timeout_s),
             }
             starts.append(actor.start.remote(env, config_yaml, str(attempt_dir), rank))
-        pids = ray.get(starts)
+        pids = ray.get(starts, timeout=60)
         self.say(f"attempt {attempt}: started {len(pids)} worker processes, coordinator {coordinator_ip}:{port}, "
                  f"logs in {attempt_dir}")
 
@@ -255,16 +329,15 @@ class Driver:
         for rank, ref in enumerate(refs):
             try:
                 polls.append(ray.get(ref, timeout=60))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+            except _host_errors() as error:
                 polls.append(None)
-                lost = lost or Outcome("node_lost", rank, f"host actor lost: {type(error).__name__}: "
-                                                          f"{str(error).splitlines()[0] if str(error) else ''}")
+                lost = lost or _lost(rank, error)
         return polls, lost
 
-    def _watch(self, gang: Gang, attempt: int, port_retries: int) -> Outcome:
+    def _watch(self, gang: Gang, attempt: int, port_retries: int, config: Config) -> Outcome:
         import ray
 
-        self._start(gang, attempt, port_retries)
+        self._start(gang, attempt, port_retries, config)
         stop_deadline = None
         while True:
             polls, lost = self._poll(gang)

@@ -2,7 +2,9 @@
 
 A reservation is all or nothing: one placement group whose bundles are the hosts (one bundle per
 TPU VM, per GPU node, per simulated host) must be ready within `cluster.reserve_timeout_s`, or it
-is removed and the attempt fails with the resources it asked for. Each bundle gets one host actor.
+is removed and the attempt fails with the resources it asked for (`ReservationError`, also when
+Ray finds no TPU slice or the host actors do not start in that time). Each bundle gets one host
+actor; one that dies before it answers raises Ray's `RayActorError` (the driver's `node_lost`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 from typing import Any
 
 from orchestrator.cluster.host import HostActor
-from orchestrator.config import ClusterConfig
+from orchestrator.config import ClusterConfig, ConfigError
 
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host
 # TPU generations whose type names count TensorCores (two per chip); the others count chips.
@@ -96,6 +98,40 @@ def _wait_ready(pgs: list, cluster: ClusterConfig, what: str) -> None:
         ) from None
 
 
+def _reserve_slices(cluster: ClusterConfig, name: str) -> Any:
+    """Ray's `SlicePlacementGroup` for `cluster.num_slices` slices of `cluster.tpu_type`, one group per slice."""
+    from ray.util.tpu import SlicePlacementGroup
+
+    what = f"cluster.tpu_type={cluster.tpu_type!r}, cluster.tpu_topology={cluster.tpu_topology!r}"
+    try:
+        return SlicePlacementGroup(
+            topology=cluster.tpu_topology or tpu_topology(cluster.tpu_type),
+            accelerator_version=cluster.tpu_type.partition("-")[0], num_slices=cluster.num_slices,
+            resources_per_bundle={"CPU": cluster.cpus_per_host} if cluster.cpus_per_host else None,
+            head_reservation_timeout_s=cluster.reserve_timeout_s, pg_per_slice=True, name=name,
+        )
+    except ValueError as error:  # a topology Ray does not know for this TPU generation
+        raise ConfigError(f"{what}: not a slice Ray can reserve: {error}") from None
+    except RuntimeError as error:  # Ray found no free slice (its head resource) within the timeout
+        raise ReservationError(f"could not reserve {cluster.num_slices} x {cluster.tpu_type} within "
+                               f"cluster.reserve_timeout_s={cluster.reserve_timeout_s:g}s: {error}") from None
+
+
+def _host_infos(gang: Gang, cluster: ClusterConfig) -> list[dict]:
+    """Each host actor's `info()`; releases the gang when they do not all answer in time."""
+    import ray
+
+    try:
+        return ray.get([a.info.remote() for a in gang.actors], timeout=cluster.reserve_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        gang.release()
+        raise ReservationError(f"the {len(gang.actors)} host actors did not start within "
+                               f"cluster.reserve_timeout_s={cluster.reserve_timeout_s:g}s") from None
+    except BaseException:
+        gang.release()
+        raise
+
+
 def reserve(cluster: ClusterConfig, name: str) -> Gang:
     """Reserves the whole gang for one attempt and starts one host actor per host (rank order)."""
     import ray
@@ -105,14 +141,7 @@ def reserve(cluster: ClusterConfig, name: str) -> Gang:
     remote_host = ray.remote(max_restarts=0, max_concurrency=4)(HostActor)
     slice_handles, placements = [], []  # placements: (pg, bundle index, actor options, slice index)
     if cluster.kind == "tpu":
-        from ray.util.tpu import SlicePlacementGroup
-
-        handle = SlicePlacementGroup(
-            topology=cluster.tpu_topology or tpu_topology(cluster.tpu_type),
-            accelerator_version=cluster.tpu_type.partition("-")[0], num_slices=cluster.num_slices,
-            resources_per_bundle={"CPU": cluster.cpus_per_host} if cluster.cpus_per_host else None,
-            head_reservation_timeout_s=cluster.reserve_timeout_s, pg_per_slice=True, name=name,
-        )
+        handle = _reserve_slices(cluster, name)
         slice_handles.append(handle)
         pgs = handle.slice_placement_groups
         tpus = handle.bundle_resources.get("TPU", 0)
@@ -138,11 +167,7 @@ def reserve(cluster: ClusterConfig, name: str) -> Gang:
         for rank, (pg, b, options, _) in enumerate(placements)
     ]
     gang = Gang(actors, pgs, [], [], [pl[3] for pl in placements], slice_handles)
-    try:
-        gang.infos = ray.get([a.info.remote() for a in actors], timeout=cluster.reserve_timeout_s)
-    except BaseException:
-        gang.release()
-        raise
+    gang.infos = _host_infos(gang, cluster)
     if cluster.kind == "tpu":  # ranks follow the TPU worker ids within each slice (worker 0 coordinates)
         order = sorted(range(len(actors)), key=lambda r: (
             gang.slices[r], int(gang.infos[r]["labels"].get("ray.io/tpu-worker-id", r))))
