@@ -11,8 +11,14 @@ from orchestrator.train import EXIT_PREEMPTED, run
 
 
 def run_command(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    # podtrain's own messages at INFO (where the run starts, samples at evals); the libraries' stay at
+    # WARNING (importing JAX and Orbax gave the root logger absl's handler, so basicConfig would do nothing).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours = logging.getLogger("orchestrator")
+    ours.setLevel(logging.INFO)
+    ours.addHandler(handler)
+    ours.propagate = False
     config = load_config(args.config, args.overrides)
     run_dir = Path(config.run.dir) / (config.run.name or resolve_preset(args.config).stem)
     if config.cluster.kind != "none":

@@ -56,6 +56,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import yaml
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
@@ -93,6 +94,25 @@ def _describe(error: Exception, max_chars: int = 300) -> str:
     if len(text) > max_chars:
         text = text[:max_chars] + "..."
     return f"{type(error).__name__}: {text}"
+
+
+# Model keys that change how the model runs or is initialised, not what its weights are.
+RUNTIME_MODEL_KEYS = frozenset({"dtype", "remat", "scan_layers", "initializer_range"})
+
+
+def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:
+    """How the model keys a step was saved with (its `meta["config_yaml"]`) differ from `model` (a
+    `ModelConfig`), apart from `RUNTIME_MODEL_KEYS`: the first `shown`, then how many more; "" when
+    they are equal (or the step records no config)."""
+    saved = (yaml.safe_load(meta.get("config_yaml", "")) or {}).get("model")
+    if saved is None:
+        return ""
+    current = dataclasses.asdict(model)
+    differences = [f"model.{key}: checkpoint has {saved.get(key)!r}, config has {current.get(key)!r}"
+                   for key in sorted((set(saved) | set(current)) - RUNTIME_MODEL_KEYS)
+                   if saved.get(key) != current.get(key)]
+    more = f"; and {len(differences) - shown} more" if len(differences) > shown else ""
+    return "; ".join(differences[:shown]) + more
 
 
 def run_metadata(config: Config, mesh: Mesh) -> dict[str, Any]:
@@ -289,6 +309,24 @@ class Checkpointer:
         if jax.process_count() > 1:
             multihost.sync_global_processes(f"podtrain_damaged_steps_set_aside_{max(damaged)}")
         self._manager.reload()
+
+    def check_model(self, model: Any) -> None:
+        """Raises ConfigError when the step `resume` would start from was saved with other model keys
+        than `model` (a `ModelConfig`): restoring it would fail on every step, each reported as damaged."""
+        steps = self.all_steps()
+        if self.config.resume == "none" or not steps:
+            return
+        step = steps[-1] if self.config.resume == "auto" else int(self.config.resume)
+        if step not in steps:
+            return  # `resume` names the missing step
+        try:
+            differences = model_differences(self.meta(step), model)
+        except _DAMAGED_STEP_ERRORS:
+            return  # a damaged step: `resume` falls back past it
+        if differences:
+            raise ConfigError(f"checkpoint step {step} in {self.directory} was trained with a different model: "
+                              f"{differences}. Resume with the model it was trained with, or start a new run "
+                              "(run.name or checkpoint.dir)")
 
     def resume(self, abstract_state: Any) -> tuple[Any, dict, int] | None:
         """Restores what `config.resume` asks for.

@@ -12,19 +12,15 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import yaml
 from flax import nnx
 from jax.sharding import Mesh
 
 from models import from_hf
 from orchestrator.build import Training, build_training
-from orchestrator.checkpoint import Checkpointer
+from orchestrator.checkpoint import Checkpointer, model_differences
 from orchestrator.config import Config, ConfigError
 from orchestrator.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
 from sharding.mesh import build_mesh
-
-# Model keys that change how the model runs or is initialised, not what its weights are.
-RUNTIME_KEYS = {"dtype", "remat", "scan_layers", "initializer_range"}
 
 
 def resolve_checkpoint(path: str) -> tuple[Path, int | None]:
@@ -42,14 +38,6 @@ def resolve_checkpoint(path: str) -> tuple[Path, int | None]:
     return p, None
 
 
-def _model_differences(saved: dict, model) -> list[str]:
-    current = dataclasses.asdict(model)
-    return [
-        f"model.{key}: checkpoint has {saved.get(key)!r}, config has {current.get(key)!r}"
-        for key in sorted((set(saved) | set(current)) - RUNTIME_KEYS) if saved.get(key) != current.get(key)
-    ]
-
-
 def restore_model(config: Config, checkpoint: str, step: int | None = None) -> tuple[Training, nnx.Module, int]:
     """(training setup, model, step): the params of `checkpoint=` (a run, checkpoint or step
     directory) restored straight into their sharding on `config`'s mesh, the newest committed step
@@ -62,11 +50,12 @@ def restore_model(config: Config, checkpoint: str, step: int | None = None) -> t
         step = steps[-1] if step is None and steps else step
         if step not in steps:
             raise ConfigError(f"step={step}: not in {directory} (committed steps: {steps})")
-        saved_model = (yaml.safe_load(checkpointer.meta(step).get("config_yaml", "")) or {}).get("model")
-        differences = _model_differences(saved_model, config.model) if saved_model is not None else []
+        differences = model_differences(checkpointer.meta(step), config.model)
         if differences:
-            raise ConfigError(f"checkpoint {directory / str(step)} was trained with a different model: "
-                              + "; ".join(differences))
+            trained_with = directory.parent / "config.yaml"
+            hint = f" (the run's resolved config: {trained_with})" if trained_with.is_file() else ""
+            raise ConfigError(f"checkpoint {directory / str(step)} was trained with a different model: {differences}. "
+                              f"Pass -c the preset or YAML file it was trained with{hint}")
         params, _, step = checkpointer.restore_params(training.abstract_state(), step=step)
     return training, nnx.merge(training.graphdef, params), step
 

@@ -196,6 +196,9 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
     is_main = jax.process_index() == 0
     use_compilation_cache(config.train.compilation_cache_dir, run_dir)
     training = build_training(config)
+    checkpointer = Checkpointer(checkpoint_directory(config.checkpoint.dir, run_dir), config.checkpoint,
+                                run_meta=run_metadata(config, training.mesh))
+    checkpointer.check_model(config.model)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(config))
@@ -206,8 +209,6 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
     train_data, eval_data, tokenizer = _datasets(config, rows)
     prompt_ids = sample_prompt_ids(config, tokenizer) if config.train.sample_prompt else None
     train_iter = iter(train_data)
-    checkpointer = Checkpointer(checkpoint_directory(config.checkpoint.dir, run_dir), config.checkpoint,
-                                run_meta=run_metadata(config, training.mesh))
     resumed = checkpointer.resume(training.abstract_state())
     if resumed:
         _restore_data_position(train_iter, rows, resumed[1], f"step {resumed[2]} in {checkpointer.directory}")

@@ -1,5 +1,6 @@
 """Orbax checkpoints: bit-exact round trips and resume, keep-last-K, damaged steps, other meshes."""
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from orchestrator.build import build_training
-from orchestrator.checkpoint import Checkpointer, NoRestorableCheckpointError, run_metadata
+from orchestrator.checkpoint import Checkpointer, NoRestorableCheckpointError, model_differences, run_metadata
 from orchestrator.config import CheckpointConfig, ConfigError, checkpoint_directory, load_config
 
 # A restore that fails part way leaves tensorstore reads in flight; they complete on tensorstore's threads after
@@ -237,6 +238,17 @@ def test_data_position_is_saved_only_with_a_step_and_comes_back_in_meta(training
     resumed.set_state(meta["data_position"]["stream"])
     np.testing.assert_array_equal([next(resumed) for _ in range(2)], expected)
     assert asked == [True] and (tmp_path / "2" / "data_position").is_dir()
+
+
+def test_model_differences_name_the_first_three_and_count_the_rest(training):
+    meta = run_metadata(training.config, training.mesh)
+    model = training.config.model
+    assert model_differences(meta, model) == ""
+    assert model_differences(meta, dataclasses.replace(model, remat="none", dtype="bfloat16")) == ""  # runtime keys
+    other = dataclasses.replace(model, num_layers=3, hidden_size=32, head_dim=8, vocab_size=128, rms_norm_eps=1e-6)
+    assert model_differences(meta, other) == ("model.head_dim: checkpoint has 16, config has 8; model.hidden_size: "
+                                              "checkpoint has 64, config has 32; model.num_layers: checkpoint has 2, "
+                                              "config has 3; and 2 more")
 
 
 @pytest.mark.parametrize("directory, expected", [

@@ -13,7 +13,15 @@ import pytest
 from orchestrator.cluster import driver
 from orchestrator.cluster import protocol as p
 from orchestrator.cluster.driver import Budgets, _normalise, next_attempt, worker_config
-from orchestrator.cluster.reserve import ReservationError, _bundles, host_env, megascale_env, reserve, tpu_topology
+from orchestrator.cluster.reserve import (
+    ReservationError,
+    _bundles,
+    gang_devices,
+    host_env,
+    megascale_env,
+    reserve,
+    tpu_topology,
+)
 from orchestrator.config import ConfigError, load_config
 from orchestrator.worker import port_taken
 
@@ -199,3 +207,22 @@ def test_a_worker_whose_coordinator_port_is_taken_asks_for_another(tmp_path):
                               text=True, timeout=120)
     assert done.returncode == p.EXIT_COORDINATOR_PORT, done.stderr[-3000:]
     assert f"coordinator port {port} is taken" in done.stderr
+
+
+@pytest.mark.parametrize("overrides, devices", [
+    (["cluster.num_hosts=2", "cluster.devices_per_host=2"], 4),
+    (["cluster=gpu", "cluster.num_nodes=2", "cluster.gpus_per_node=8"], 16),
+    (["cluster=tpu", "cluster.tpu_type=v5p-64", "cluster.num_slices=2"], 64),  # 32 chips a slice
+    (["cluster=tpu", "cluster.tpu_type=v3-8"], None),  # a device per TensorCore: not from the type alone
+    (["cluster=tpu", "cluster.tpu_type=v4-16", "cluster.env.JAX_PLATFORMS=cpu"], None),  # CPU stand-ins
+])
+def test_a_mesh_that_does_not_fit_the_gang_fails_before_anything_starts(tmp_path, monkeypatch, overrides, devices):
+    config = load_config("llama3-tiny", [*overrides, "mesh.fsdp=3"])
+    assert gang_devices(config.cluster) == devices
+    if devices is None:
+        return
+    monkeypatch.setattr(driver, "connect", lambda config: pytest.fail("Ray started for a mesh that cannot fit"))
+    with pytest.raises(ConfigError, match=rf"= 3 devices, but {devices} devices are present \(in the gang of "
+                                          rf"cluster.kind={config.cluster.kind}, before starting it\)"):
+        driver.run_job(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -98,11 +98,16 @@ def test_finite_data_stops_the_run_with_a_checkpoint_and_resume_mistakes_are_one
     out = train(run_dir, 50, *data)
     last = max(losses(run_dir))
     assert 1 < last < 50 and f"stopped at step {last}: the training data ended (data.epochs)" in out.stdout
+    assert "INFO orchestrator.train: starting at step 0 (fresh)" in out.stderr  # podtrain's INFO lines show
+    assert "WARNING orchestrator.train: the training data ended" in out.stderr and "INFO absl" not in out.stderr
     assert max(int(p) for p in os.listdir(run_dir / "checkpoints")) == last
     again = train(run_dir, 50, *data)  # resumes at the end of the data: nothing to train, still a success
     assert f"nothing to do: the run is already at step {last}" in again.stdout and max(losses(run_dir)) == last
-    for resume, needle in (("none", "checkpoint.resume=none, but"), ("1", "checkpoint.resume=1: no such step")):
-        done = subprocess.run(command(run_dir, 50, *data, f"checkpoint.resume={resume}"), cwd=ROOT, env=env(),
+    for override, needle in (("checkpoint.resume=none", "checkpoint.resume=none, but"),
+                             ("checkpoint.resume=1", "checkpoint.resume=1: no such step"),
+                             ("model.num_kv_heads=2", "was trained with a different model: model.num_kv_heads: "
+                                                      "checkpoint has 4, config has 2")):
+        done = subprocess.run(command(run_dir, 50, *data, override), cwd=ROOT, env=env(),
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
@@ -166,6 +171,8 @@ def test_export_writes_the_trained_weights_as_hf_files_transformers_loads(tmp_pa
     done = export(run_dir, tmp_path / "other", "model.rms_norm_eps=1e-6", "model.remat=none")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "model.rms_norm_eps: checkpoint has 1e-05, config has 1e-06" in done.stderr
+    assert f"Pass -c the preset or YAML file it was trained with (the run's resolved config: {run_dir}/config.yaml)" \
+        in done.stderr
     assert "remat" not in done.stderr
     assert not (tmp_path / "other").exists()
 

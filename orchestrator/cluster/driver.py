@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 
 from orchestrator.cluster import protocol as p
-from orchestrator.cluster.reserve import Gang, ReservationError, megascale_env, reserve
-from orchestrator.config import Config, ConfigError, checkpoint_directory, to_yaml
+from orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
+from orchestrator.config import Config, ConfigError, checkpoint_directory, to_yaml, validate
 
 PREEMPTION_CLASSES = ("preempted", "node_lost")
 FAILURE_CLASSES = ("crash", "exception", "hang", "reservation")
@@ -426,5 +426,15 @@ class Driver:
 
 
 def run_job(config: Config, run_dir: Path, out=None) -> JobResult:
-    """Runs `config` on its cluster until it succeeds, is stopped, or spends a budget."""
+    """Runs `config` on its cluster until it succeeds, is stopped, or spends a budget.
+
+    Raises:
+        ConfigError: the mesh does not fit the gang's devices (checked before anything starts).
+    """
+    devices = gang_devices(config.cluster)
+    if devices is not None:
+        try:
+            validate(config, devices)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (in the gang of cluster.kind={config.cluster.kind}, before starting it)") from None
     return Driver(config, run_dir, out).run()

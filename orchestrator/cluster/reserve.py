@@ -33,6 +33,20 @@ def tpu_chips(tpu_type: str) -> int:
     return int(count) // 2 if version in _CORES_NAMED else int(count)
 
 
+def gang_devices(cluster: ClusterConfig) -> int | None:
+    """How many JAX devices the whole gang will have, when the config alone says it: local hosts'
+    CPU devices, GPU nodes' GPUs, TPU chips from v4 on (one device per chip); None for v2/v3 (a
+    device per core) and when `cluster.env` sets JAX_PLATFORMS (the workers use other devices)."""
+    if cluster.kind == "local":
+        return cluster.num_hosts * cluster.devices_per_host
+    if cluster.kind == "gpu":
+        return cluster.num_nodes * cluster.gpus_per_node
+    per_core = cluster.tpu_type.lower().partition("-")[0] in ("v2", "v3")
+    if cluster.kind == "tpu" and not per_core and "JAX_PLATFORMS" not in cluster.env:
+        return tpu_chips(cluster.tpu_type) * cluster.num_slices
+    return None
+
+
 def tpu_topology(tpu_type: str) -> str:
     """The default topology of a TPU type: `v4-8` -> 2x2x1, `v5p-64` -> 2x4x4, `v6e-16` -> 4x4."""
     version = tpu_type.lower().partition("-")[0]
