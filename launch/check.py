@@ -7,23 +7,26 @@ import time
 import jax
 
 from orchestrator.build import build_training
-from orchestrator.config import load_config
+from orchestrator.config import ConfigError, load_config
 from orchestrator.plan import format_plan, make_plan
 
 
 def run_command(args) -> int:
+    if args.steps < 1:
+        raise ConfigError(f"--steps: expected a positive number of train steps, found {args.steps}")
     config = load_config(args.config, args.overrides)
     training = build_training(config)
     print(format_plan(make_plan(training)))
     state = training.init_state()
     batch = training.random_batch(seed=config.train.seed)
-    print(f"\nrunning {args.steps} train steps (forward, loss, backward, AdamW) on random tokens")
-    for _ in range(args.steps):
+    print(f"\nrunning {args.steps} train steps (forward, loss, backward, {config.optimizer.name} update) "
+          "on random tokens")
+    for i in range(args.steps):
         start = time.perf_counter()
         state, metrics = training.step(state, batch)
         loss = float(metrics["loss"])
         seconds = time.perf_counter() - start
         print(f"step {int(state.step)}: loss {loss:.4f}  grad_norm {float(metrics['grad_norm']):.4f}  "
-              f"{seconds:.2f} s (first step includes compilation)")
+              f"{seconds:.2f} s" + (" (includes compilation)" if i == 0 else ""))
     jax.block_until_ready(state)
     return 0

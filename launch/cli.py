@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from orchestrator.config import ConfigError
 
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        print(f"podtrain: error: --cpu-devices: expected a positive number of devices, found {args.cpu_devices}",
+              file=sys.stderr)
+        return 2
     if args.cpu_devices:
         import jax
 

@@ -11,6 +11,7 @@ like); any difference is an error that names it.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from models import to_hf
@@ -40,14 +41,33 @@ def split_export_args(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
     return found, rest
 
 
+def check_out(raw: str) -> Path:
+    """`out=` as a path, checked before any work: a new or empty directory that can be created."""
+    out = Path(raw).expanduser()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"lies under {existing}, which is a file"
+        raise ConfigError(f"out={raw}: {what}; expected a new or empty directory")
+    if existing == out and any(out.iterdir()):
+        raise ConfigError(f"out={raw}: directory exists and is not empty; choose a new path")
+    try:  # what to_hf will do: create the parent, then a staging directory in it
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise ConfigError(f"out={raw}: cannot create a directory in {out.parent} ({e.strerror})") from None
+    return out
+
+
 def run_command(args) -> int:
     export, overrides = split_export_args(args.overrides)
-    config = load_config(args.config, overrides)
-    directory, _ = resolve_checkpoint(export["checkpoint"])
-    out = Path(export["out"]).expanduser()
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"out={export['out']}: directory exists and is not empty; choose a new path")
-    _, model, step = restore_model(config, export["checkpoint"], int(export["step"]) if "step" in export else None)
+    config = load_config(args.config, overrides, hint_keys=EXPORT_KEYS)
+    directory, folder_step = resolve_checkpoint(export["checkpoint"])
+    step = int(export["step"]) if "step" in export else None
+    if folder_step is not None and step is not None and step != folder_step:
+        raise ConfigError(f"checkpoint={export['checkpoint']} is the folder of step {folder_step}, but step={step}; "
+                          "give the step folder or step=, not both")
+    out = check_out(export["out"])
+    _, model, step = restore_model(config, export["checkpoint"], step)
     to_hf(model, config.model, out)
     files = sorted(out.iterdir())
     size = sum(f.stat().st_size for f in files)

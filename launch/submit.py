@@ -38,9 +38,14 @@ def entrypoint(preset: str, overrides: list[str], working_dir: Path) -> str:
     return shlex.join(["podtrain", "train", "-c", preset, *overrides])
 
 
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def run_command(args) -> int:
     import os
 
+    from ray.exceptions import RpcError
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     config = load_config(args.config, args.overrides)
@@ -51,8 +56,13 @@ def run_command(args) -> int:
         raise ConfigError("submit needs --address http://HEAD:8265 (or RAY_ADDRESS)")
     working_dir = Path(args.working_dir)
     job_id = config.run.name or resolve_preset(args.config).stem
-    client = JobSubmissionClient(address)
-    if any(job.submission_id == job_id for job in client.list_jobs()):
+    try:
+        client = JobSubmissionClient(address)
+        jobs = client.list_jobs()
+    except (OSError, RuntimeError, RpcError) as e:  # ConnectionError and requests' errors are OSErrors
+        raise ConfigError(f"--address {address}: cannot reach Ray there ({_first_line(e)}); "
+                          "give the head's dashboard address, e.g. http://HEAD:8265") from None
+    if any(job.submission_id == job_id for job in jobs):
         raise ConfigError(f"a job with id {job_id!r} already exists on {address}; choose another run.name "
                           "(the run name is the job id)")
     env_vars = {"RAY_JOB_STOP_WAIT_TIME_S": str(int(config.cluster.stop_grace_s + STOP_MARGIN_S))}

@@ -357,6 +357,13 @@ def _plan_shards(tensors: list[tuple], max_shard_bytes: int) -> list[list[tuple]
     return shards
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**30) -> None:
     """Writes `model` as a transformers checkpoint: safetensors shards, their index and config.json.
 
@@ -382,7 +389,8 @@ def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**
     if writer:
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        staging.chmod(0o755)
+        umask = _umask()  # mkdtemp and safetensors create owner-only entries; give them the usual modes
+        staging.chmod(0o777 & ~umask)
     try:
         weight_map, host_key, host = {}, None, None
         for number, shard in enumerate(shards, start=1):
@@ -395,6 +403,7 @@ def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**
                 weight_map[name] = file
             if writer:
                 save_file(out, staging / file, metadata={"format": "pt"})
+                (staging / file).chmod(0o666 & ~umask)
         if writer:
             if len(shards) > 1:
                 total = sum(entry[1] for entry in tensors)

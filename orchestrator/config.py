@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import os
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,8 @@ SCHEDULES = ("constant", "cosine", "linear")
 @dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer (adamw, sgd with momentum, adafactor) and learning-rate schedule (constant, or
-    `warmup_steps` of linear warmup then cosine or linear decay to `learning_rate * min_lr_ratio`)."""
+    `warmup_steps` of linear warmup then cosine or linear decay to `learning_rate * min_lr_ratio`).
+    Gradients are clipped to a global norm of `grad_clip` first (0: no clipping)."""
 
     name: str = "adamw"
     schedule: str = "cosine"
@@ -287,11 +289,16 @@ def resolve_preset(preset: str) -> Path:
     """A preset name (`configs/<name>.yaml`) or a path to a YAML file."""
     path = Path(preset)
     if path.suffix in (".yaml", ".yml") or os.sep in preset:
+        if path.is_dir():
+            raise ConfigError(f"-c {preset}: is a directory; expected a preset name or a YAML file")
         if not path.is_file():
             raise ConfigError(f"config file {preset}: not found")
         return path
     path = CONFIG_DIR / f"{preset}.yaml"
     if not path.is_file():
+        if Path(preset).is_dir():
+            raise ConfigError(f"-c {preset}: is a directory, not a preset in {CONFIG_DIR}; expected a preset name "
+                              "or a YAML file")
         near = difflib.get_close_matches(preset, list_presets(), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise ConfigError(f"-c {preset}: no such preset in {CONFIG_DIR} (available: {', '.join(list_presets())}){hint}")
@@ -310,14 +317,51 @@ def _schema_keys(cls, prefix: str = "") -> dict[str, Any]:
     return keys
 
 
-def _check_key(key: str, keys: dict[str, Any], where: str) -> None:
+def _initials(name: str) -> str:
+    return "".join(part[0] for part in name.split("_") if part)
+
+
+def _leaf_score(leaf: str, candidate: str) -> float:
+    """How likely the last part `leaf` of a mistyped key means `candidate`'s last part (0 to 1)."""
+    name = candidate.rpartition(".")[2]
+    if "_" in name and len(leaf) > 1 and leaf == _initials(name):  # lr -> learning_rate
+        return 1.0
+    if name.startswith(leaf + "_"):  # warmup -> warmup_steps
+        return 0.9
+    return difflib.SequenceMatcher(None, leaf, name).ratio()
+
+
+def closest_key(key: str, candidates: Iterable[str]) -> str | None:
+    """The candidate that a mistyped `key` most likely means, or None when none is close.
+
+    The last part of `key` is matched (by spelling, by the initials of a name's parts or as its
+    first part) against the keys of its own section first (`optimizer.lr` ->
+    `optimizer.learning_rate`), then against the keys of the other sections (`train.learning_rate`
+    -> `optimizer.learning_rate`); then `key` is matched as a whole (`model.rope_theta` ->
+    `model.rope.theta`).
+    """
+    candidates = list(candidates)
+    parent, _, leaf = key.rpartition(".")
+    scored = [(_leaf_score(leaf, c), c) for c in candidates]
+    siblings = [(score, c) for score, c in scored if c.rpartition(".")[0] == parent and score >= 0.6]
+    if siblings:
+        return max(siblings)[1]
+    others = [(score, difflib.SequenceMatcher(None, parent, c.rpartition(".")[0]).ratio(), c)
+              for score, c in scored if score >= 0.8]
+    if others:
+        return max(others)[2]
+    near = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
+    return near[0] if near else None
+
+
+def _check_key(key: str, keys: dict[str, Any], where: str, hint_keys: Iterable[str] = ()) -> None:
     if key in keys:
         return
     parent = key.rsplit(".", 1)[0] if "." in key else ""
     if typing.get_origin(keys.get(parent)) is dict:
         return
-    near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
+    near = closest_key(key, [*keys, *hint_keys])
+    hint = f"; did you mean {near!r}?" if near else ""
     raise ConfigError(f"{where}: unknown key {key!r}{hint}")
 
 
@@ -336,16 +380,22 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _merge(base, layer: dict, keys: dict[str, Any], where: str):
-    for key in _flatten(layer):
-        _check_key(key, keys, where)
+def _merge(base, layer: dict, keys: dict[str, Any], where: str, hint_keys: Iterable[str] = ()):
+    for key, value in _flatten(layer).items():
+        _check_key(key, keys, where, hint_keys)
+        tp = keys.get(key)
+        if (dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict) and not isinstance(value, dict):
+            example = next((k for k in keys if k.startswith(key + ".")), f"{key}.<name>")
+            raise ConfigError(f"{where}: key {key!r} is a section: expected a mapping of its keys "
+                              f"(such as {example!r}), found {value!r}")
     try:
         return OmegaConf.merge(base, OmegaConf.create(layer))
     except ConfigKeyError as e:
         raise ConfigError(f"{where}: unknown key {e.full_key!r}") from None
     except OmegaConfBaseException as e:
-        expected = _type_name(keys.get(e.full_key, e.ref_type_str))
-        raise ConfigError(f"{where}: key {e.full_key!r} expects {expected}, found {e.value!r}") from None
+        expected = _type_name(keys.get(e.full_key, getattr(e, "ref_type_str", None) or "another type"))
+        raise ConfigError(f"{where}: key {e.full_key!r} expects {expected}, found {getattr(e, 'value', None)!r}"
+                          ) from None
 
 
 def parse_overrides(overrides: list[str]) -> dict:
@@ -376,8 +426,23 @@ def parse_overrides(overrides: list[str]) -> dict:
     return nested
 
 
-def load_config(preset: str | None, overrides: list[str] = ()) -> Config:
-    """Schema defaults, then the preset YAML, then the overrides; then `validate` (without devices)."""
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A parser error in one line: where it is and what the parser found."""
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return ": " + " ".join(str(e).split())
+    mark, start = e.problem_mark, e.context_mark
+    context = ""
+    if e.context:
+        context = f" ({e.context} at line {start.line + 1}, column {start.column + 1})" if start else f" ({e.context})"
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {e.problem}{context}"
+
+
+def load_config(preset: str | None, overrides: list[str] = (), *, hint_keys: Iterable[str] = ()) -> Config:
+    """Schema defaults, then the preset YAML, then the overrides; then `validate` (without devices).
+
+    `hint_keys` are a command's own `key=` arguments (taken out of the overrides before): an unknown
+    key may be suggested as one of them.
+    """
     keys = _schema_keys(Config)
     merged = OmegaConf.structured(Config)
     if preset is not None:
@@ -385,11 +450,11 @@ def load_config(preset: str | None, overrides: list[str] = ()) -> Config:
         try:
             layer = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path}: not valid YAML ({e})") from None
+            raise ConfigError(f"config file {path}: not valid YAML{_yaml_problem(e)}") from None
         if not isinstance(layer, dict):
             raise ConfigError(f"config file {path}: expected a mapping of keys, found {type(layer).__name__}")
         merged = _merge(merged, layer, keys, f"config file {path}")
-    merged = _merge(merged, parse_overrides(list(overrides)), keys, "override")
+    merged = _merge(merged, parse_overrides(list(overrides)), keys, "override", hint_keys)
     config = OmegaConf.to_object(merged)
     validate(config)
     return config
@@ -430,6 +495,9 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     for name, value, valid in (("name", opt.name, OPTIMIZERS), ("schedule", opt.schedule, SCHEDULES)):
         if value not in valid:
             raise ConfigError(f"optimizer.{name}: expected one of {list(valid)}, found {value!r}")
+    if opt.grad_clip < 0:
+        raise ConfigError(f"optimizer.grad_clip: expected a global gradient norm > 0, or 0 for no clipping, "
+                          f"found {opt.grad_clip}")
     if opt.warmup_steps < 0 or opt.warmup_steps > config.train.steps:
         raise ConfigError(f"optimizer.warmup_steps={opt.warmup_steps} must be in [0, train.steps={config.train.steps}]")
     accum = config.train.grad_accum

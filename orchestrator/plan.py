@@ -159,16 +159,16 @@ def format_plan(plan: dict) -> str:
         "",
         f"{'parameter':<32} {'shape':<22} {'spec':<30} {'per device':>12}",
     ]
-    group = None
+    groups: dict[str, list[dict]] = {}  # module -> its rows, modules in order of first appearance
     for row in plan["sharding"]:
-        head = row["path"].rsplit(".", 1)[0] if "." in row["path"] else "(top)"
-        if head != group:
-            group = head
-            lines.append(f"[{group}]")
-        spec = ", ".join("-" if a is None else a if isinstance(a, str) else "+".join(a) for a in row["spec"])
-        spec = f"({spec})"
-        lines.append(f"  {row['path'].rsplit('.', 1)[-1]:<30} {str(tuple(row['shape'])):<22} {spec:<30} "
-                     f"{_mib(row['bytes_per_device']):>12}")
+        groups.setdefault(row["path"].rsplit(".", 1)[0] if "." in row["path"] else "(top)", []).append(row)
+    for group, rows in groups.items():
+        lines.append(f"[{group}]")
+        for row in rows:
+            spec = ", ".join("-" if a is None else a if isinstance(a, str) else "+".join(a) for a in row["spec"])
+            spec = f"({spec})"
+            lines.append(f"  {row['path'].rsplit('.', 1)[-1]:<30} {str(tuple(row['shape'])):<22} {spec:<30} "
+                         f"{_mib(row['bytes_per_device']):>12}")
     if "memory" in plan:
         mem = plan["memory"]
         lines += [

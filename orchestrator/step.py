@@ -50,7 +50,8 @@ def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(config: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW, SGD with momentum or Adafactor; decay masked off norms and biases."""
+    """Global-norm clipping (none when `grad_clip` is 0), then AdamW, SGD with momentum or Adafactor;
+    decay masked off norms and biases."""
     mask = lambda params: jax.tree.map_with_path(_decays, params)
     if config.name == "adamw":
         tx = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
@@ -60,7 +61,10 @@ def make_optimizer(config: OptimizerConfig, schedule: optax.Schedule) -> optax.G
                          optax.sgd(schedule, momentum=config.momentum or None))
     else:
         tx = optax.adafactor(schedule, weight_decay_rate=config.weight_decay or None, weight_decay_mask=mask)
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip), tx)
+    # 0 means no clipping (clip_by_global_norm(0) would zero every gradient); identity keeps the
+    # optimizer state's structure, so a checkpoint resumes whatever grad_clip is.
+    clip = optax.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity()
+    return optax.chain(clip, tx)
 
 
 def batch_shardings(mesh: Mesh, rules: Rules, batch_size: int) -> NamedSharding:

@@ -32,9 +32,10 @@ def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int, *, key: str =
     fixed = math.prod(size for size in resolved.values() if size != -1)
     if free:
         if num_devices % fixed:
+            axes = " * ".join(f"{key}.{a}={size}" for a, size in resolved.items() if size != -1)
             raise ValueError(
-                f"{key}: the fixed axes multiply to {fixed}, which does not divide the {num_devices} devices, "
-                f"so {key}.{free[0]}=-1 cannot be filled"
+                f"{key}: the fixed axes {axes} = {fixed}, which does not divide the {num_devices} devices, "
+                f"so {key}.{free[0]}=-1 cannot be filled; change those axes"
             )
         resolved[free[0]] = num_devices // fixed
     product = math.prod(resolved.values())

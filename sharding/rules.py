@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -37,6 +38,9 @@ DEFAULT_RULES: dict[str, str | list[str] | None] = {
     "act_vocab": "tp",
 }
 
+# Every logical axis name the models use: a rule for any other name would never apply, so it is a typo.
+LOGICAL_AXES = tuple(DEFAULT_RULES)
+
 Rules = Mapping[str, "str | Sequence[str] | None"]
 
 _ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("podtrain_rules", default=DEFAULT_RULES)
@@ -59,8 +63,12 @@ def sharded_over(names: Sequence[str | None], mesh_axis_sizes: Mapping[str, int]
 
 
 def check_rules(rules: Rules, key: str = "sharding.rules") -> None:
-    """Raises ValueError if a rule names an axis that no mesh has."""
+    """Raises ValueError if a rule is for a logical axis no model uses or names an axis no mesh has."""
     for name, target in rules.items():
+        if name not in LOGICAL_AXES:
+            near = difflib.get_close_matches(name, LOGICAL_AXES, n=1)
+            hint = f"; did you mean {key}.{near[0]}?" if near else ""
+            raise ValueError(f"{key}.{name}: unknown logical axis {name!r}; expected one of {list(LOGICAL_AXES)}{hint}")
         for axis in axes_of(target):
             if axis not in MESH_AXES:
                 raise ValueError(

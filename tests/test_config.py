@@ -3,7 +3,7 @@
 import pytest
 
 from launch.cli import main
-from orchestrator.config import ConfigError, list_presets, load_config, parse_overrides, validate
+from orchestrator.config import ConfigError, closest_key, list_presets, load_config, parse_overrides, validate
 
 REQUIRED_PRESETS = {
     "llama3-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b", "deepseek-v3-tiny",
@@ -63,6 +63,13 @@ def test_overrides_apply_in_order_and_parse_types():
         (["model.num_layers=1", "model.num_layers=2"], "given twice"),
         (["sharding.rules.mlp=xp"], "mesh axis 'xp' does not exist"),
         (["model.num_layers"], "expected key=value"),
+        (["model=3"], "key 'model' is a section: expected a mapping of its keys (such as 'model.model_type'), found 3"),
+        (["mesh=3"], "key 'mesh' is a section: expected a mapping of its keys (such as 'mesh.dp'), found 3"),
+        (["optimizer=adam"], "key 'optimizer' is a section: expected a mapping of its keys"),
+        (["sharding.rules=3"], "key 'sharding.rules' is a section: expected a mapping of its keys"),
+        (["optimizer.grad_clip=-1"], "optimizer.grad_clip: expected a global gradient norm > 0, or 0 for no clipping"),
+        (["optimizer.lr=abc"], "unknown key 'optimizer.lr'; did you mean 'optimizer.learning_rate'?"),
+        (["sharding.rules.mpl=null"], "sharding.rules.mpl: unknown logical axis 'mpl'; expected one of ['layers'"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, needle):
@@ -87,6 +94,29 @@ def test_bad_deepseek_settings_name_the_key(overrides, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "key, meant",
+    [
+        ("optimizer.lr", "optimizer.learning_rate"),  # the initials of a key in the same section
+        ("train.learning_rate", "optimizer.learning_rate"),  # the same name in another section
+        ("modle.num_layers", "model.num_layers"),
+        ("model.rope_theta", "model.rope.theta"),
+        ("data.eos", "data.eos_token"),
+        ("model.num_layer", "model.num_layers"),
+        ("max_new_token", None),  # nothing close in the config: no hint rather than a wrong one
+    ],
+)
+def test_closest_key_prefers_the_same_section_and_the_last_part(key, meant):
+    from orchestrator.config import Config, _schema_keys
+
+    assert closest_key(key, _schema_keys(Config)) == meant
+
+
+def test_command_keys_are_hinted_for_unknown_overrides():
+    with pytest.raises(ConfigError, match="unknown key 'max_new_token'; did you mean 'max_new_tokens'"):
+        load_config("llama3-tiny", ["max_new_token=3"], hint_keys=["checkpoint", "max_new_tokens"])
+
+
 def test_mesh_product_must_match_devices():
     config = load_config("llama3-tiny", ["mesh.fsdp=2", "mesh.tp=2"])
     with pytest.raises(ConfigError) as info:
@@ -94,9 +124,13 @@ def test_mesh_product_must_match_devices():
     assert "= 4 devices, but 8 devices are present" in str(info.value)
     assert validate(config, num_devices=4) == {"dp": 1, "fsdp": 2, "ep": 1, "tp": 2}
     assert validate(load_config("llama3-tiny", ["mesh.tp=2"]), num_devices=8)["fsdp"] == 4
+    with pytest.raises(ConfigError) as info:  # mesh.tp=8 comes from the preset: the error names it
+        validate(load_config("llama3-70b"), num_devices=1)
+    assert "the fixed axes mesh.dp=1 * mesh.ep=1 * mesh.tp=8 = 8, which does not divide the 1 devices" in str(
+        info.value)
 
 
-def test_unknown_preset_and_bad_file(tmp_path):
+def test_unknown_preset_and_bad_file(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="did you mean 'llama3-tiny'"):
         load_config("llama3-tny")
     bad = tmp_path / "bad.yaml"
@@ -104,8 +138,19 @@ def test_unknown_preset_and_bad_file(tmp_path):
     with pytest.raises(ConfigError, match=f"config file {bad}: unknown key 'model.hidden_sise'"):
         load_config(str(bad))
     bad.write_text("model: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError) as info:
         load_config(str(bad))
+    assert str(info.value) == (f"config file {bad}: not valid YAML at line 2, column 1: expected ',' or ']', but got "
+                               "'<stream end>' (while parsing a flow sequence at line 1, column 8)")
+    bad.write_text("model: 3\n")
+    with pytest.raises(ConfigError, match=f"config file {bad}: key 'model' is a section: expected a mapping"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match=f"-c {tmp_path}: is a directory; expected a preset name or a YAML file"):
+        load_config(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ConfigError, match="-c runs: is a directory, not a preset in .*; expected a preset name"):
+        load_config("runs")
 
 
 def test_parse_overrides_nests():
@@ -118,6 +163,12 @@ def test_parse_overrides_nests():
         (["plan", "-c", "llama3-tiny", "model.num_layer=2"], "did you mean 'model.num_layers'"),
         (["plan", "-c", "llama3-tiny", "mesh.fsdp=3"], "devices are present"),
         (["plan", "-c", "llama3-tiny", "model.remat=bogus"], "unknown remat policy 'bogus'"),
+        (["plan", "-c", "llama3-tiny", "model=3"], "key 'model' is a section"),
+        (["plan", "--cpu-devices", "0"], "--cpu-devices: expected a positive number of devices, found 0"),
+        (["plan", "--cpu-devices", "-2"], "--cpu-devices: expected a positive number of devices, found -2"),
+        (["check", "--steps", "-1"], "--steps: expected a positive number of train steps, found -1"),
+        (["submit", "--address", "http://127.0.0.1:1", "--no-follow"],
+         "--address http://127.0.0.1:1: cannot reach Ray"),
     ],
 )
 def test_cli_turns_config_errors_into_one_line_and_exit_2(argv, needle, capsys):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -353,6 +355,20 @@ def test_to_hf_refuses_a_non_empty_directory(tmp_path):
     with pytest.raises(ValueError, match="exists and is not empty") as error:
         to_hf(model, config, tmp_path / "source")
     assert str(tmp_path / "source") in str(error.value)
+
+
+def test_to_hf_files_get_the_usual_permissions(tmp_path):
+    """0666 (0777 for the directory) minus the umask, as other files get; not safetensors' 0600."""
+    save_hf_model("llama", tmp_path / "source")
+    config, model = from_hf(tmp_path / "source")
+    umask = os.umask(0o027)
+    try:
+        to_hf(model, config, tmp_path / "exported", max_shard_bytes=30_000)
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "exported").iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {0o640}, modes
+    assert stat.S_IMODE((tmp_path / "exported").stat().st_mode) == 0o750
 
 
 def test_to_hf_failure_leaves_no_directory(tmp_path, monkeypatch):

@@ -12,10 +12,11 @@ import pytest
 from models.runner import only_layer
 from orchestrator.build import build_training, model_factory
 from orchestrator.config import load_config
-from orchestrator.plan import make_plan, sharding_table
+from orchestrator.plan import format_plan, make_plan, sharding_table
 from sharding import DEFAULT_RULES, build_mesh, logical_to_spec, resolve_axis_sizes
 from sharding.mesh import device_grid
 from sharding.place import init_peak_bytes
+from sharding.rules import check_rules
 
 GOLDEN = Path(__file__).parent / "golden" / "sharding.json"
 GOLDEN_MESH = ["mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]
@@ -109,6 +110,34 @@ def test_rules_map_logical_names():
         logical_to_spec(("heads",), sizes, shape=(3,), rules=DEFAULT_RULES, what="wq")
     with pytest.raises(ValueError, match="has no rule"):
         logical_to_spec(("nope",), sizes, rules=DEFAULT_RULES)
+
+
+def test_a_rule_for_an_unknown_logical_axis_is_an_error():
+    """A rule no model uses would never apply: `mpl` is a typo of `mlp`, not a new axis."""
+    with pytest.raises(ValueError) as info:
+        check_rules({**DEFAULT_RULES, "mpl": None})
+    assert str(info.value).startswith("sharding.rules.mpl: unknown logical axis 'mpl'; expected one of ['layers', ")
+    assert str(info.value).endswith("; did you mean sharding.rules.mlp?")
+    check_rules(DEFAULT_RULES)
+
+
+def test_plan_lists_each_module_once():
+    for preset in ("llama3-tiny", "deepseek-v3-tiny"):
+        text = format_plan(make_plan(build_training(load_config(preset)), compile_step=False))
+        groups = [line for line in text.splitlines() if line.startswith("[")]
+        assert len(groups) == len(set(groups)) and "[(top)]" in groups, groups
+
+
+def test_check_runs_the_configured_optimizer(capsys):
+    from launch.cli import main
+
+    tiny = ["model.num_layers=1", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=384",
+            "model.head_dim=16", "train.seq_len=16", "optimizer.name=sgd"]
+    assert main(["check", "-c", "llama3-tiny", *tiny, "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "running 2 train steps (forward, loss, backward, sgd update) on random tokens" in out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and "(includes compilation)" in steps[0] and "compilation" not in steps[1]
 
 
 def test_plan_json_has_the_promised_fields(capsys):

@@ -185,6 +185,26 @@ def test_export_errors_name_the_problem(tmp_path):
     assert done.returncode == 2 and "checkpoint=<dir>" in done.stderr
 
 
+@pytest.mark.parametrize("out, step, needle", [
+    ("a-file", None, "out={out}: is a file; expected a new or empty directory"),
+    ("a-file/hf", None, "out={out}: lies under {tmp_path}/a-file, which is a file; expected a new or empty directory"),
+    ("/proc/podtrain/hf", None, "out={out}: cannot create a directory in /proc/podtrain (No such file or directory)"),
+    ("hf", "4", "checkpoint={checkpoint} is the folder of step 2, but step=4; give the step folder or step=, not both"),
+])
+def test_export_errors_name_out_and_step_before_any_work(tmp_path, capsys, out, step, needle):
+    from launch.cli import main
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "2"
+    (checkpoint / "state").mkdir(parents=True)  # the layout of a committed step; nothing is read before the errors
+    (tmp_path / "a-file").write_text("kept\n")
+    out = out if out.startswith("/") else tmp_path / out
+    extra = [f"step={step}"] if step else []
+    assert main(["export", "-c", "llama3-tiny", f"checkpoint={checkpoint}", f"out={out}", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err == f"podtrain: error: {needle.format(out=out, tmp_path=tmp_path, checkpoint=checkpoint)}\n"
+    assert (tmp_path / "a-file").read_text() == "kept\n" and not (tmp_path / "hf").exists()
+
+
 
 def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
     """tag -> {step: value} from the TFRecord event files in `directory`."""
