@@ -96,7 +96,7 @@ def split_generate_args(overrides: list[str]) -> tuple[Request, list[str]]:
 
 def run_command(args) -> int:
     request, overrides = split_generate_args(args.overrides)
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides, hint_keys=GENERATE_KEYS)
     tokenizer, stop, add_bos = load_checkpoint_tokenizer(config, request.checkpoint)
     model, mesh, vocab_size = load_model(config, request.checkpoint, request.step)
     try:

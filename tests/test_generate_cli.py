@@ -105,6 +105,7 @@ def test_generate_from_an_hf_directory_batches_prompts_with_its_tokenizer(tmp_pa
     (["checkpoint=.", "prompt=hi", "stop=2,eos"], "stop= expects comma-separated token ids"),
     (["checkpoint=.", "prompts_file=missing.txt"], "prompts_file=missing.txt: no such file"),
     (["checkpoint=no/such/dir", "prompt=hi"], "checkpoint=no/such/dir: no such directory"),
+    (["checkpoint=.", "prompt=hi", "max_new_token=3"], "unknown key 'max_new_token'; did you mean 'max_new_tokens'?"),
 ])
 def test_bad_generate_input_is_one_line_and_exit_code_2(args, needle, capsys):
     assert main(["generate", "-c", "llama3-tiny", *args]) == 2
