@@ -16,7 +16,7 @@ from pathlib import Path
 
 from models import to_hf
 from orchestrator.config import ConfigError, load_config
-from orchestrator.load import resolve_checkpoint, restore_model
+from orchestrator.load import checkpoint_step, restore_model
 
 EXPORT_KEYS = ("checkpoint", "out", "step")
 
@@ -61,11 +61,8 @@ def check_out(raw: str) -> Path:
 def run_command(args) -> int:
     export, overrides = split_export_args(args.overrides)
     config = load_config(args.config, overrides, hint_keys=EXPORT_KEYS)
-    directory, folder_step = resolve_checkpoint(export["checkpoint"])
     step = int(export["step"]) if "step" in export else None
-    if folder_step is not None and step is not None and step != folder_step:
-        raise ConfigError(f"checkpoint={export['checkpoint']} is the folder of step {folder_step}, but step={step}; "
-                          "give the step folder or step=, not both")
+    directory, _ = checkpoint_step(export["checkpoint"], step)  # its errors before any work
     out = check_out(export["out"])
     _, model, step = restore_model(config, export["checkpoint"], step)
     to_hf(model, config.model, out)

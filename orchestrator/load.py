@@ -38,12 +38,21 @@ def resolve_checkpoint(path: str) -> tuple[Path, int | None]:
     return p, None
 
 
+def checkpoint_step(checkpoint: str, step: int | None) -> tuple[Path, int | None]:
+    """(checkpoint directory, step or None for the newest) of `checkpoint=` and `step=`; a step
+    folder and a different `step=` is an error naming both."""
+    directory, folder_step = resolve_checkpoint(checkpoint)
+    if folder_step is not None and step is not None and step != folder_step:
+        raise ConfigError(f"checkpoint={checkpoint} is the folder of step {folder_step}, but step={step}; "
+                          "give the step folder or step=, not both")
+    return directory, folder_step if step is None else step
+
+
 def restore_model(config: Config, checkpoint: str, step: int | None = None) -> tuple[Training, nnx.Module, int]:
     """(training setup, model, step): the params of `checkpoint=` (a run, checkpoint or step
     directory) restored straight into their sharding on `config`'s mesh, the newest committed step
     unless `step` (or the step folder) names one. The checkpoint's model keys must equal `config`'s."""
-    directory, found_step = resolve_checkpoint(checkpoint)
-    step = found_step if step is None else step
+    directory, step = checkpoint_step(checkpoint, step)
     training = build_training(config)
     with Checkpointer(directory, dataclasses.replace(config.checkpoint, resume="auto")) as checkpointer:
         steps = checkpointer.all_steps()

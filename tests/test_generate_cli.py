@@ -60,6 +60,10 @@ def test_training_samples_at_evals_and_generate_continues_its_checkpoint_greedil
     assert f"--- prompt 1 ---\n{PROMPT}\n--- completion 1 ({len(tokens)} tokens" in out
     assert f" ---\n{text}\ngenerated {len(tokens)} tokens for 1 prompt in " in out and "tokens/s" in out
 
+    step_folder = run_dir / "checkpoints" / "1"
+    assert main(["generate", *CONFIG, f"checkpoint={step_folder}", "prompt=hi", "step=5"]) == 2
+    assert f"checkpoint={step_folder} is the folder of step 1, but step=5" in capsys.readouterr().err
+
 
 def _write_tokenizer(directory, vocab_size: int) -> Tokenizer:
     """A word-level tokenizer.json of `vocab_size` ids: <unk>, <s> (BOS), </s> (EOS), then w3, w4, ...
