@@ -226,3 +226,16 @@ def test_a_mesh_that_does_not_fit_the_gang_fails_before_anything_starts(tmp_path
                                           rf"cluster.kind={config.cluster.kind}, before starting it\)"):
         driver.run_job(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_rank_0_lines_are_echoed_without_the_libraries_info_records():
+    out = io.StringIO()
+    driver._LogFilter(out).feed(0, [
+        "2026-11-30 06:36:21,330 INFO absl: Queuing deletion of steps: [].",
+        "2026-11-30 06:36:21,330 INFO orchestrator.train: starting at step 0 (fresh)",
+        "2026-11-30 06:36:21,330 WARNING absl: something to look at",
+        "step 1/6  loss 8.390",
+    ])
+    assert out.getvalue().splitlines() == [
+        "[rank 0] 2026-11-30 06:36:21,330 INFO orchestrator.train: starting at step 0 (fresh)",
+        "[rank 0] 2026-11-30 06:36:21,330 WARNING absl: something to look at", "[rank 0] step 1/6  loss 8.390"]

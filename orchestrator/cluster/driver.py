@@ -175,8 +175,13 @@ def _last_checkpoint(config: Config, run_dir: Path) -> int | None:
     return max(steps, default=None)
 
 
+# A library's INFO record in a worker's log ("<date> <time> INFO absl: ..."): kept in the rank log, not echoed.
+_LIBRARY_INFO = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO (?!orchestrator)\S+: ")
+
+
 class _LogFilter:
-    """Prints rank 0's lines and other ranks' error lines and tracebacks, each with a rank prefix."""
+    """Prints rank 0's lines (but the libraries' INFO records) and other ranks' error lines and
+    tracebacks, each with a rank prefix."""
 
     def __init__(self, out):
         self.out = out
@@ -184,7 +189,7 @@ class _LogFilter:
 
     def feed(self, rank: int, lines: list[str]) -> None:
         for line in lines:
-            show = rank == 0
+            show = rank == 0 and not _LIBRARY_INFO.match(line)
             if line.startswith("Traceback"):
                 self.in_traceback[rank] = True
             if self.in_traceback.get(rank):
