@@ -49,12 +49,13 @@ def sample(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
         kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampling.top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep a token while the mass before it is below p: the most likely one is always kept.
-        keep = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
-        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+        order = jnp.argsort(-logits, axis=-1, stable=True)  # most likely first; ties by token id
+        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+        # Keep a token while the mass before it is below p: the most likely one is always kept. The
+        # set is chosen by rank, not by value, so tokens tied with the last one kept stay out.
+        keep_ranked = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
+        keep = jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
+        logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

@@ -29,6 +29,14 @@ DEEPSEEK_KEYS = {
     "routed_scaling_factor": ("moe", "routed_scaling_factor"),
     "first_k_dense_replace": ("moe", "first_k_dense_replace"),
 }
+# What transformers' DeepseekV3Config takes for a key config.json leaves out (the DeepSeek-V3 release's
+# values), so that a hand-written config routes and scales as transformers would read it.
+DEEPSEEK_HF_DEFAULTS = {
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "rope_interleave": True, "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+    "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3,
+}
 
 
 def _dtype_name(dtype, what: str) -> str:
@@ -46,7 +54,7 @@ def _rope_from_hf(hf: dict, source: str) -> RopeConfig:
         key, params = "rope_parameters", dict(hf["rope_parameters"])
     else:
         key, params = "rope_scaling", dict(hf.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf.get("rope_theta", RopeConfig.theta))
+    params.setdefault("rope_theta", hf.get("rope_theta", RopeConfig.theta))  # top level in older configs
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"{source}: {key}.rope_type: expected one of {list(ROPE_TYPES)}, found {rope_type!r}")
@@ -123,9 +131,8 @@ def _deepseek_from_hf(hf: dict, source: str) -> dict:
         raise ValueError(f"{source}: attention_bias: expected false for deepseek_v3 (MLA biases are not supported)")
     sections = {"mla": {}, "moe": {}}
     for key, (section, field) in DEEPSEEK_KEYS.items():
-        if hf.get(key) is not None:
-            sections[section][field] = hf[key]
-    sections["mla"]["q_lora_rank"] = sections["mla"].get("q_lora_rank") or 0
+        sections[section][field] = hf.get(key, DEEPSEEK_HF_DEFAULTS[key])
+    sections["mla"]["q_lora_rank"] = sections["mla"]["q_lora_rank"] or 0  # null: no query compression
     return {
         "num_kv_heads": hf["num_attention_heads"], "head_dim": sections["mla"].get("qk_rope_head_dim", 64),
         "mla": MLAConfig(**sections["mla"]), "moe": MoEConfig(**sections["moe"]),

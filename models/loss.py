@@ -13,7 +13,8 @@ def causal_lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax
 
     Args:
         logits_BTV: logits at each position (any float dtype; upcast to float32).
-        targets_BT: the token each position should predict (already shifted by the caller).
+        targets_BT: the token each position should predict (already shifted by the caller); an
+            ignored position may hold anything, e.g. transformers' -100.
         weights_BT: 1 where a position counts, 0 where it is ignored (padding, prompt, ...).
 
     Returns:
@@ -25,7 +26,13 @@ def causal_lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax
     nll = log_z - target_logit
     weights = jnp.ones_like(nll) if weights_BT is None else weights_BT.astype(jnp.float32)
     num_tokens = jnp.sum(weights)
-    return jnp.sum(nll * weights) / jnp.maximum(num_tokens, 1.0), num_tokens
+    return _weighted_sum(nll, weights) / jnp.maximum(num_tokens, 1.0), num_tokens
+
+
+def _weighted_sum(nll, weights):
+    """sum(nll * weights), where an ignored position adds 0 even if its nll is NaN (an out-of-range
+    target, which `take_along_axis` reads as NaN)."""
+    return jnp.sum(jnp.where(weights != 0, nll * weights, 0.0))
 
 
 def chunked_causal_lm_loss(
@@ -56,7 +63,7 @@ def chunked_causal_lm_loss(
         logits = (h @ head_DV).astype(jnp.float32)
         target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
-        return total + jnp.sum(nll * weights), None
+        return total + _weighted_sum(nll, weights), None
 
     total, _ = jax.lax.scan(one_chunk, jnp.zeros((), jnp.float32), (h_NBCD, targets_NBC, weights_NBC))
     num_tokens = jnp.sum(weights_BT)

@@ -32,6 +32,10 @@ def _deinterleave(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
+# The latent norms (after the q and kv down-projections) use 1e-6 whatever `rms_norm_eps` says, as
+# DeepSeek's reference code and transformers build them.
+LATENT_NORM_EPS = 1e-6
+
 class MLAttention(nnx.Module):
     """DeepSeek-V3 attention: low-rank queries, a `kv_lora_rank` latent and one shared rotary key.
 
@@ -52,14 +56,14 @@ class MLAttention(nnx.Module):
         d, h = c.hidden_size, c.num_heads
         if m.q_lora_rank:
             self.wq_a = param(rngs, init, (d, m.q_lora_rank), ("embed", "q_lora"), pdt)
-            self.q_norm = RMSNorm(m.q_lora_rank, eps=c.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+            self.q_norm = RMSNorm(m.q_lora_rank, eps=LATENT_NORM_EPS, param_dtype=pdt, rngs=rngs)
             self.wq_b = param(rngs, init, (m.q_lora_rank, h, m.qk_head_dim), ("q_lora", "heads", "head_dim"), pdt)
             self.wq = None
         else:
             self.wq_a = self.q_norm = self.wq_b = None
             self.wq = param(rngs, init, (d, h, m.qk_head_dim), ("embed", "heads", "head_dim"), pdt)
         self.wkv_a = param(rngs, init, (d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", "kv_lora"), pdt)
-        self.kv_norm = RMSNorm(m.kv_lora_rank, eps=c.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        self.kv_norm = RMSNorm(m.kv_lora_rank, eps=LATENT_NORM_EPS, param_dtype=pdt, rngs=rngs)
         self.wkv_b = param(
             rngs, init, (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim), ("kv_lora", "heads", "head_dim"), pdt
         )

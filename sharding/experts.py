@@ -6,7 +6,9 @@ each device sorts its token-expert assignments by expert, packs them into a per-
 `capacity` slots, and an all-to-all over the expert axis hands every device the slots of its own
 experts from every device. It runs only its `E / ep` experts on them (all-gathering the weight
 dimensions sharded over `fsdp`, summing partial results over `tp`), and a second all-to-all
-brings the results home, where they are weighted and summed per token.
+brings the results home, where they are weighted and summed per token. Partial results are summed
+only over mesh axes that split the expert hidden dimension but not the tokens (devices along such
+an axis hold the same tokens); a hidden dimension split over a token axis is all-gathered instead.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_expe
         w_gate = jax.lax.all_gather(w_gate, embed_axes, axis=1, tiled=True)
         w_up = jax.lax.all_gather(w_up, embed_axes, axis=1, tiled=True)
         w_down = jax.lax.all_gather(w_down, embed_axes, axis=2, tiled=True)
+    gathered_mlp = tuple(a for a in mlp_axes if a in token_axes)  # devices there hold other tokens
+    mlp_axes = tuple(a for a in mlp_axes if a not in token_axes)
+    if gathered_mlp:
+        w_gate = jax.lax.all_gather(w_gate, gathered_mlp, axis=2, tiled=True)
+        w_up = jax.lax.all_gather(w_up, gathered_mlp, axis=2, tiled=True)
+        w_down = jax.lax.all_gather(w_down, gathered_mlp, axis=1, tiled=True)
     hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", rows, w_gate)) * jnp.einsum("ecd,edf->ecf", rows, w_up)
     out = jnp.einsum("ecf,efd->ecd", hidden, w_down)
     if mlp_axes:

@@ -55,11 +55,13 @@ KINDS = {
         rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32),
     )),
     "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config, DEEPSEEK),
-    # No query compression, plain RoPE in rotate-half layout, all layers MoE, two shared experts.
+    # No query compression, plain RoPE in rotate-half layout, all layers MoE, two shared experts,
+    # an rms_norm_eps that the latent norm (always 1e-6) does not take.
     "deepseek_v3_plain": (DeepseekV3ForCausalLM, DeepseekV3Config, {
-        **DEEPSEEK, "first_k_dense_replace": 0, "n_shared_experts": 2, "q_lora_rank": None, "n_group": 1,
-        "topk_group": 1, "num_hidden_layers": 2, "rope_parameters": dict(rope_type="default", rope_theta=10000.0),
-        "rope_interleave": False, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        **DEEPSEEK, "rms_norm_eps": 0.05, "first_k_dense_replace": 0, "n_shared_experts": 2, "q_lora_rank": None,
+        "n_group": 1, "topk_group": 1, "num_hidden_layers": 2,
+        "rope_parameters": dict(rope_type="default", rope_theta=10000.0), "rope_interleave": False,
+        "norm_topk_prob": False, "routed_scaling_factor": 1.0,
     }),
 }
 

@@ -90,6 +90,9 @@ def test_sample_follows_temperature_top_k_and_top_p():
     # top-p 0.75: 0.4 + 0.3 < 0.75, so the third token completes the set.
     np.testing.assert_allclose(_frequencies(logits, Sampling(temperature=1.0, top_p=0.75)),
                                [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0, 0], atol=0.015)
+    # Ties at the cut: of four equally likely tokens top-p 0.5 keeps two (by rank, as transformers).
+    np.testing.assert_allclose(_frequencies(np.zeros(4), Sampling(temperature=1.0, top_p=0.5)),
+                               [0.5, 0.5, 0, 0], atol=0.015)
     # Greedy, top-k 1 and a tiny top-p (at any temperature) all pick the most likely token.
     rows = jnp.asarray(np.random.default_rng(0).normal(size=(64, 50)), jnp.float32)
     for sampling in (Sampling(), Sampling(temperature=3.0, top_k=1), Sampling(temperature=3.0, top_p=1e-6)):

@@ -167,6 +167,24 @@ def test_config_from_hf_reads_old_rope_keys_and_defaults():
     assert config.head_dim == new["hidden_size"] // new["num_attention_heads"]
     assert config.param_dtype == "bfloat16"
     assert config_from_hf(old, dtype="float32").param_dtype == "float32"
+    # rope_parameters without rope_theta, which stands at the top level (transformers reads it there).
+    split = {**new, "rope_parameters": {k: v for k, v in new["rope_parameters"].items() if k != "rope_theta"},
+             "rope_theta": new["rope_parameters"]["rope_theta"]}
+    assert config_from_hf(split).rope == config_from_hf(new).rope
+
+
+def test_deepseek_keys_missing_from_config_json_take_transformers_defaults():
+    from transformers import DeepseekV3Config
+
+    from models.hf_config import DEEPSEEK_KEYS
+
+    minimal = {"model_type": "deepseek_v3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 128}
+    ours, theirs = config_from_hf(minimal), DeepseekV3Config(**minimal)
+    for key, (section, field) in DEEPSEEK_KEYS.items():
+        want = getattr(theirs, key)
+        assert getattr(getattr(ours, section), field) == (want or 0 if key == "q_lora_rank" else want), key
+    assert config_from_hf({**minimal, "q_lora_rank": None}).mla.q_lora_rank == 0  # null: no query compression
 
 
 def test_from_hf_dtype_argument_casts_params(tmp_path):

@@ -128,6 +128,11 @@ def test_loss_ignores_masked_positions():
     assert int(count) == 2
     loss_bf16, _ = causal_lm_loss(logits.astype(jnp.bfloat16), targets, weights)
     assert loss_bf16.dtype == jnp.float32
+    # Ignored positions may hold any target (transformers' -100, or the vocab size): still the same loss.
+    outside = jnp.asarray([[1, 2, -100, 5]])
+    np.testing.assert_allclose(causal_lm_loss(logits, outside, weights)[0], expected, rtol=1e-6)
+    h, head = logits, jnp.eye(5, dtype=jnp.float32)  # h @ head = logits: the chunked loss too
+    np.testing.assert_allclose(chunked_causal_lm_loss(h, head, outside, weights, chunk=2)[0], expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize("sizes", [dict(fsdp=8), dict(fsdp=2, tp=2, ep=2), dict(dp=2, fsdp=2, tp=2)])

@@ -91,6 +91,30 @@ def test_dispatch_equals_the_per_token_reference(mesh_name, capacity_factor):
     assert float(dropped) == want_dropped
 
 
+@pytest.mark.parametrize("mesh_name, rules", [
+    ("ep2_fsdp2", {"mlp": "fsdp", "embed": None}),  # the expert hidden dim over a batch axis
+    ("ep2_tp2", {"seq": "tp"}),  # tokens over tp too (sequence parallel), the hidden dim over tp
+])
+def test_dispatch_with_the_expert_hidden_dim_over_a_token_axis_equals_the_reference(mesh_name, rules):
+    """Devices along such an axis hold different tokens: their partial results must not be summed."""
+    x, experts, weights, w = _inputs()
+    mesh, rules = _mesh(MESHES[mesh_name]), DEFAULT_RULES | rules
+    want, _ = _reference(x, experts, weights, w, shards=1, slots=x.shape[0] * x.shape[1])  # dropless
+
+    def place(a, names):
+        return jax.device_put(a, NamedSharding(mesh, logical_to_spec(names, dict(mesh.shape), shape=a.shape,
+                                                                     rules=rules)))
+
+    tokens = ("batch", "seq", None)
+    args = [place(x, tokens), place(experts, tokens), place(weights, tokens),
+            place(w[0], ("experts", "embed", "mlp")), place(w[1], ("experts", "embed", "mlp")),
+            place(w[2], ("experts", "mlp", "embed"))]
+    with jax.set_mesh(mesh), use_rules(rules):
+        y, load, _ = jax.jit(routed_experts)(*args)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(load), np.bincount(experts.reshape(-1), minlength=E))
+
+
 def test_routing_is_group_limited_and_weighted_as_configured():
     moe = TINY.moe
     rng = np.random.default_rng(1)
