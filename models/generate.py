@@ -8,6 +8,7 @@ continues from its own length. The whole prefill + decode loop is one jitted pro
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from functools import partial
 
@@ -146,6 +147,11 @@ def generate(
             raise ValueError(f"prompts/lengths: expected a (B, P) array and B lengths in [1, P], found shapes "
                              f"{ids.shape} and {lengths.shape} (lengths {lengths.tolist()})")
     needed = ids.shape[1] + max_new_tokens - 1
+    limit = model.config.max_position_embeddings
+    if int(lengths.max()) + max_new_tokens - 1 > limit:
+        warnings.warn(f"generation reaches position {int(lengths.max()) + max_new_tokens - 2}, past the "
+                      f"{limit} positions the model is made for (model.max_position_embeddings): expect worse "
+                      "tokens there", stacklevel=2)
     max_len = needed if max_len is None else max_len
     if max_len < needed:
         raise ValueError(f"max_len: {max_len} cache slots cannot hold a {ids.shape[1]}-token padded prompt and "

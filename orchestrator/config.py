@@ -486,6 +486,10 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     for name in ("batch_size", "seq_len", "steps", "sample_tokens"):
         if getattr(train, name) <= 0:
             raise ConfigError(f"train.{name}: expected a positive integer, found {getattr(train, name)}")
+    if train.seq_len > m.max_position_embeddings:
+        raise ConfigError(f"train.seq_len={train.seq_len} is longer than model.max_position_embeddings="
+                          f"{m.max_position_embeddings}, the positions the model is made for; raise "
+                          "model.max_position_embeddings (and its RoPE scaling) to train longer sequences")
     if train.sample_prompt == "":
         raise ConfigError("train.sample_prompt: expected a non-empty prompt or null (no samples), found ''")
     if train.sample_prompt and not train.eval_every:

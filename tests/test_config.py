@@ -70,6 +70,7 @@ def test_overrides_apply_in_order_and_parse_types():
         (["optimizer.grad_clip=-1"], "optimizer.grad_clip: expected a global gradient norm > 0, or 0 for no clipping"),
         (["optimizer.lr=abc"], "unknown key 'optimizer.lr'; did you mean 'optimizer.learning_rate'?"),
         (["sharding.rules.mpl=null"], "sharding.rules.mpl: unknown logical axis 'mpl'; expected one of ['layers'"),
+        (["train.seq_len=4096"], "train.seq_len=4096 is longer than model.max_position_embeddings=2048"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, needle):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,16 @@ def test_stop_tokens_end_each_sequence_and_the_loop():
     # When every row has stopped the loop ends: one token each, all of them the stop token.
     firsts = {row[0] for row in free}
     assert generate(model, prompts, max_new_tokens=8, stop_tokens=sorted(firsts)) == [[row[0]] for row in free]
+
+
+def test_generating_past_max_position_embeddings_warns():
+    model = Llama(TINY.replace(max_position_embeddings=12), rngs=nnx.Rngs(3))
+    prompts = [[5, 6, 7, 8]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(model, prompts, max_new_tokens=9)  # positions 0..11: within
+    with pytest.warns(UserWarning, match=r"reaches position 12, past the 12 positions the model is made for"):
+        generate(model, prompts, max_new_tokens=10)
 
 
 def test_sampling_is_reproducible_per_seed_and_differs_across_seeds():
