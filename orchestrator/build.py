@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from models import ARCHITECTURES, ModelConfig
 from models.runner import only_layer
-from orchestrator.config import Config, validate
+from orchestrator.config import Config, ConfigError, validate
 from orchestrator.step import (
     ShardedStep,
     TrainState,
@@ -91,7 +91,10 @@ def build_training(config: Config, devices: Sequence[jax.Device] | None = None) 
     """Validates `config` against the devices, then builds mesh, abstract model, optimizer and step."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = validate(config, len(devices))
-    mesh = build_mesh(sizes, devices, num_slices=config.cluster.num_slices)
+    try:
+        mesh = build_mesh(sizes, devices, num_slices=config.cluster.num_slices)
+    except ValueError as e:  # a mesh the devices' topology cannot hold, or dp not spanning the slices
+        raise ConfigError(str(e)) from None
     rules = config.sharding.rules
     graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed), mesh, rules)
     param_shardings = jax.tree.map(

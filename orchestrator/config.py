@@ -521,6 +521,10 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     try:
         logical_to_spec(("batch",), sizes, shape=(config.train.batch_size,), rules=config.sharding.rules,
                         what="train.batch_size")
+        if config.train.grad_accum > 1:  # each micro-batch is sharded as the batch is
+            micro = config.train.batch_size // config.train.grad_accum
+            logical_to_spec(("batch",), sizes, shape=(micro,), rules=config.sharding.rules,
+                            what=f"the micro-batch of train.batch_size / train.grad_accum={config.train.grad_accum}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if m.model_type == "deepseek_v3" and m.num_moe_layers:

@@ -26,11 +26,16 @@ class TrainState:
     opt_state: optax.OptState
 
 
+def _entry_name(entry) -> str:
+    """A path entry's name: a dict key (DictKey.key) or an attribute (GetAttrKey.name)."""
+    return str(getattr(entry, "key", getattr(entry, "name", entry)))
+
+
 def _decays(path, _leaf) -> bool:
     """Weight decay applies to matrices, never to norm scales or biases (the router's included)."""
-    name = str(getattr(path[-1], "key", path[-1]))
-    if name == "value":  # a Variable's own node
-        name = str(getattr(path[-2], "key", path[-2]))
+    name = _entry_name(path[-1])
+    if name == "value" and len(path) > 1:  # a Variable's own node (`.value` of an nnx.State leaf)
+        name = _entry_name(path[-2])
     return not (name == "scale" or name.startswith("b") or name.endswith("_bias"))
 
 
@@ -60,7 +65,10 @@ def make_optimizer(config: OptimizerConfig, schedule: optax.Schedule) -> optax.G
         tx = optax.chain(optax.add_decayed_weights(config.weight_decay, mask),
                          optax.sgd(schedule, momentum=config.momentum or None))
     else:
-        tx = optax.adafactor(schedule, weight_decay_rate=config.weight_decay or None, weight_decay_mask=mask)
+        # optax applies Adafactor's decay after the learning rate: scale it by the schedule, so that
+        # `weight_decay` means what it means for AdamW and SGD (a step decays by lr * weight_decay).
+        rate = (lambda count: config.weight_decay * schedule(count)) if config.weight_decay else None
+        tx = optax.adafactor(schedule, weight_decay_rate=rate, weight_decay_mask=mask)
     # 0 means no clipping (clip_by_global_norm(0) would zero every gradient); identity keeps the
     # optimizer state's structure, so a checkpoint resumes whatever grad_clip is.
     clip = optax.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity()

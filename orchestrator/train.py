@@ -141,7 +141,8 @@ def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: i
     iterator = iter(eval_dataset)
     for _ in range(num_batches):
         batch = to_global_batch(next(iterator), training.batch_sharding, training.config.train.batch_size)
-        loss_sum, (tokens, _) = eval_step(params, batch)
+        with jax.set_mesh(training.mesh), use_rules(training.config.sharding.rules):  # as the train step
+            loss_sum, (tokens, _) = eval_step(params, batch)
         total, count = total + float(loss_sum), count + float(tokens)
     return total / max(count, 1.0)
 
@@ -229,13 +230,17 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
     # the host builds the next batch and writes logs while the devices compute.
     pending, last_done = None, time.perf_counter()
 
+    excluded = 0.0  # seconds of evals, samples and checkpoint saves since the last finished step
+
     def finish(record: dict, metrics: dict, timed: bool) -> None:
-        nonlocal last_done, timed_tokens, timed_seconds
+        """Records a step's metrics; its time is the wall time since the previous step's, less evals,
+        samples and saves (so step_s, tokens/s and MFU are the training's own)."""
+        nonlocal last_done, timed_tokens, timed_seconds, excluded
         record.update(loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]))
         if "expert_load" in metrics:
             record.update(expert_metrics(np.asarray(metrics["expert_load"]), float(metrics["dropped_tokens"])))
         now = time.perf_counter()
-        seconds, last_done = now - last_done, now
+        seconds, last_done, excluded = now - last_done - excluded, now, 0.0
         if timed:  # the first step of a process includes compilation
             timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + seconds
         record.update(step_s=seconds, tokens_per_s=tokens_per_step / seconds,
@@ -262,11 +267,14 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
             finish(*pending)
         record = {"step": step + 1}
         if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
+            jax.block_until_ready(state)  # the step's own time ends here
+            eval_started = time.perf_counter()
             record["eval_loss"] = evaluate(training, eval_step, eval_data, state.params, config.train.eval_batches)
             if prompt_ids is not None:
                 record["sample"] = sample(training, state.params, tokenizer, prompt_ids)
                 if is_main:
                     logger.info("sample at step %d: %r -> %r", step + 1, config.train.sample_prompt, record["sample"])
+            excluded += time.perf_counter() - eval_started
         pending = (record, metrics, step > start)
         preempted = notice.reached(step + 1)
         final = preempted or step + 1 == config.train.steps
@@ -275,6 +283,7 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
         save_started = time.perf_counter()
         if checkpointer.save(step + 1, state, data_position=lambda: row_positions(train_iter, rows), force=final):
             record["save_block_s"] = time.perf_counter() - save_started  # the loop's share of an async save
+            excluded += record["save_block_s"]
         if preempted:
             break
     if pending is not None:

@@ -62,6 +62,20 @@ def device_slices(devices: Sequence[jax.Device], num_slices: int | None = None) 
     return [rank[d.process_index] * num_slices // len(processes) for d in devices]
 
 
+def _physical_mesh(create, *args, what: str) -> np.ndarray:
+    """`create(*args)` (a `mesh_utils` builder): first keeping each mesh axis within whole physical
+    axes of the TPU torus, else letting it split one (e.g. fsdp=8 x tp=2 on a 4x4 slice), else a
+    ValueError naming the mesh."""
+    try:
+        return np.asarray(create(*args))
+    except NotImplementedError:
+        pass
+    try:
+        return np.asarray(create(*args, allow_split_physical_axes=True))
+    except (NotImplementedError, ValueError) as error:
+        raise ValueError(f"mesh: {what} cannot be laid out on these devices' physical topology: {error}") from None
+
+
 def device_grid(
     sizes: Mapping[str, int],
     devices: Sequence[jax.Device],
@@ -78,8 +92,9 @@ def device_grid(
     shape = [resolved[a] for a in MESH_AXES]
     slices = device_slices(devices, num_slices)
     count = len(set(slices))
+    what = " * ".join(f"mesh.{a}={resolved[a]}" for a in MESH_AXES)
     if count <= 1:
-        return np.asarray(mesh_utils.create_device_mesh(shape, devices))
+        return _physical_mesh(mesh_utils.create_device_mesh, shape, devices, what=what)
     if resolved["dp"] % count:
         raise ValueError(
             f"mesh.dp={resolved['dp']} must be a multiple of the number of slices ({count}): "
@@ -88,9 +103,10 @@ def device_grid(
     ici = [resolved["dp"] // count] + shape[1:]
     if all(hasattr(d, "slice_index") for d in devices) and len({d.slice_index for d in devices}) == count:
         dcn = [count] + [1] * (len(shape) - 1)
-        return np.asarray(mesh_utils.create_hybrid_device_mesh(ici, dcn, devices))
+        return _physical_mesh(mesh_utils.create_hybrid_device_mesh, ici, dcn, devices, what=what)
     per_slice = [[d for d, s in zip(devices, slices, strict=True) if s == i] for i in sorted(set(slices))]
-    return np.concatenate([np.asarray(mesh_utils.create_device_mesh(ici, group)) for group in per_slice])
+    return np.concatenate([_physical_mesh(mesh_utils.create_device_mesh, ici, group, what=what)
+                           for group in per_slice])
 
 
 def build_mesh(

@@ -162,3 +162,27 @@ def test_plan_of_a_real_size_compiles_without_allocating():
     plan = make_plan(build_training(config))
     assert 8.0e9 < plan["param_count"] < 8.1e9
     assert plan["memory"]["argument_bytes"] > plan["param_bytes_per_device"]
+
+
+def test_a_mesh_axis_may_split_a_physical_tpu_axis_when_it_must():
+    """mesh_utils keeps each mesh axis within whole torus axes unless told otherwise, and some
+    shapes (fsdp=8 x tp=2 on a 4x4 slice) then have no layout: those retry allowing a split."""
+    from sharding.mesh import _physical_mesh
+
+    calls = []
+
+    def create(shape, devices, allow_split_physical_axes=False):
+        calls.append(allow_split_physical_axes)
+        if not allow_split_physical_axes:
+            raise NotImplementedError("Failed to find assignment for logical_axis_index 1")
+        return np.arange(16).reshape(shape)
+
+    assert _physical_mesh(create, (8, 2), None, what="mesh.fsdp=8 * mesh.tp=2").shape == (8, 2)
+    assert calls == [False, True]
+
+    def never(shape, devices, allow_split_physical_axes=False):
+        raise NotImplementedError("Failed to find assignment")
+
+    with pytest.raises(ValueError, match=r"mesh: mesh.fsdp=8 \* mesh.tp=2 cannot be laid out on these devices' "
+                                         r"physical topology: Failed to find assignment"):
+        _physical_mesh(never, (8, 2), None, what="mesh.fsdp=8 * mesh.tp=2")

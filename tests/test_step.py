@@ -6,7 +6,8 @@ import pytest
 
 from orchestrator.build import build_training
 from orchestrator.config import ConfigError, load_config
-from orchestrator.step import make_schedule
+from orchestrator.step import make_eval_step, make_schedule
+from orchestrator.train import evaluate
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
         "model.head_dim=16", "train.batch_size=8", "train.seq_len=16", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]
@@ -29,7 +30,7 @@ def test_grad_accumulation_equals_full_batch():
     sgd = ["optimizer.name=sgd", "optimizer.momentum=0", "optimizer.weight_decay=0", "optimizer.schedule=constant",
            "optimizer.learning_rate=1.0", "optimizer.grad_clip=1e9"]
     full_losses, full = run_steps(sgd)
-    accum_losses, accum = run_steps(sgd + ["train.grad_accum=4"])
+    accum_losses, accum = run_steps(sgd + ["train.grad_accum=2"])  # micro-batches of 4 rows on 4 batch shards
     np.testing.assert_allclose(accum_losses, full_losses, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(accum.params), jax.tree.leaves(full.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -53,6 +54,21 @@ def test_schedules():
     assert float(constant(50)) == pytest.approx(3e-4)
 
 
+def test_eval_loss_equals_the_train_steps_loss_on_an_expert_parallel_mesh():
+    """The eval runs under the mesh and rule table as the train step does: with experts over ep=2 and
+    a capacity that drops tokens, the same params and batch give the same loss."""
+    config = load_config("deepseek-v3-tiny", ["model.num_layers=2", "train.batch_size=8", "train.seq_len=16",
+                                              "mesh.fsdp=4", "mesh.ep=2", "model.moe.capacity_factor=1.0"])
+    training = build_training(config)
+    state = training.init_state()
+    batch = training.random_batch(seed=0)
+    local = {k: np.asarray(v) for k, v in batch.items()}
+    eval_step = jax.jit(make_eval_step(training.graphdef))
+    evaluated = evaluate(training, eval_step, [local], state.params, num_batches=1)
+    _, metrics = training.step(state, batch)
+    np.testing.assert_allclose(evaluated, float(metrics["loss"]), rtol=1e-5)
+
+
 @pytest.mark.parametrize("override, needle", [
     ("train.grad_accum=3", "must be >= 1 and divide train.batch_size=8"),
     ("optimizer.name=lion", "optimizer.name: expected one of"),
@@ -62,3 +78,9 @@ def test_bad_optimizer_settings(override, needle):
     with pytest.raises(ConfigError, match=None) as info:
         load_config("llama3-tiny", [override])
     assert needle in str(info.value)
+
+
+def test_micro_batches_must_shard_like_the_batch():
+    with pytest.raises(ConfigError, match=r"the micro-batch of train.batch_size / train.grad_accum=4: dimension 0 "
+                                          r"\('batch', size 2\) is not divisible by mesh axes \['fsdp', 'ep'\]"):
+        build_training(load_config("llama3-tiny", TINY + ["train.grad_accum=4"]))
