@@ -239,12 +239,15 @@ def open_corpus(config: DataConfig, *, seq_len: int) -> Sequence:
 
 
 def document_indices(
-    num_docs: int, *, eval_fraction: float, split: str, process_index: int = 0, process_count: int = 1
+    num_docs: int, *, eval_fraction: float, split: str, process_index: int = 0, process_count: int = 1,
+    tail: bool = False,
 ) -> np.ndarray:
     """The corpus indices of one share (one batch row's stream) of the train or eval split.
 
     Document `i` is held out for eval when `floor((i+1) * eval_fraction) > floor(i * eval_fraction)`,
-    which spreads `floor(num_docs * eval_fraction)` eval documents evenly over the corpus order.
+    which spreads `floor(num_docs * eval_fraction)` eval documents evenly over the corpus order; with
+    `tail`, the last `floor(num_docs * eval_fraction)` are (for token windows, whose documents run
+    across neighbouring windows: a held-out window then borders training ones only once).
     Share `p` of `n` takes every n-th document of its split from the p-th on.
 
     Raises:
@@ -253,7 +256,10 @@ def document_indices(
     if split not in SPLITS:
         raise ValueError(f"split: expected one of {list(SPLITS)}, found {split!r}")
     i = np.arange(num_docs)
-    is_eval = np.floor((i + 1) * eval_fraction) > np.floor(i * eval_fraction)
+    if tail:
+        is_eval = i >= num_docs - int(np.floor(num_docs * eval_fraction))
+    else:
+        is_eval = np.floor((i + 1) * eval_fraction) > np.floor(i * eval_fraction)
     chosen = i[is_eval] if split == "eval" else i[~is_eval]
     if len(chosen) < process_count:
         raise ValueError(
@@ -387,9 +393,12 @@ def _row_stream(corpus: Sequence, config: DataConfig, tokenizer: Tokenizer, *, s
                 rows: int, read_threads: int) -> grain.IterDataset:
     """The packed rows of global batch row `row` (of `rows`): its own documents, shuffled, tokenised, packed."""
     indices = document_indices(len(corpus), eval_fraction=config.eval_fraction, split=split,
-                               process_index=row, process_count=rows)
+                               process_index=row, process_count=rows, tail=config.source == "tokens")
     docs = grain.MapDataset.source(indices)
-    docs = docs.shuffle(seed=config.seed).repeat(config.epochs) if split == "train" else docs.repeat(None)
+    # Each row shuffles with its own seed: with one seed for all, rows of equal length would read the
+    # same positions of their lists, and a batch would be B neighbouring documents of the corpus.
+    row_seed = int(np.random.SeedSequence([config.seed, row]).generate_state(1)[0])
+    docs = docs.shuffle(seed=row_seed).repeat(config.epochs) if split == "train" else docs.repeat(None)
     read_options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=4 * read_threads)
     if config.source == "tokens":
         return docs.map(lambda i: _window_row(corpus[i], tokenizer)).to_iter_dataset(read_options)
@@ -459,5 +468,14 @@ def set_row_positions(iterator: grain.DatasetIterator, rows: range, positions: d
         raise ValueError(f"the saved data position has {len(positions)} rows and none for rows {missing[:8]} of "
                          f"this run: resume with the train.batch_size it was saved with ({len(positions)})")
     picked = [positions[str(row)] for row in rows]
-    iterator.set_state({"streams": [p["stream"] for p in picked], "ended": [p["ended"] for p in picked]})
+    iterator.set_state({"streams": [_stream_state(p["stream"]) for p in picked], "ended": [p["ended"] for p in picked]})
+
+
+def _stream_state(state: dict) -> dict:
+    """A row stream's state as grain wrote it, from its JSON form: grain's concat-then-split marks an
+    empty remainder with the tuple (-1, -1) and compares with it, so the JSON list [-1, -1] would
+    restore as a one-token remainder (the row would then differ from an uninterrupted run's)."""
+    if "remainder_slices" not in state:
+        return state
+    return {**state, "remainder_slices": {k: tuple(v) for k, v in state["remainder_slices"].items()}}
 

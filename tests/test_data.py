@@ -301,6 +301,26 @@ def test_row_positions_of_two_processes_resume_one_process_and_back(tmp_path):
         it.close()
 
 
+def test_token_windows_hold_out_the_corpus_tail_for_eval():
+    """Documents run across neighbouring token windows: the held-out windows are one block at the end,
+    not windows spread between training ones."""
+    held = document_indices(100, eval_fraction=0.1, split="eval", tail=True)
+    train = np.concatenate([document_indices(100, eval_fraction=0.1, split="train", process_index=p, process_count=3,
+                                             tail=True) for p in range(3)])
+    assert held.tolist() == list(range(90, 100)) and sorted(train.tolist()) == list(range(90))
+
+
+def test_a_batch_mixes_documents_from_all_over_the_corpus(tmp_path):
+    """Row r reads documents r, r + B, r + 2B, ... in its own shuffled order: the rows of one batch
+    are not B neighbouring documents (as they were when every row shuffled with the same seed)."""
+    docs = [f"document {i:02d}" for i in range(64)]  # 11 bytes + EOS: one document per row of 11
+    config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl", docs)), eval_fraction=0.0)
+    for batch in _batches(_dataset(config, seq_len=11, global_batch=8), 3):
+        numbers = [int(bytes(row[9:11].tolist()).decode()) for row in batch["inputs"]]
+        assert [n % 8 for n in numbers] == list(range(8))  # row r holds a document r + kB
+        assert len({n // 8 for n in numbers}) > 2, numbers  # from several places of the corpus
+
+
 def test_process_rows_follow_the_batch_sharding():
     mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     assert process_rows(NamedSharding(mesh, PartitionSpec("fsdp", None)), 8) == range(8)  # one process: all rows
