@@ -119,7 +119,7 @@ class DataConfig:
             (one document per file), "jsonl" (one per line), "parquet" (one per row), "array_record"
             (one UTF-8 document per record) or "tokens" (`.npy` arrays of pre-tokenised ids, 1-D or
             one stream per row of a 2-D array, cut into rows of seq_len+1 ids; a document ends at
-            each of the tokeniser's EOS ids).
+            each occurrence of the tokeniser's EOS id, `eos_token`).
         path: a file, a directory (searched recursively for the source's suffix, hidden entries
             skipped; any file for "text") or a glob.
         text_field: the JSON key ("jsonl") or column ("parquet") holding the text.

@@ -150,7 +150,7 @@ class _TokenWindows:
         f, k = _locate(self.ends, i)
         array = self.arrays[f]
         row, window = divmod(k, array.shape[1] // self.length)
-        return np.asarray(array[row, window * self.length : (window + 1) * self.length], np.int32)
+        return np.asarray(array[row, window * self.length : (window + 1) * self.length])  # int32 once checked
 
 
 def _locate(ends: np.ndarray, i: int) -> tuple[int, int]:
@@ -284,11 +284,12 @@ def _positions(segment_ids: np.ndarray) -> np.ndarray:
 
 def _window_row(window: np.ndarray, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """A pre-tokenised window as a packed row: a new segment starts after each EOS."""
-    if window.min() < 0 or window.max() >= tokenizer.vocab_size:
+    if window.min() < 0 or window.max() >= tokenizer.vocab_size:  # in the file's own dtype: nothing wrapped yet
         bad = window[(window < 0) | (window >= tokenizer.vocab_size)][0]
         raise ValueError(
             f"data.path: token id {bad} is outside the vocabulary of data.tokenizer (0..{tokenizer.vocab_size - 1})"
         )
+    window = window.astype(np.int32)
     segment_ids = np.concatenate([[1], 1 + np.cumsum(window[:-1] == tokenizer.eos_id)]).astype(np.int32)
     return {"tokens": window, "tokens_segment_ids": segment_ids, "tokens_positions": _positions(segment_ids)}
 

@@ -239,3 +239,16 @@ def test_rank_0_lines_are_echoed_without_the_libraries_info_records():
     assert out.getvalue().splitlines() == [
         "[rank 0] 2026-11-30 06:36:21,330 INFO orchestrator.train: starting at step 0 (fresh)",
         "[rank 0] 2026-11-30 06:36:21,330 WARNING absl: something to look at", "[rank 0] step 1/6  loss 8.390"]
+
+
+def test_a_peers_abort_is_not_taken_for_the_cause_of_an_ending(tmp_path):
+    """JAX aborts (SIGABRT) the processes whose peer died: next to an exception or a kill, the abort
+    is the consequence; alone, it is the crash."""
+    d = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2"]), tmp_path / "run", out=io.StringIO())
+    polls = [{"error": None, "error_at": None}, {"error": "Traceback ...\nValueError: bad data\n", "error_at": 5.0}]
+    exception = d._classify([(0, -6), (1, p.EXIT_EXCEPTION)], polls)
+    assert (exception.kind, exception.rank, exception.detail) == ("exception", 1, "ValueError: bad data")
+    killed = d._classify([(0, 134), (1, -9)], polls)
+    assert (killed.kind, killed.rank, killed.detail) == ("crash", 1, "killed by SIGKILL")
+    aborted = d._classify([(0, -6)], polls)
+    assert (aborted.kind, aborted.rank, aborted.detail) == ("crash", 0, "killed by SIGABRT")

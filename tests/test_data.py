@@ -415,6 +415,16 @@ def test_bad_data_input_is_a_clear_error(tmp_path, case):
     assert needle in str(info.value)
 
 
+def test_token_ids_beyond_int32_are_reported_as_they_are_in_the_file(tmp_path):
+    tokens = np.arange(64, dtype=np.uint32)
+    tokens[::8] = 2**31 + 5  # in every window; would wrap to a negative int32
+    np.save(tmp_path / "t.npy", tokens)
+    dataset = _dataset(DataConfig(source="tokens", path=str(tmp_path / "t.npy"), eval_fraction=0.0, prefetch=0),
+                       global_batch=1)
+    with pytest.raises(ValueError, match=r"token id 2147483653 is outside the vocabulary of data.tokenizer"):
+        _batches(dataset, 1)
+
+
 def test_a_bad_line_after_the_first_fails_when_read(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"txt": "bad"}) + "\n")
     dataset = _dataset(DataConfig(source="jsonl", path=str(tmp_path / "d.jsonl"), eval_fraction=0.0, prefetch=1))

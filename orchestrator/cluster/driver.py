@@ -391,7 +391,9 @@ class Driver:
         return None
 
     def _classify(self, ended: list[tuple[int, int]], polls: list[dict]) -> Outcome:
-        """The cause among the processes that ended together: preemption, then crash, then exception."""
+        """The cause among the processes that ended together: preemption, then crash, then exception,
+        then abort. JAX aborts (SIGABRT) a process whose peer died, so an abort next to another
+        ending is that ending's consequence, not its cause."""
         def kind(code):
             if code == p.EXIT_PREEMPTED:
                 return "preempted"
@@ -401,13 +403,13 @@ class Driver:
                 return "exception"
             if code == p.EXIT_CONFIG:
                 return "config"
-            return "crash"
+            return "abort" if code in (-signal.SIGABRT, 128 + signal.SIGABRT) else "crash"
 
-        order = ("preempted", "port", "config", "crash", "exception")
+        order = ("preempted", "port", "config", "crash", "exception", "abort")
         # Among exceptions the first one raised is the cause (the others are often its peers' collective errors).
         rank, code = min(ended, key=lambda rc: (order.index(kind(rc[1])), polls[rc[0]]["error_at"] or 0, rc[0]))
         k = kind(code)
-        if k == "crash":
+        if k in ("crash", "abort"):
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             return Outcome("crash", rank, how)
         if k == "config":
