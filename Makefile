@@ -34,6 +34,7 @@ lint: install
 
 bench: install
 	$(PY) bench/train_step.py
+	$(PY) bench/memory_depth.py
 	$(PY) bench/loop.py
 	$(PY) bench/moe.py
 	$(PY) bench/generate.py
