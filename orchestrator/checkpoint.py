@@ -377,8 +377,7 @@ def _check_shared(directory: str) -> None:
         probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text("written by process 0 to check that every process sees this directory\n")
     multihost.sync_global_processes(f"podtrain_checkpoint_probe_written_{token}")
-    seen = _gather_json(probe.exists())
-    multihost.sync_global_processes(f"podtrain_checkpoint_probe_read_{token}")
+    seen = _gather_json(probe.exists())  # a collective: every process has looked once it returns
     if jax.process_index() == 0:
         probe.unlink()
     blind = [i for i, ok in enumerate(seen) if not ok]

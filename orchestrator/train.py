@@ -250,13 +250,16 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
         if on_step is not None:
             on_step(record["step"])
 
+    def data_position() -> dict:
+        return row_positions(train_iter, rows)
+
     data_ended = False
     for step in range(start, config.train.steps):
         local_batch = next(train_iter, None)
         if _data_ended(local_batch is None, finite=config.data.epochs is not None):
             logger.warning("the training data ended after data.epochs=%s at step %d of train.steps=%d: stopping",
                            config.data.epochs, step, config.train.steps)
-            checkpointer.save(step, state, data_position=lambda: row_positions(train_iter, rows), force=True)
+            checkpointer.save(step, state, data_position=data_position, force=True)
             data_ended = True
             break
         batch = to_global_batch(local_batch, training.batch_sharding, config.train.batch_size)
@@ -281,7 +284,7 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
         if final or (step + 1) % config.checkpoint.every_steps == 0:
             jax.block_until_ready(state)  # so that save_block_s is the save's own time, not the step's
         save_started = time.perf_counter()
-        if checkpointer.save(step + 1, state, data_position=lambda: row_positions(train_iter, rows), force=final):
+        if checkpointer.save(step + 1, state, data_position=data_position, force=final):
             record["save_block_s"] = time.perf_counter() - save_started  # the loop's share of an async save
             excluded += record["save_block_s"]
         if preempted:

@@ -2,6 +2,9 @@
 
 import dataclasses
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import grain
@@ -9,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from xla_flags import xla_flags
 
 from orchestrator.build import build_training
 from orchestrator.checkpoint import Checkpointer, NoRestorableCheckpointError, model_differences, run_metadata
@@ -292,3 +296,41 @@ def test_resume_modes(training, tmp_path):
 def test_config_errors_name_the_key(changes, message):
     with pytest.raises(ValueError, match=message):
         CheckpointConfig(**changes).validate()
+
+
+SHARED_PROBE = """
+import sys
+import jax
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=2, process_id=int(sys.argv[2]),
+                           initialization_timeout=60)
+from orchestrator.checkpoint import _check_shared
+from orchestrator.config import ConfigError
+try:
+    _check_shared(sys.argv[3])
+    print("shared")
+except ConfigError as e:
+    print("error:", e)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("same", [True, False])
+def test_checkpoint_dir_must_be_shared_by_processes(tmp_path, same):
+    """Two JAX processes: a directory both see passes; one that is not the same for process 1 (here a
+    different local folder, as a local path on separate hosts would be) is one error on every process."""
+    from orchestrator.cluster.host import free_port
+
+    port, root = free_port("127.0.0.1"), Path(__file__).parent.parent
+    dirs = [tmp_path / "ckpt", tmp_path / ("ckpt" if same else "elsewhere")]
+    env = dict(os.environ, PYTHONPATH=str(root), XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED_PROBE, str(port), str(i), str(dirs[i])], cwd=root,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    lines = [out.strip().splitlines()[-1] for out, _ in outputs]
+    if same:
+        assert lines == ["shared", "shared"], outputs
+    else:
+        for line in lines:
+            assert line.startswith("error: checkpoint.dir=") and "processes [1] do not see" in line, outputs
+    assert not list(dirs[0].glob(".podtrain-shared-*")), "the probe file is removed"
