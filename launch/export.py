@@ -5,7 +5,10 @@ one step folder inside it. The newest committed step is exported unless `step=` 
 the parameters are read (never the optimizer state), each straight into its sharding on the
 mesh of `-c` and the overrides, then `models.to_hf` writes them. The model section of the config
 must equal the one the checkpoint was trained with (apart from compute dtype, remat and the
-like); any difference is an error that names it.
+like); any difference is an error that names it. The training tokenizer (`data.tokenizer`) goes
+along: its BOS / EOS ids into config.json and, for a tokenizer.json, that file (putting BOS first
+when `data.add_bos` is on) and a tokenizer_config.json, so that transformers' AutoTokenizer loads
+it; the built-in byte tokenizer has no HF files.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import tempfile
 from pathlib import Path
 
 from models import to_hf
-from orchestrator.config import ConfigError, load_config
+from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.load import checkpoint_step, restore_model
+from orchestrator.tokenizers import HFTokenizer, load_tokenizer
 
 EXPORT_KEYS = ("checkpoint", "out", "step")
 
@@ -58,17 +62,36 @@ def check_out(raw: str) -> Path:
     return out
 
 
+def tokenizer_export(config: Config) -> tuple[dict, dict[str, bytes]]:
+    """(config.json keys, files) for the training tokenizer `data.*` names: its BOS / EOS ids,
+    and for a tokenizer.json its files, set to put BOS first when `data.add_bos` is on."""
+    data = config.data
+    try:
+        tokenizer = load_tokenizer(data.tokenizer, eos_token=data.eos_token, bos_token=data.bos_token)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    ids = {"eos_token_id": tokenizer.eos_id}
+    if tokenizer.bos_id is not None:
+        ids["bos_token_id"] = tokenizer.bos_id
+    if isinstance(tokenizer, HFTokenizer):
+        return ids, tokenizer.hf_files(add_bos=data.add_bos)
+    return ids, {}
+
+
 def run_command(args) -> int:
     export, overrides = split_export_args(args.overrides)
     config = load_config(args.config, overrides, hint_keys=EXPORT_KEYS)
     step = int(export["step"]) if "step" in export else None
     directory, _ = checkpoint_step(export["checkpoint"], step)  # its errors before any work
     out = check_out(export["out"])
+    config_extra, tokenizer_files = tokenizer_export(config)
     _, model, step = restore_model(config, export["checkpoint"], step)
-    to_hf(model, config.model, out)
+    to_hf(model, config.model, out, config_extra=config_extra, files=tokenizer_files)
     files = sorted(out.iterdir())
     size = sum(f.stat().st_size for f in files)
     print(f"exported step {step} of {directory} to {out}: {len(files)} files, {size / 2**20:.1f} MiB "
           f"({', '.join(f.name for f in files)})")
-    print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({os.fspath(out)!r})")
+    print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({os.fspath(out)!r})"
+          + (" and AutoTokenizer.from_pretrained(the same)" if tokenizer_files else
+             f" (data.tokenizer={config.data.tokenizer} has no HF tokenizer files)"))
     return 0

@@ -2,8 +2,9 @@
 
 `checkpoint=` is a podtrain run, checkpoint or step directory or a Hugging Face directory (see
 `orchestrator.load`). `prompt=` may be repeated and `prompts_file=` adds one prompt per line: all go
-through one batched `models.generate.generate` call, BOS first when `data.add_bos` (or an HF
-tokenizer_config.json's `add_bos_token`) says so. Generation stops at the EOS ids unless
+through one batched `models.generate.generate` call, BOS first when `data.add_bos` says so or, for
+an HF directory, when its tokenizer.json puts BOS first (as Llama 3's does) or its
+tokenizer_config.json's `add_bos_token` is true. Generation stops at the EOS ids unless
 `stop=<id,id>` names others (`stop=` alone: none); greedy unless `temperature=` > 0.
 """
 
@@ -98,7 +99,8 @@ def run_command(args) -> int:
     request, overrides = split_generate_args(args.overrides)
     config = load_config(args.config, overrides, hint_keys=GENERATE_KEYS)
     tokenizer, stop, add_bos = load_checkpoint_tokenizer(config, request.checkpoint)
-    model, mesh, vocab_size = load_model(config, request.checkpoint, request.step)
+    model_keys = [item.partition("=")[0].removeprefix("model.") for item in overrides if item.startswith("model.")]
+    model, mesh, vocab_size = load_model(config, request.checkpoint, request.step, model_keys)
     try:
         check_vocab(tokenizer, vocab_size)
     except ValueError as e:

@@ -9,6 +9,7 @@ scales `<name>_scale_inv`, as in the DeepSeek-V3 release) are dequantised on loa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -17,9 +18,10 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes  # also registers bfloat16 with numpy, which safetensors' numpy reader needs
@@ -155,7 +157,11 @@ def _read_headers(directory: Path) -> dict[str, _Stored]:
     """Maps every tensor name in the checkpoint to where it is stored (headers only)."""
     index = directory / INDEX_FILE
     if index.exists():
-        files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: expected a 'weight_map' object of tensor name -> file, found "
+                             f"{type(weight_map).__name__ if weight_map is not None else 'none'}")
+        files = sorted({directory / f for f in weight_map.values()})
         absent = [str(f) for f in files if not f.exists()]
         if absent:
             raise ValueError(f"{index}: weight_map names files that do not exist: {absent}")
@@ -165,13 +171,43 @@ def _read_headers(directory: Path) -> dict[str, _Stored]:
         raise ValueError(f"{directory}: expected *.safetensors weights (or {INDEX_FILE}), found none")
     found = {}
     for file in files:
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
+        header, size = _safetensors_header(file)
         for name, entry in header.items():
             if name != "__metadata__":
                 found[name] = _Stored(file, tuple(entry["shape"]), entry["dtype"], 8 + size + entry["data_offsets"][0])
     return found
+
+
+def _read_json(file: Path) -> dict:
+    """A JSON object file; ValueError naming the file when it is not one."""
+    try:
+        found = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{file}: expected a JSON object, found {type(found).__name__}")
+    return found
+
+
+def _safetensors_header(file: Path) -> tuple[dict, int]:
+    """(JSON header, its length in bytes) of a safetensors file, checked against the file's size (a Git LFS pointer
+    or a cut-off download is a ValueError naming the file, not a huge read)."""
+    total = file.stat().st_size
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        raw = f.read(size) if 8 + size <= total else None
+    try:
+        if raw is None:
+            raise ValueError(f"a header of {size} bytes in a file of {total}")
+        header = json.loads(raw)
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        if 8 + size + max(ends, default=0) > total:
+            raise ValueError(f"its tensors need {8 + size + max(ends)} bytes, the file has {total} "
+                             "(a cut-off download?)")
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        pointer = " (a Git LFS pointer? run `git lfs pull`)" if total < 1024 else ""
+        raise ValueError(f"{file}: not a safetensors file: {e}{pointer}") from None
+    return header, size
 
 
 class _Fp8Weights:
@@ -269,7 +305,8 @@ def _check_tensors(directory: Path, config: ModelConfig, expected: dict, found: 
         )
 
 
-def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None) -> tuple[ModelConfig, Llama]:
+def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None,
+            runtime: Mapping[str, Any] | None = None) -> tuple[ModelConfig, Llama]:
     """Loads a transformers Llama / Qwen3 / DeepSeek-V3 checkpoint, each tensor born in its sharding.
 
     FP8 weights (`F8_E4M3` plus `<name>_scale_inv` block scales) are dequantised to `dtype`.
@@ -280,6 +317,8 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None) -> tuple
         dtype: parameter dtype; defaults to the checkpoint's (float32 for an FP8 checkpoint
             without one).
         rules: logical-to-mesh rules; None uses the active table.
+        runtime: model fields that change how the model runs, not its weights (`dtype` for the
+            compute dtype, `remat`, `scan_layers`), over the ones config.json implies.
 
     Returns:
         (config, model).
@@ -293,8 +332,8 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None) -> tuple
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{config_file}: not found; expected a Hugging Face checkpoint directory with config.json")
-    hf_config = json.loads(config_file.read_text())
-    config = config_from_hf(hf_config, dtype=dtype, source=str(config_file))
+    hf_config = _read_json(config_file)
+    config = dataclasses.replace(config_from_hf(hf_config, dtype=dtype, source=str(config_file)), **(runtime or {}))
     mesh = build_mesh({}, jax.devices()[:1]) if mesh is None else mesh
     model_class = MODEL_CLASSES[config.model_type]
     graphdef, abstract = abstract_model(lambda: model_class(config, rngs=nnx.Rngs(0)), mesh, rules)
@@ -364,12 +403,14 @@ def _umask() -> int:
     return mask
 
 
-def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**30) -> None:
+def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**30,
+          config_extra: Mapping[str, Any] | None = None, files: Mapping[str, bytes] | None = None) -> None:
     """Writes `model` as a transformers checkpoint: safetensors shards, their index and config.json.
 
     Every process must call this (the gathers are collective); process 0 writes. The files go to a
     temporary sibling directory renamed to `path` at the end, so a failed export leaves no
-    directory that looks complete.
+    directory that looks complete. `config_extra` adds keys to config.json (e.g. the tokenizer's
+    `bos_token_id` / `eos_token_id`); `files` are written beside the weights (e.g. tokenizer.json).
 
     Raises:
         ValueError: when `path` exists and is not empty, or transformers cannot represent `config`.
@@ -377,7 +418,7 @@ def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**
     directory = Path(path)
     if directory.exists() and any(directory.iterdir()):
         raise ValueError(f"{directory}: export directory exists and is not empty; choose a new path or remove it")
-    hf_config = config_to_hf(config)
+    hf_config = config_to_hf(config) | dict(config_extra or {})
     values = {".".join(map(str, k)): var.get_value() for k, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     tensors = []  # parameter-major, so that each parameter is gathered once
     for key, value in values.items():
@@ -410,6 +451,10 @@ def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**
                 index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
                 (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
             (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+            for name, data in (files or {}).items():
+                (staging / name).write_bytes(data)
+            for written in staging.iterdir():
+                written.chmod(0o666 & ~umask)
             os.replace(staging, directory)
     except BaseException:
         if writer:

@@ -10,6 +10,7 @@ tokenizer.json when it has one.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 from flax import nnx
@@ -74,18 +75,31 @@ def is_hf_directory(checkpoint: str) -> bool:
     return (Path(checkpoint).expanduser() / "config.json").is_file()
 
 
-def load_model(config: Config, checkpoint: str, step: int | None = None) -> tuple[nnx.Module, Mesh, int]:
+# The model keys an override may set for an HF directory (its config.json sets the others).
+HF_RUNTIME_KEYS = ("dtype", "param_dtype", "remat", "scan_layers")
+
+
+def load_model(config: Config, checkpoint: str, step: int | None = None,
+               model_overrides: Sequence[str] = ()) -> tuple[nnx.Module, Mesh, int]:
     """(model, mesh, vocabulary size) of a podtrain checkpoint or an HF directory, its params
-    sharded on the config's mesh."""
+    sharded on the config's mesh. `model_overrides` are the model keys the command line set: for an
+    HF directory those of `HF_RUNTIME_KEYS` apply (`param_dtype` casts the weights) and any other
+    is an error, since config.json describes the model."""
     directory = Path(checkpoint).expanduser()
     if not is_hf_directory(checkpoint):
         training, model, _ = restore_model(config, checkpoint, step)
         return model, training.mesh, config.model.vocab_size
     if step is not None:
         raise ConfigError(f"step={step}: {directory} is a Hugging Face directory, which has no steps")
+    fixed = [key for key in model_overrides if key not in HF_RUNTIME_KEYS]
+    if fixed:
+        raise ConfigError(f"model.{fixed[0]}: {directory / 'config.json'} describes the model of a Hugging Face "
+                          f"directory; only model.{', model.'.join(HF_RUNTIME_KEYS)} may be overridden")
+    chosen = {key: getattr(config.model, key) for key in model_overrides}
+    dtype = chosen.pop("param_dtype", None)
     try:
         mesh = build_mesh(dataclasses.asdict(config.mesh), num_slices=config.cluster.num_slices)
-        model_config, model = from_hf(directory, mesh=mesh, rules=config.sharding.rules)
+        model_config, model = from_hf(directory, mesh=mesh, dtype=dtype, rules=config.sharding.rules, runtime=chosen)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return model, mesh, model_config.vocab_size

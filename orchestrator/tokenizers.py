@@ -13,6 +13,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 import tokenizers
+from tokenizers import processors
 
 
 class Tokenizer(Protocol):
@@ -53,15 +54,13 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path, *, eos_token: str, bos_token: str | None = None):
         self.path = Path(path)
-        try:
-            self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
-        except Exception as e:  # the Rust side raises a bare Exception
-            raise ValueError(f"data.tokenizer={str(path)!r}: not a valid tokenizer.json ({e})") from None
+        self._tokenizer = _read_tokenizer(self.path, f"data.tokenizer={str(path)!r}")
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         self.eos_id = self._special_id(vocab, "eos_token", eos_token)
         self.bos_id = None if bos_token is None else self._special_id(vocab, "bos_token", bos_token)
         self.pad_id = self.eos_id
+        self.eos_token, self.bos_token = eos_token, bos_token
 
     def _special_id(self, vocab: dict[str, int], key: str, token: str) -> int:
         if token not in vocab:
@@ -70,6 +69,32 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def adds_bos(self) -> bool:
+        """Whether the file's post-processor starts an encoding with the BOS token (Llama 3's
+        `TemplateProcessing` does; transformers' tokenizer then puts BOS before a prompt)."""
+        ids = self._tokenizer.encode("a", add_special_tokens=True).ids
+        return self.bos_id is not None and bool(ids) and ids[0] == self.bos_id
+
+    def hf_files(self, *, add_bos: bool) -> dict[str, bytes]:
+        """tokenizer.json and tokenizer_config.json for an HF export, so that transformers'
+        tokenizer encodes as training did: with `add_bos`, a post-processor that puts BOS first
+        (unless the file's own does); the special tokens named; a tokenizer_config.json beside the
+        file kept for its other keys (a chat template, say)."""
+        tokenizer = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
+        if add_bos and not self.adds_bos():
+            bos = processors.TemplateProcessing(single=f"{self.bos_token} $A", pair=f"{self.bos_token} $A $B:1",
+                                                special_tokens=[(self.bos_token, self.bos_id)])
+            own = tokenizer.post_processor
+            tokenizer.post_processor = bos if own is None else processors.Sequence([own, bos])
+        dropped = ("tokenizer_class", "add_bos_token", "add_eos_token", "auto_map", "tokenizer_file")
+        special = {k: v for k, v in _read_json(self.path.parent / "tokenizer_config.json").items() if k not in dropped}
+        special |= {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token}
+        special.setdefault("pad_token", self.eos_token)  # what the data pipeline pads with
+        if self.bos_token is not None:
+            special["bos_token"] = self.bos_token
+        return {"tokenizer.json": tokenizer.to_str().encode(),
+                "tokenizer_config.json": (json.dumps(special, indent=2) + "\n").encode()}
 
     def decode(self, ids) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -107,8 +132,24 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
         )
 
 
+def _read_tokenizer(path: Path, what: str) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception
+        raise ValueError(f"{what}: not a valid tokenizer.json ({e})") from None
+
+
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object file, {} when there is none; ValueError naming the file when it is not JSON."""
+    if not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(found).__name__}")
+    return found
 
 
 def _token_text(token) -> str | None:
@@ -118,9 +159,11 @@ def _token_text(token) -> str | None:
 
 def hf_directory_tokenizer(directory: Path) -> tuple[HFTokenizer, tuple[int, ...], bool]:
     """(tokenizer, stop ids, add BOS?) from an HF directory's tokenizer.json and the special tokens that
-    its tokenizer_config.json names (else the ids config.json names)."""
+    its tokenizer_config.json names (else the ids config.json names). BOS goes first when
+    tokenizer.json's post-processor adds it (as transformers' tokenizer does, whatever
+    `add_bos_token` says) or tokenizer_config.json's `add_bos_token` is true."""
     special, hf_config = _read_json(directory / "tokenizer_config.json"), _read_json(directory / "config.json")
-    vocab = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    vocab = _read_tokenizer(directory / "tokenizer.json", str(directory / "tokenizer.json"))
     ids = {key: hf_config.get(f"{key}_token_id") for key in ("eos", "bos")}
     ids = {key: [found] if isinstance(found, int) else list(found or []) for key, found in ids.items()}
     names = {key: _token_text(special.get(f"{key}_token")) or (vocab.id_to_token(ids[key][0]) if ids[key] else None)
@@ -130,4 +173,5 @@ def hf_directory_tokenizer(directory: Path) -> tuple[HFTokenizer, tuple[int, ...
         raise ValueError("no EOS token in tokenizer_config.json (eos_token) or config.json (eos_token_id); "
                          "add one there")
     tokenizer = HFTokenizer(directory / "tokenizer.json", eos_token=eos, bos_token=bos)
-    return tokenizer, tuple(dict.fromkeys([tokenizer.eos_id, *ids["eos"]])), bool(special.get("add_bos_token"))
+    add_bos = special.get("add_bos_token") is True or tokenizer.adds_bos()
+    return tokenizer, tuple(dict.fromkeys([tokenizer.eos_id, *ids["eos"]])), add_bos

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 from hf_fixtures import save_hf_model
 from test_train import TINY
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
 from launch.cli import main
 from models import from_hf
@@ -19,7 +20,7 @@ from models.generate import generate
 from orchestrator.build import build_training
 from orchestrator.checkpoint import Checkpointer
 from orchestrator.config import ConfigError, load_config
-from orchestrator.tokenizers import ByteTokenizer
+from orchestrator.tokenizers import ByteTokenizer, hf_directory_tokenizer
 from sharding.mesh import build_mesh, resolve_axis_sizes
 from sharding.rules import DEFAULT_RULES, use_rules
 
@@ -98,6 +99,58 @@ def test_generate_from_an_hf_directory_batches_prompts_with_its_tokenizer(tmp_pa
         assert f"--- prompt {i} ---\n{prompt}\n--- completion {i} ({len(tokens)} tokens" in out
         assert f" ---\n{tokenizer.decode(tokens)}\n" in out
     assert f"generated {sum(map(len, want))} tokens for 3 prompts" in out
+
+
+def test_generate_on_an_hf_directory_takes_runtime_model_keys_only(tmp_path, capsys):
+    from orchestrator.load import load_model
+
+    save_hf_model("llama", tmp_path)
+    config = load_config("llama3-tiny", ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=none"])
+    model, _, _ = load_model(config, str(tmp_path), model_overrides=["dtype", "param_dtype", "remat"])
+    assert (model.config.dtype, model.config.param_dtype, model.config.remat) == ("bfloat16", "bfloat16", "none")
+    assert {str(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))} == {"bfloat16"}
+    model, _, _ = load_model(config, str(tmp_path))  # the preset's model keys are not overrides
+    assert (model.config.dtype, model.config.param_dtype) == ("float32", "float32")
+    capsys.readouterr()
+    assert main(["generate", "-c", "llama3-tiny", f"checkpoint={tmp_path}", "prompt=hi", "model.num_layers=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.num_layers: {tmp_path / 'config.json'} describes the model of a Hugging Face directory; only " \
+           "model.dtype, model.param_dtype, model.remat, model.scan_layers may be overridden" in err, err
+
+
+@pytest.mark.parametrize("post_processor, add_bos_token", [
+    (True, None),    # Llama 3: no add_bos_token, tokenizer.json's TemplateProcessing adds BOS
+    (False, None),   # Qwen-like: nothing adds BOS
+    (False, False),
+    (True, False),   # transformers' tokenizer follows tokenizer.json whatever add_bos_token says
+    (False, True),   # no post-processor: add_bos_token (transformers' generic tokenizer ignores it)
+])
+def test_hf_directory_prompts_start_with_bos_as_transformers_does(tmp_path, post_processor, add_bos_token):
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 16)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    if post_processor:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    if add_bos_token is not None:
+        special["add_bos_token"] = add_bos_token
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(special))
+    ours, _, add_bos = hf_directory_tokenizer(tmp_path)
+    prompt = [ours.bos_id] * add_bos + ours.encode("w3 w4").tolist()
+    if add_bos_token is True and not post_processor:
+        assert prompt == [1, 3, 4]
+    else:
+        assert prompt == PreTrainedTokenizerFast.from_pretrained(tmp_path)("w3 w4").input_ids
+
+
+def test_generate_names_a_damaged_tokenizer_json(tmp_path, capsys):
+    save_hf_model("llama", tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    capsys.readouterr()
+    assert main(["generate", "-c", "llama3-tiny", f"checkpoint={tmp_path}", "prompt=hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'tokenizer.json'}: not a valid tokenizer.json" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("args, needle", [

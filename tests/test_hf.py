@@ -229,6 +229,43 @@ def test_from_hf_without_config_names_the_file(tmp_path):
     assert str(tmp_path / "config.json") in str(error.value)
 
 
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:0123abcd\nsize 1000000\n"
+
+
+def _lfs_pointer(path):
+    (path / "model.safetensors").write_text(LFS_POINTER)
+
+
+def _cut_off(path):
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _index_without_weight_map(path):
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": 1}}))
+
+
+def _config_not_json(path):
+    text = (path / "config.json").read_text()
+    (path / "config.json").write_text(text[: len(text) // 2])
+
+
+@pytest.mark.parametrize("damage, file, message", [
+    (_lfs_pointer, "model.safetensors", r"not a safetensors file: a header of \d+ bytes in a file of 76 "
+                                        r"\(a Git LFS pointer\? run `git lfs pull`\)"),
+    (_cut_off, "model.safetensors", r"not a safetensors file: its tensors need \d+ bytes, the file has \d+ "
+                                    r"\(a cut-off download\?\)"),
+    (_index_without_weight_map, INDEX_FILE, "expected a 'weight_map' object of tensor name -> file, found none"),
+    (_config_not_json, "config.json", r"not valid JSON \(Unterminated string|not valid JSON \(Expecting"),
+])
+def test_from_hf_damaged_files_are_one_error_naming_the_file(damage, file, message, tmp_path):
+    save_hf_model("llama", tmp_path)
+    damage(tmp_path)
+    with pytest.raises(ValueError, match=message) as error:
+        from_hf(tmp_path)
+    assert str(error.value).startswith(f"{tmp_path / file}: "), error.value
+
+
 def test_from_hf_lists_every_tensor_problem_in_one_error(tmp_path):
     save_hf_model("llama", tmp_path)
 

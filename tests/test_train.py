@@ -148,6 +148,7 @@ def test_export_writes_the_trained_weights_as_hf_files_transformers_loads(tmp_pa
     done = export(run_dir, out, "step=2", "mesh.fsdp=1", "mesh.tp=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exported step 2" in done.stdout and (out / "config.json").exists()
+    assert "(data.tokenizer=byte has no HF tokenizer files)" in done.stdout
 
     config = load_config("llama3-tiny", TINY)
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, fsdp=1))
@@ -164,6 +165,8 @@ def test_export_writes_the_trained_weights_as_hf_files_transformers_loads(tmp_pa
     tokens = np.random.default_rng(0).integers(0, 384, (2, 16))
     ours = np.asarray(exported(jax.numpy.asarray(tokens)))
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    # The byte tokenizer's BOS / EOS, so that generate() in transformers stops where training ended documents.
+    assert (hf.generation_config.bos_token_id, hf.generation_config.eos_token_id) == (257, 258)
     with torch.no_grad():
         theirs = hf(torch.from_numpy(tokens)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
@@ -175,6 +178,37 @@ def test_export_writes_the_trained_weights_as_hf_files_transformers_loads(tmp_pa
         in done.stderr
     assert "remat" not in done.stderr
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_export_takes_the_training_tokenizer_along(tmp_path, add_bos):
+    """A tokenizer.json run: transformers' AutoTokenizer on the exported files encodes as training did."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from launch.export import tokenizer_export
+    from orchestrator.config import load_config
+    from orchestrator.tokenizers import load_tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 16)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}",
+                                                                "add_bos_token": False}))
+    config = load_config("llama3-tiny", [f"data.tokenizer={tmp_path / 'tokenizer.json'}", "data.eos_token=</s>",
+                                         "data.bos_token=<s>", f"data.add_bos={str(add_bos).lower()}"])
+    config_extra, files = tokenizer_export(config)
+    assert config_extra == {"eos_token_id": 2, "bos_token_id": 1}
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    theirs = AutoTokenizer.from_pretrained(out)
+    ours = load_tokenizer(config.data.tokenizer, eos_token="</s>", bos_token="<s>")
+    assert theirs("w3 w4 w5").input_ids == [1] * add_bos + ours.encode("w3 w4 w5").tolist()
+    assert (theirs.eos_token, theirs.bos_token, theirs.pad_token) == ("</s>", "<s>", "</s>")
+    assert theirs.chat_template == "{{ messages }}"
 
 
 def test_export_errors_name_the_problem(tmp_path):
