@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,25 +58,56 @@ def peak_flops_per_device(configured: float = 0.0) -> tuple[float, str]:
     )
 
 
-def _summary_writer_class():
-    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch whenever it is
-    installed, only to accept torch tensors (about 4 s at every worker start); podtrain logs floats."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+def _tensorboardx():
+    """tensorboardX's synchronous event-file writer and protos, imported without torch: tensorboardX
+    imports torch whenever it is installed, only to accept torch tensors (about 4 s at every worker
+    start); podtrain logs floats."""
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
     try:
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.summary import scalar
     finally:
-        del sys.modules["torch"]
-    return SummaryWriter
+        if hidden:
+            del sys.modules["torch"]
+    return EventsWriter, Event, SessionLog, scalar
+
+
+class _TensorBoard:
+    """Scalars to a TensorBoard event file, written in this thread (tensorboardX's SummaryWriter
+    queues events for a thread, and its flush does not wait for the queue: a kill lost events that
+    were logged before a checkpoint). `purge_step` makes TensorBoard drop the events an earlier
+    writer logged at that step and later."""
+
+    def __init__(self, logdir: Path, *, purge_step: int | None):
+        events_writer, self._event, session_log, self._scalar = _tensorboardx()
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = events_writer(str(logdir / "events"))
+        if purge_step is not None:
+            self._writer.write_event(self._event(wall_time=time.time(), step=purge_step,
+                                                 session_log=session_log(status=session_log.START)))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._writer.write_event(self._event(wall_time=time.time(), step=step, summary=self._scalar(tag, value)))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to `metrics.jsonl`, mirrors scalars to TensorBoard, prints."""
+    """Appends one JSON object per step to `metrics.jsonl`, mirrors scalars to TensorBoard, prints.
 
-    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int):
+    A run that resumes at `start_step` first drops what an earlier attempt wrote after that step
+    (records of steps it trained but never checkpointed, which this run trains again), from
+    metrics.jsonl and (a purge event) from TensorBoard: one record per step.
+    """
+
+    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int = 0):
         self.enabled = enabled
         self.total_steps = total_steps
         self.start = time.perf_counter()
@@ -83,8 +115,15 @@ class MetricsWriter:
         self._jsonl = self._tb = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+            _drop_records_after(run_dir / "metrics.jsonl", start_step)
             self._jsonl = (run_dir / "metrics.jsonl").open("a")
-            self._tb = _summary_writer_class()(str(run_dir / "tensorboard"))
+            self._tb = _TensorBoard(run_dir / "tensorboard", purge_step=start_step + 1 if start_step else None)
+
+    def flush(self) -> None:
+        """Puts every record written so far on disk."""
+        if self.enabled:
+            self._jsonl.flush()
+            self._tb.flush()
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -112,6 +151,26 @@ class MetricsWriter:
                 print()
             self._jsonl.close()
             self._tb.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrites metrics.jsonl without the records of steps after `step` (and a line cut off by a
+    kill), through a temporary file renamed over it, so a crash here loses nothing."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
 
 
 def expert_metrics(load_LE: np.ndarray, dropped: float) -> dict:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,7 +66,8 @@ class RunResult:
         lines.append(f"run directory {self.run_dir}: config.yaml, metrics.jsonl, tensorboard/, "
                      f"checkpoints/ (last committed step {self.last_checkpoint})")
         if self.preempted:
-            lines.append(f"stopped on a preemption notice after checkpointing step {self.last_checkpoint}")
+            lines.append(f"stopped on a preemption notice (SIGTERM, or Ctrl-C) after checkpointing step "
+                         f"{self.last_checkpoint}; run the same command to resume")
         if self.data_ended:
             lines.append(f"stopped at step {self.end_step}: the training data ended (data.epochs)")
         return "\n".join(lines)
@@ -75,17 +77,29 @@ class PreemptionNotice:
     """Turns SIGTERM into a checkpoint at the next step boundary, agreed by every process.
 
     With several processes JAX's own notifier catches SIGTERM and `reached_preemption_sync_point`
-    makes every process stop at the same step; alone, a handler sets a flag.
+    makes every process stop at the same step; alone, a handler sets a flag, and Ctrl-C (SIGINT)
+    does the same the first time (the second one interrupts at once).
     """
 
     def __init__(self):
         self.received = False
         self.multi_process = jax.process_count() > 1
+        self._previous = {}
         if not self.multi_process:
-            signal.signal(signal.SIGTERM, self._handle)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        """Gives SIGTERM and SIGINT back the handlers they had before."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
         self.received = True
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            print("\nCtrl-C: stopping after the next step and its checkpoint (Ctrl-C again to stop at once)",
+                  file=sys.stderr, flush=True)
 
     def reached(self, step: int) -> bool:
         if self.multi_process:
@@ -193,7 +207,14 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
 
     `on_step(step)` is called with each completed step (its loss fetched): the worker's heartbeat.
     """
-    run_dir = Path(run_dir)
+    notice = PreemptionNotice()  # first: a notice while the run builds and restores stops it at its first step
+    try:
+        return _run(config, Path(run_dir), notice, on_step)
+    finally:
+        notice.restore()
+
+
+def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Callable[[int], None] | None) -> RunResult:
     is_main = jax.process_index() == 0
     use_compilation_cache(config.train.compilation_cache_dir, run_dir)
     training = build_training(config)
@@ -223,8 +244,7 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
     peak, _ = peak_flops_per_device(config.train.peak_flops_per_device)
     tokens_per_step = config.train.batch_size * config.train.seq_len
     step_flops = flops_per_token(config.model, config.train.seq_len) * tokens_per_step
-    writer = MetricsWriter(run_dir, enabled=is_main, total_steps=config.train.steps)
-    notice = PreemptionNotice()
+    writer = MetricsWriter(run_dir, enabled=is_main, total_steps=config.train.steps, start_step=start)
     losses, timed_tokens, timed_seconds, preempted = [], 0, 0.0, False
     # Metrics are read one step late: step s+1 is dispatched before step s's loss is fetched, so
     # the host builds the next batch and writes logs while the devices compute.
@@ -232,9 +252,10 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
 
     excluded = 0.0  # seconds of evals, samples and checkpoint saves since the last finished step
 
-    def finish(record: dict, metrics: dict, timed: bool) -> None:
-        """Records a step's metrics; its time is the wall time since the previous step's, less evals,
-        samples and saves (so step_s, tokens/s and MFU are the training's own)."""
+    def finish(record: dict, metrics: dict, timed: bool, *, write: bool = True) -> None:
+        """Records a step's metrics (`emit` writes them; `write=False` leaves that to the caller); its
+        time is the wall time since the previous step's, less evals, samples and saves (so step_s,
+        tokens/s and MFU are the training's own)."""
         nonlocal last_done, timed_tokens, timed_seconds, excluded
         record.update(loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]))
         if "expert_load" in metrics:
@@ -246,6 +267,10 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
         record.update(step_s=seconds, tokens_per_s=tokens_per_step / seconds,
                       mfu=step_flops / seconds / (peak * jax.device_count()))
         losses.append(record["loss"])
+        if write:
+            emit(record)
+
+    def emit(record: dict) -> None:
         writer.write(record)
         if on_step is not None:
             on_step(record["step"])
@@ -254,41 +279,54 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
         return row_positions(train_iter, rows)
 
     data_ended = False
-    for step in range(start, config.train.steps):
-        local_batch = next(train_iter, None)
-        if _data_ended(local_batch is None, finite=config.data.epochs is not None):
-            logger.warning("the training data ended after data.epochs=%s at step %d of train.steps=%d: stopping",
-                           config.data.epochs, step, config.train.steps)
-            checkpointer.save(step, state, data_position=data_position, force=True)
-            data_ended = True
-            break
-        batch = to_global_batch(local_batch, training.batch_sharding, config.train.batch_size)
-        if step == start:
-            compile_then_meet(training.step, state, batch, timeout_s=config.cluster.startup_timeout_s)
-        state, metrics = training.step(state, batch)
-        if pending is not None:
-            finish(*pending)
-        record = {"step": step + 1}
-        if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
-            jax.block_until_ready(state)  # the step's own time ends here
-            eval_started = time.perf_counter()
-            record["eval_loss"] = evaluate(training, eval_step, eval_data, state.params, config.train.eval_batches)
-            if prompt_ids is not None:
-                record["sample"] = sample(training, state.params, tokenizer, prompt_ids)
-                if is_main:
-                    logger.info("sample at step %d: %r -> %r", step + 1, config.train.sample_prompt, record["sample"])
-            excluded += time.perf_counter() - eval_started
-        pending = (record, metrics, step > start)
-        preempted = notice.reached(step + 1)
-        final = preempted or step + 1 == config.train.steps
-        if final or (step + 1) % config.checkpoint.every_steps == 0:
-            jax.block_until_ready(state)  # so that save_block_s is the save's own time, not the step's
-        save_started = time.perf_counter()
-        if checkpointer.save(step + 1, state, data_position=data_position, force=final):
-            record["save_block_s"] = time.perf_counter() - save_started  # the loop's share of an async save
-            excluded += record["save_block_s"]
-        if preempted:
-            break
+    try:
+        for step in range(start, config.train.steps):
+            local_batch = next(train_iter, None)
+            if _data_ended(local_batch is None, finite=config.data.epochs is not None):
+                logger.warning("the training data ended after data.epochs=%s at step %d of train.steps=%d: stopping",
+                               config.data.epochs, step, config.train.steps)
+                checkpointer.save(step, state, data_position=data_position, force=True)
+                data_ended = True
+                break
+            batch = to_global_batch(local_batch, training.batch_sharding, config.train.batch_size)
+            if step == start:
+                compile_then_meet(training.step, state, batch, timeout_s=config.cluster.startup_timeout_s)
+            state, metrics = training.step(state, batch)
+            if pending is not None:
+                finish(*pending)
+            record = {"step": step + 1}
+            if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
+                jax.block_until_ready(state)  # the step's own time ends here
+                eval_started = time.perf_counter()
+                record["eval_loss"] = evaluate(training, eval_step, eval_data, state.params, config.train.eval_batches)
+                if prompt_ids is not None:
+                    record["sample"] = sample(training, state.params, tokenizer, prompt_ids)
+                    if is_main:
+                        logger.info("sample at step %d: %r -> %r", step + 1, config.train.sample_prompt,
+                                    record["sample"])
+                excluded += time.perf_counter() - eval_started
+            pending = (record, metrics, step > start)
+            preempted = notice.reached(step + 1)
+            final = preempted or step + 1 == config.train.steps
+            save_due = final or (step + 1) % config.checkpoint.every_steps == 0
+            if save_due:
+                jax.block_until_ready(state)  # so that save_block_s is the save's own time, not the step's
+                finish(*pending, write=False)
+                pending = None
+            save_started = time.perf_counter()
+            if checkpointer.save(step + 1, state, data_position=data_position, force=final):
+                record["save_block_s"] = time.perf_counter() - save_started  # the loop's share of an async save
+                excluded += record["save_block_s"]
+            if save_due:  # written now, not a step late: a resumed run finds every checkpointed step's record
+                emit(record)
+                writer.flush()
+            if preempted:
+                break
+    except BaseException:
+        if jax.process_count() == 1:  # an exception or a second Ctrl-C: a save in flight still completes
+            checkpointer.close()
+            writer.close()
+        raise
     if pending is not None:
         finish(*pending)
     first_loss, last_loss = (losses[0], losses[-1]) if losses else (None, None)

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from xla_flags import xla_flags
 
@@ -70,16 +71,25 @@ def test_same_seed_same_losses_and_kill_resume_is_bit_exact(tmp_path):
     out = train(killed, 8)
     assert f"steps {committed[-1]} -> 8" in out.stdout
     assert losses(killed) == losses(reference)
+    # One record per step: what the killed attempt logged after its last checkpoint was dropped, in
+    # metrics.jsonl and in TensorBoard.
+    records = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    loss_points = tensorboard_scalars(killed / "tensorboard")["loss"]
+    assert [step for step, _ in loss_points] == list(range(1, 9))
+    assert np.allclose([v for _, v in loss_points], [r["loss"] for r in records])
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tmp_path, signum):
+    """SIGTERM, and with cluster=none a first Ctrl-C (SIGINT), checkpoint at the next step and exit 75."""
     run_dir = tmp_path / "preempted"
     own_cache = {k: v for k, v in env().items() if k != "JAX_COMPILATION_CACHE_DIR"}  # the run's default cache
     proc = subprocess.Popen(command(run_dir, 1000, every=500), cwd=ROOT, env=own_cache,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(run_dir, proc, 3)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]
     last = max(losses(run_dir))
@@ -88,6 +98,27 @@ def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tmp_path):
     cached = [p.name for p in (run_dir / "compilation_cache").iterdir()]
     assert any("train_step" in name for name in cached)  # for the restart
     assert any(name.startswith("jit__lambda") for name in cached)  # short init programs too (JAX skips < 1 s)
+
+
+def test_sigterm_while_the_run_builds_stops_it_after_its_first_step(tmp_path, monkeypatch):
+    """A notice that arrives before the loop (here: while the train step is built; on a pod, during
+    a minutes-long restore) is not lost: the run trains one step, checkpoints it and reports preempted."""
+    import orchestrator.train as train_module
+    from orchestrator.config import load_config
+
+    real_build = train_module.build_training
+
+    def build_then_sigterm(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "build_training", build_then_sigterm)
+    config = load_config("llama3-tiny", [*TINY, "mesh.fsdp=4", "mesh.tp=2", "train.steps=50",
+                                         "checkpoint.every_steps=25"])
+    before = signal.getsignal(signal.SIGTERM)
+    result = train_module.run(config, tmp_path / "run")
+    assert result.preempted and (result.start_step, result.end_step, result.last_checkpoint) == (0, 1, 1)
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone again
 
 
 def test_finite_data_stops_the_run_with_a_checkpoint_and_resume_mistakes_are_one_line(tmp_path):
@@ -240,19 +271,24 @@ def test_export_errors_name_out_and_step_before_any_work(tmp_path, capsys, out, 
 
 
 
-def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} from the TFRecord event files in `directory`."""
-    from tensorboardX.proto.event_pb2 import Event
+def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value), ...] in the order TensorBoard shows them, from the TFRecord event
+    files in `directory` (oldest file first); a session start with a step (tensorboardX's
+    `purge_step`) drops the events at that step and later, as TensorBoard does."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-    scalars: dict[str, dict[int, float]] = {}
-    for path in directory.glob("events.out.tfevents.*"):
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*"), key=lambda p: (int(p.name.split(".")[3]),
+                                                                             p.stat().st_mtime)):
         data, offset = path.read_bytes(), 0
         while offset < len(data):  # record: u64 length, u32 crc, payload, u32 crc
             length = int.from_bytes(data[offset:offset + 8], "little")
             event = Event.FromString(data[offset + 12:offset + 12 + length])
             offset += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                scalars = {tag: [(s, v) for s, v in points if s < event.step] for tag, points in scalars.items()}
             for value in event.summary.value:
-                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
 
 
@@ -266,7 +302,7 @@ def test_metrics_reach_tensorboard_without_importing_torch(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
-    assert scalars["loss"] == {1: 3.0, 2: 2.0, 3: 1.0} and scalars["lr"] == {1: 0.5, 2: 0.5, 3: 0.5}
+    assert scalars["loss"] == [(1, 3.0), (2, 2.0), (3, 1.0)] and scalars["lr"] == [(1, 0.5), (2, 0.5), (3, 0.5)]
     assert "sample" not in scalars and "step" not in scalars
 
 
@@ -285,11 +321,7 @@ def test_step_times_leave_out_evals_and_saves(tmp_path, monkeypatch):
     monkeypatch.setattr(train_module, "evaluate", slow_evaluate)
     config = load_config("llama3-tiny", [*TINY, "mesh.fsdp=4", "mesh.tp=2", "train.steps=3", "train.eval_every=2",
                                          "train.eval_batches=1", "checkpoint.every_steps=2", "data.eval_fraction=0.05"])
-    sigterm = signal.getsignal(signal.SIGTERM)  # the run turns SIGTERM into a preemption notice
-    try:
-        train_module.run(config, tmp_path / "run")
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
+    train_module.run(config, tmp_path / "run")  # gives SIGTERM and SIGINT their handlers back
     records = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
     assert "eval_loss" in records[2] and "save_block_s" in records[2]
     assert records[2]["step_s"] < 3.0 and records[3]["step_s"] < 3.0, records
