@@ -157,7 +157,7 @@ def _read_headers(directory: Path) -> dict[str, _Stored]:
     """Maps every tensor name in the checkpoint to where it is stored (headers only)."""
     index = directory / INDEX_FILE
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: expected a 'weight_map' object of tensor name -> file, found "
                              f"{type(weight_map).__name__ if weight_map is not None else 'none'}")
@@ -178,7 +178,7 @@ def _read_headers(directory: Path) -> dict[str, _Stored]:
     return found
 
 
-def _read_json(file: Path) -> dict:
+def read_json_object(file: Path) -> dict:
     """A JSON object file; ValueError naming the file when it is not one."""
     try:
         found = json.loads(file.read_text())
@@ -332,7 +332,7 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None,
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{config_file}: not found; expected a Hugging Face checkpoint directory with config.json")
-    hf_config = _read_json(config_file)
+    hf_config = read_json_object(config_file)
     config = dataclasses.replace(config_from_hf(hf_config, dtype=dtype, source=str(config_file)), **(runtime or {}))
     mesh = build_mesh({}, jax.devices()[:1]) if mesh is None else mesh
     model_class = MODEL_CLASSES[config.model_type]

@@ -15,6 +15,8 @@ import numpy as np
 import tokenizers
 from tokenizers import processors
 
+from models.hf import read_json_object
+
 
 class Tokenizer(Protocol):
     """What the data pipeline needs from a tokeniser."""
@@ -141,15 +143,7 @@ def _read_tokenizer(path: Path, what: str) -> tokenizers.Tokenizer:
 
 def _read_json(path: Path) -> dict:
     """A JSON object file, {} when there is none; ValueError naming the file when it is not JSON."""
-    if not path.is_file():
-        return {}
-    try:
-        found = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(found, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(found).__name__}")
-    return found
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_text(token) -> str | None:
