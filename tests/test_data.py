@@ -301,6 +301,24 @@ def test_row_positions_of_two_processes_resume_one_process_and_back(tmp_path):
         it.close()
 
 
+def test_positions_saved_with_another_batch_size_are_refused(tmp_path):
+    """Row r reads documents r, r+B, ...: with B=2 the positions of B=4's rows 0 and 1 point into other lists."""
+    config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl")))
+    four = iter(_dataset(config, global_batch=4))
+    next(four)
+    saved = json.loads(json.dumps(row_positions(four, range(4))))
+    expected = next(four)
+    two = iter(_dataset(config, global_batch=2))
+    with pytest.raises(ValueError, match=r"^the saved data position has 4 rows, but this run has train.batch_size=2: "
+                                         r"resume with the train.batch_size it was saved with \(4\)$"):
+        set_row_positions(two, range(2), saved, global_batch=2)
+    again = iter(_dataset(config, global_batch=4))
+    set_row_positions(again, range(4), saved, global_batch=4)
+    np.testing.assert_array_equal(next(again)["inputs"], expected["inputs"])
+    for it in [four, two, again]:
+        it.close()
+
+
 def test_token_windows_hold_out_the_corpus_tail_for_eval():
     """Documents run across neighbouring token windows: the held-out windows are one block at the end,
     not windows spread between training ones."""
