@@ -30,8 +30,11 @@ checkpoints those step numbers again instead of skipping every save up to them).
 the run starts fresh; when checkpoints exist but none restores, `NoRestorableCheckpointError` lists
 every step with its error, because silently starting over would throw away a run. `none` starts
 fresh and refuses a directory that already holds checkpoints (Orbax would silently skip saving any
-step not newer than the ones there); a step number restores exactly that step. Both mistakes are
-`ConfigError`s.
+step not newer than the ones there); a step number restores exactly that step and, once every
+process restored it, renames the newer steps `<step>.superseded` (kept, never deleted): the run
+writes its own steps under those numbers, and a later `auto` continues the new run, not the one it
+replaced. A `.damaged` or `.superseded` name already taken gets `.2`, `.3`... Both mistakes (`none`
+on checkpoints, a step that is not there) are `ConfigError`s.
 
 With several processes the directory must be one that every process sees (a shared filesystem
 or a URL such as gs://): each process writes its own shards into it. A `Checkpointer` checks this
@@ -50,7 +53,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -290,24 +293,31 @@ class Checkpointer:
                       step, self.directory, _describe(error))
                 continue
             _check_same_step_everywhere(step, self.directory, failures)
-            self._set_aside(failures)
+            self._set_aside(failures, "damaged", "they cannot be restored; kept for inspection")
             return restored
         if failures:
             raise NoRestorableCheckpointError(str(self.directory), failures)
         return None
 
-    def _set_aside(self, damaged: Mapping[int, Exception]) -> None:
-        """Renames damaged step folders to `<step>.damaged` (process 0, once every process restored)."""
-        if not damaged:
+    def _set_aside(self, steps: Iterable[int], suffix: str, why: str) -> None:
+        """Renames step folders to `<step>.<suffix>` (process 0, once every process restored), so that
+        Orbax no longer lists them and saves those step numbers again; a name already taken gets `.2`, `.3`..."""
+        steps = sorted(steps)
+        if not steps:
             return
         if jax.process_index() == 0:
-            for step in damaged:
+            renamed = []
+            for step in steps:
                 folder = epath.Path(self.directory) / str(step)
-                folder.rename(folder.parent / f"{step}.damaged")
-                _warn("checkpoint step %d in %s renamed to %s.damaged (kept for inspection)", step, self.directory,
-                      step)
+                target, n = folder.parent / f"{step}.{suffix}", 1
+                while target.exists():
+                    n += 1
+                    target = folder.parent / f"{step}.{suffix}.{n}"
+                folder.rename(target)
+                renamed.append(target.name)
+            _warn("checkpoint steps %s in %s renamed to %s (%s)", steps, self.directory, ", ".join(renamed), why)
         if jax.process_count() > 1:
-            multihost.sync_global_processes(f"podtrain_damaged_steps_set_aside_{max(damaged)}")
+            multihost.sync_global_processes(f"podtrain_steps_set_aside_{suffix}_{steps[-1]}")
         self._manager.reload()
 
     def check_model(self, model: Any) -> None:
@@ -334,6 +344,10 @@ class Checkpointer:
         Returns:
             (state, meta, step), or None for a fresh start.
 
+        A step number restores that step and renames the newer ones `<step>.superseded` (logged):
+        Orbax would otherwise skip every save up to the newest of them, and `auto` would later
+        continue the old run.
+
         Raises:
             ConfigError: `resume` is `none` but the directory already holds checkpoints, or a step
                 number that is not there.
@@ -350,7 +364,13 @@ class Checkpointer:
         step = int(self.config.resume)
         if step not in self.all_steps():
             raise ConfigError(f"checkpoint.resume={step}: no such step in {self.directory} (steps: {self.all_steps()})")
-        return self.restore(abstract_state, step=step)
+        restored = self.restore(abstract_state, step=step)
+        newer = [s for s in self.all_steps() if s > step]
+        if newer and jax.process_count() > 1:
+            multihost.sync_global_processes(f"podtrain_restored_step_{step}")  # rename only once all restored it
+        self._set_aside(newer, "superseded", f"newer than checkpoint.resume={step}, which the run continues from; "
+                                             "kept, never deleted")
+        return restored
 
     def close(self) -> None:
         """Waits for pending saves, then releases Orbax's threads."""

@@ -277,12 +277,39 @@ def test_resume_modes(training, tmp_path):
     with checkpointer(tmp_path) as ckpt:
         ckpt.save(2, random_state(training, seed=0))
         ckpt.save(4, random_state(training, seed=1))
-    assert resume(tmp_path, "2", abstract)[2] == 2
     with pytest.raises(ConfigError, match=r"checkpoint.resume=3: no such step in .* \(steps: \[2, 4\]\)"):
         resume(tmp_path, "3", abstract)
     assert resume(tmp_path, "auto", abstract)[2] == 4
     with pytest.raises(ConfigError, match=r"checkpoint.resume=none, but .* already holds steps \[2, 4\]"):
         resume(tmp_path, "none", abstract)
+    assert resume(tmp_path, "4", abstract)[2] == 4
+    assert resume(tmp_path, "2", abstract)[2] == 2  # sets step 4 aside: see the next test
+
+
+def test_resume_of_an_older_step_sets_the_newer_ones_aside_and_saves_them_again(training, tmp_path, caplog):
+    """Orbax skips saving any step not newer than its latest: left in place, steps 4 and 6 of the old
+    run would stay on disk instead of the resumed run's, and a later `auto` would continue the old run."""
+    old, new = random_state(training, seed=5), random_state(training, seed=6)
+    with checkpointer(tmp_path) as ckpt:
+        for step in (2, 4, 6):
+            ckpt.save(step, old)
+    before = files(tmp_path)
+    with checkpointer(tmp_path, resume="2") as ckpt, caplog.at_level(logging.WARNING, logger="orchestrator.checkpoint"):
+        assert ckpt.resume(training.abstract_state())[2] == 2
+        assert ckpt.all_steps() == [2]
+        assert ckpt.save(4, new)
+        ckpt.wait()
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "orchestrator.checkpoint"]
+    assert f"checkpoint steps [4, 6] in {tmp_path} renamed to 4.superseded, 6.superseded" in warning
+    assert "checkpoint.resume=2" in warning
+    after, moved = files(tmp_path), {"4": "4.superseded", "6": "6.superseded"}
+    for name, data in before.items():  # nothing lost: the old steps are kept under their new names
+        top, rest = name.split("/", 1)
+        assert after[f"{moved.get(top, top)}/{rest}"] == data
+    assert resume(tmp_path, "auto", training.abstract_state())[2] == 4
+    assert_bit_equal(resume(tmp_path, "auto", training.abstract_state())[0], new)
+    assert resume(tmp_path, "2", training.abstract_state())[2] == 2  # a second time: 4.superseded is taken
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4.superseded", "4.superseded.2", "6.superseded"]
 
 
 @pytest.mark.parametrize(
