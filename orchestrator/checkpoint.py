@@ -49,6 +49,7 @@ different steps; the processes compare the step they restored and raise rather t
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -150,6 +151,8 @@ class Checkpointer:
         # Orbax rejects relative paths (only after creating a tmp folder); URLs such as gs:// stay as they are.
         self.directory = directory if "://" in str(directory) else os.path.abspath(directory)
         self._run_meta = dict(run_meta or {})
+        if "://" not in str(self.directory):
+            _check_writable(self.directory)
         self._manager = ocp.CheckpointManager(self.directory, options=_manager_options(config))
         if jax.process_count() > 1:
             _check_shared(self.directory)
@@ -387,6 +390,25 @@ def _gather_json(value: Any) -> list:
     padded[: data.size] = data
     rows = multihost_utils.process_allgather(padded)
     return [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes, strict=True)]
+
+
+def _check_writable(directory: str) -> None:
+    """Raises ConfigError unless this process can create the local `directory` and write a file into
+    it (a probe, removed again): a read-only directory fails at start, not at the first save."""
+    probe = os.path.join(directory, f".podtrain-writable-{uuid.uuid4().hex}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "xb") as f:
+            f.write(b"written by podtrain to check that checkpoints can be written here\n")
+        os.unlink(probe)
+        return
+    except FileExistsError:  # from makedirs: `directory` is a file
+        reason = os.strerror(errno.ENOTDIR)
+    except OSError as error:
+        reason = error.strerror or str(error)
+    raise ConfigError(f"checkpoint.dir={directory}: cannot create or write the checkpoint directory ({reason}): "
+                      "expected a directory podtrain can create and write; fix the path or its permissions, or "
+                      "set another checkpoint.dir")
 
 
 def _check_shared(directory: str) -> None:

@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -361,3 +362,38 @@ def test_checkpoint_dir_must_be_shared_by_processes(tmp_path, same):
         for line in lines:
             assert line.startswith("error: checkpoint.dir=") and "processes [1] do not see" in line, outputs
     assert not list(dirs[0].glob(".podtrain-shared-*")), "the probe file is removed"
+
+
+def unwritable(directory, reason: str) -> str:
+    """The start of the error for `directory`, as a regex; `reason` is one too (the OS error's text)."""
+    return (f"^checkpoint.dir={re.escape(str(directory))}: cannot create or write the checkpoint directory "
+            f"\\({reason}\\): expected a directory podtrain can create and write")
+
+
+def test_a_file_in_the_checkpoint_path_is_one_config_error(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=unwritable(tmp_path / "afile" / "ck", "Not a directory")):
+        checkpointer(tmp_path / "afile" / "ck")
+    with pytest.raises(ConfigError, match=unwritable(tmp_path / "afile", "Not a directory")):
+        checkpointer(tmp_path / "afile")
+
+
+def test_a_directory_that_takes_no_file_is_one_config_error_at_start():
+    """/proc exists and refuses new files, even to root: the probe file fails, not the first save."""
+    with pytest.raises(ConfigError, match=unwritable("/proc", ".+")):
+        checkpointer("/proc")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory regardless of its mode")
+def test_a_read_only_directory_is_one_config_error_at_start(tmp_path):
+    (tmp_path / "ck").mkdir(mode=0o500)
+    try:
+        with pytest.raises(ConfigError, match=unwritable(tmp_path / "ck", "Permission denied")):
+            checkpointer(tmp_path / "ck")
+    finally:
+        (tmp_path / "ck").chmod(0o700)
+
+
+def test_the_write_probe_leaves_nothing_behind(tmp_path):
+    checkpointer(tmp_path / "new" / "ck").close()
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["ck"] and not list((tmp_path / "new" / "ck").iterdir())
