@@ -1,4 +1,5 @@
-"""`podtrain <command> -c <preset or YAML> [key=value ...]`: parse, dispatch, turn user errors into one line."""
+"""`podtrain <command> -c <preset or YAML> [key=value ...]`: parse, dispatch, turn user errors (and a checkpoint
+that cannot be written) into one line."""
 
 from __future__ import annotations
 
@@ -57,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"podtrain: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from orchestrator.checkpoint import CheckpointWriteError  # imported here: Orbax is slow to import
+
+        if not isinstance(e, CheckpointWriteError):
+            raise
+        print(f"podtrain: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -41,6 +41,14 @@ or a URL such as gs://): each process writes its own shards into it. A `Checkpoi
 when it opens the directory and raises `ConfigError` naming the processes that cannot see a file
 process 0 wrote there.
 
+A local directory is created when a `Checkpointer` opens it, and `resume` (what a training run
+calls before its first step; readers such as `export` never do) writes and removes a probe file:
+a file in the path or a read-only directory is a `ConfigError` naming `checkpoint.dir`, at start
+rather than at the first save. A save that fails anyway (a full disk) raises `CheckpointWriteError`
+naming the step, the directory and the cause in one line; the steps committed before it are kept
+(Orbax deletes old steps only after a new one commits). Orbax's threads still log their own
+tracebacks of the failure first.
+
 Every process tries the same steps, newest first, and a damaged step normally fails on all of them
 (the files under a step are shared). Damage that only some processes read would let them restore
 different steps; the processes compare the step they restored and raise rather than train on a mix.
@@ -74,6 +82,9 @@ logger = logging.getLogger(__name__)
 # What a damaged step raises: tensorstore reports DATA_LOSS, OUT_OF_RANGE and NOT_FOUND as
 # ValueError, a broken JSON file is a ValueError, a missing file an OSError, a missing item a KeyError.
 _DAMAGED_STEP_ERRORS = (ValueError, OSError, KeyError)
+# What a save raises when writing fails: tensorstore reports RESOURCE_EXHAUSTED (a full disk) and
+# OUT_OF_RANGE (past a file size limit) as ValueError; files written by Python raise OSError.
+_WRITE_ERRORS = (ValueError, OSError)
 
 
 class NoRestorableCheckpointError(RuntimeError):
@@ -90,6 +101,21 @@ class NoRestorableCheckpointError(RuntimeError):
             f"no checkpoint in {directory} can be restored ({listed}). Nothing was deleted: move the "
             "broken step folders away to resume from an older one, or start over with a new checkpoint.dir"
         )
+
+
+class CheckpointWriteError(RuntimeError):
+    """A step could not be written (a full disk, lost permissions, a storage error); the steps
+    committed before it are kept, and the failed one stays an uncommitted `<step>.orbax-checkpoint-tmp`.
+
+    Attributes:
+        step: the step whose save failed (None if it is not known).
+    """
+
+    def __init__(self, step: int | None, directory: str, error: Exception):
+        self.step = step
+        which = "a checkpoint step" if step is None else f"checkpoint step {step}"
+        super().__init__(f"{which} could not be written to {directory} ({_describe(error, max_chars=1000)}); the "
+                         "steps committed before it are kept: free space or fix the storage, then resume")
 
 
 def _describe(error: Exception, max_chars: int = 300) -> str:
@@ -148,11 +174,13 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig, *, run_meta: Mapping | None = None):
         config.validate()
         self.config = config
-        # Orbax rejects relative paths (only after creating a tmp folder); URLs such as gs:// stay as they are.
-        self.directory = directory if "://" in str(directory) else os.path.abspath(directory)
+        self._is_local = "://" not in str(directory)  # URLs such as gs:// stay as they are, checked by Orbax
+        # Orbax rejects relative paths (only after creating a tmp folder).
+        self.directory = os.path.abspath(directory) if self._is_local else directory
         self._run_meta = dict(run_meta or {})
-        if "://" not in str(self.directory):
-            _check_writable(self.directory)
+        self._writing: int | None = None  # the step of the save in flight (async_save), if any
+        if self._is_local:
+            _check_writable(self.directory, probe=False)  # reading (export, generate) needs no write access
         self._manager = ocp.CheckpointManager(self.directory, options=_manager_options(config))
         if jax.process_count() > 1:
             _check_shared(self.directory)
@@ -198,9 +226,13 @@ class Checkpointer:
 
         Returns:
             True if a save was started; False if not due or `step` is already saved.
+
+        Raises:
+            CheckpointWriteError: this save, or the one still in flight before it, failed.
         """
         if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
             return False
+        self.wait()  # Orbax's save waits for the previous one too; waiting here names that step if it failed
         items = {
             "state": ocp.args.StandardSave(state),
             "meta": ocp.args.JsonSave({**self._run_meta, **(meta or {}), "step": step}),
@@ -210,11 +242,24 @@ class Checkpointer:
             for part in _gather_json(dict(data_position())):
                 merged.update(part)
             items["data_position"] = ocp.args.JsonSave(merged)
-        return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            started = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except _WRITE_ERRORS as error:
+            raise CheckpointWriteError(step, self.directory, error) from error
+        self._writing = step if started else None
+        return started
 
     def wait(self) -> None:
-        """Blocks until every save started so far is committed (raises what a background save raised)."""
-        self._manager.wait_until_finished()
+        """Blocks until every save started so far is committed.
+
+        Raises:
+            CheckpointWriteError: a save in flight failed (whatever its background threads raised).
+        """
+        step, self._writing = self._writing, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            raise CheckpointWriteError(step, self.directory, error) from error
 
     def _committed_step(self, step: int | None) -> int:
         """Waits for saves in flight, then returns `step` (the newest if None) or raises FileNotFoundError."""
@@ -344,17 +389,21 @@ class Checkpointer:
     def resume(self, abstract_state: Any) -> tuple[Any, dict, int] | None:
         """Restores what `config.resume` asks for.
 
+        A step number restores that step and renames the newer ones `<step>.superseded` (logged):
+        Orbax would otherwise skip every save up to the newest of them, and `auto` would later
+        continue the old run. A training run calls this before its first step (readers such as
+        `export` never do), so a local directory is checked here to take a file: a read-only one
+        fails now, not at the first save.
+
         Returns:
             (state, meta, step), or None for a fresh start.
 
-        A step number restores that step and renames the newer ones `<step>.superseded` (logged):
-        Orbax would otherwise skip every save up to the newest of them, and `auto` would later
-        continue the old run.
-
         Raises:
-            ConfigError: `resume` is `none` but the directory already holds checkpoints, or a step
-                number that is not there.
+            ConfigError: the directory cannot be written, `resume` is `none` but the directory
+                already holds checkpoints, or a step number that is not there.
         """
+        if self._is_local:
+            _check_writable(self.directory, probe=True)
         if self.config.resume == "auto":
             return self.restore_latest(abstract_state)
         if self.config.resume == "none":
@@ -376,8 +425,15 @@ class Checkpointer:
         return restored
 
     def close(self) -> None:
-        """Waits for pending saves, then releases Orbax's threads."""
-        self._manager.close()
+        """Waits for pending saves, then releases Orbax's threads (also when a save failed).
+
+        Raises:
+            CheckpointWriteError: a save in flight failed.
+        """
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
 
 def _gather_json(value: Any) -> list:
@@ -392,15 +448,16 @@ def _gather_json(value: Any) -> list:
     return [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes, strict=True)]
 
 
-def _check_writable(directory: str) -> None:
-    """Raises ConfigError unless this process can create the local `directory` and write a file into
-    it (a probe, removed again): a read-only directory fails at start, not at the first save."""
-    probe = os.path.join(directory, f".podtrain-writable-{uuid.uuid4().hex}")
+def _check_writable(directory: str, *, probe: bool) -> None:
+    """Raises ConfigError unless this process can create the local `directory` and, with `probe`,
+    write a file into it (removed again)."""
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(probe, "xb") as f:
-            f.write(b"written by podtrain to check that checkpoints can be written here\n")
-        os.unlink(probe)
+        if probe:
+            path = os.path.join(directory, f".podtrain-writable-{uuid.uuid4().hex}")
+            with open(path, "xb") as f:
+                f.write(b"written by podtrain to check that checkpoints can be written here\n")
+            os.unlink(path)
         return
     except FileExistsError:  # from makedirs: `directory` is a file
         reason = os.strerror(errno.ENOTDIR)

@@ -16,7 +16,13 @@ import yaml
 from xla_flags import xla_flags
 
 from orchestrator.build import build_training
-from orchestrator.checkpoint import Checkpointer, NoRestorableCheckpointError, model_differences, run_metadata
+from orchestrator.checkpoint import (
+    Checkpointer,
+    CheckpointWriteError,
+    NoRestorableCheckpointError,
+    model_differences,
+    run_metadata,
+)
 from orchestrator.config import CheckpointConfig, ConfigError, checkpoint_directory, load_config
 
 # A restore that fails part way leaves tensorstore reads in flight; they complete on tensorstore's threads after
@@ -364,6 +370,69 @@ def test_checkpoint_dir_must_be_shared_by_processes(tmp_path, same):
     assert not list(dirs[0].glob(".podtrain-shared-*")), "the probe file is removed"
 
 
+FAILING_SAVE = """
+import resource, signal, sys
+from test_checkpoint import TINY, Checkpointer, CheckpointConfig, CheckpointWriteError, build_training, load_config
+from test_checkpoint import random_state
+training = build_training(load_config("llama3-tiny", TINY + ["mesh.fsdp=4", "mesh.tp=2"]))
+older, newer = random_state(training, seed=7), random_state(training, seed=8)
+with Checkpointer(sys.argv[1], CheckpointConfig(every_steps=2, async_save=sys.argv[2] == "async")) as ckpt:
+    ckpt.save(2, older)
+    ckpt.wait()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel ends the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, resource.RLIM_INFINITY))
+    try:
+        ckpt.save(4, newer)
+        ckpt.save(6, newer)  # an async save of 4 fails here, while this one waits for it
+    except CheckpointWriteError as e:
+        print(f"step {e.step}: {e}")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_save_that_cannot_be_written_is_one_error_and_keeps_the_committed_steps(training, tmp_path, mode):
+    """Writes past a file size limit fail (EFBIG) as they do on a full disk (ENOSPC), even for root. In
+    a process of its own: Orbax's abandoned write tasks report their errors as that process ends."""
+    root = Path(__file__).parent.parent
+    done = subprocess.run([sys.executable, "-c", FAILING_SAVE, str(tmp_path), mode], cwd=root, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=f"{root}:{root / 'tests'}"))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert done.returncode == 0 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"step 4: checkpoint step 4 could not be written to {tmp_path} (")
+    assert "File too large" in lines[0] and lines[0].endswith("the steps committed before it are kept: free space "
+                                                              "or fix the storage, then resume")
+    older, newer = random_state(training, seed=7), random_state(training, seed=8)
+    with checkpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == [2]
+        restored, _, step = ckpt.restore_latest(training.abstract_state())
+        assert step == 2
+        assert_bit_equal(restored, older)
+        assert ckpt.save(4, newer)
+        ckpt.wait()
+        assert_bit_equal(ckpt.restore(training.abstract_state())[0], newer)
+
+
+def test_the_cli_prints_a_failed_save_as_one_line(monkeypatch, capsys):
+    """Exit status 1 and one line; any other RuntimeError keeps its traceback."""
+    import launch.train
+    from launch.cli import main
+
+    raised = [CheckpointWriteError(15, "/runs/x/ck", OSError(28, "No space left on device")), RuntimeError("a bug")]
+
+    def run_command(args):
+        raise raised.pop(0)
+
+    monkeypatch.setattr(launch.train, "run_command", run_command)
+    assert main(["train"]) == 1
+    assert capsys.readouterr().err == (
+        "podtrain: error: checkpoint step 15 could not be written to /runs/x/ck (OSError: [Errno 28] No space left "
+        "on device); the steps committed before it are kept: free space or fix the storage, then resume\n"
+    )
+    with pytest.raises(RuntimeError, match="^a bug$"):
+        main(["train"])
+
+
 def unwritable(directory, reason: str) -> str:
     """The start of the error for `directory`, as a regex; `reason` is one too (the OS error's text)."""
     return (f"^checkpoint.dir={re.escape(str(directory))}: cannot create or write the checkpoint directory "
@@ -378,22 +447,31 @@ def test_a_file_in_the_checkpoint_path_is_one_config_error(tmp_path):
         checkpointer(tmp_path / "afile")
 
 
-def test_a_directory_that_takes_no_file_is_one_config_error_at_start():
-    """/proc exists and refuses new files, even to root: the probe file fails, not the first save."""
-    with pytest.raises(ConfigError, match=unwritable("/proc", ".+")):
-        checkpointer("/proc")
+def test_a_directory_that_takes_no_file_opens_for_reading_and_fails_resume(training):
+    """/proc/sys exists and takes no new file, even from root: export may read there, a run may not
+    start there (its first save would fail)."""
+    with checkpointer("/proc/sys") as ckpt:
+        assert ckpt.all_steps() == []
+        with pytest.raises(ConfigError, match=unwritable("/proc/sys", ".+")):
+            ckpt.resume(training.abstract_state())
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory regardless of its mode")
-def test_a_read_only_directory_is_one_config_error_at_start(tmp_path):
-    (tmp_path / "ck").mkdir(mode=0o500)
+def test_a_read_only_directory_restores_but_fails_resume(training, tmp_path):
+    state = random_state(training, seed=9)
+    with checkpointer(tmp_path / "ck") as ckpt:
+        ckpt.save(2, state)
+    (tmp_path / "ck").chmod(0o500)
     try:
-        with pytest.raises(ConfigError, match=unwritable(tmp_path / "ck", "Permission denied")):
-            checkpointer(tmp_path / "ck")
+        with checkpointer(tmp_path / "ck") as ckpt:
+            assert_bit_equal(ckpt.restore(training.abstract_state())[0], state)
+            with pytest.raises(ConfigError, match=unwritable(tmp_path / "ck", "Permission denied")):
+                ckpt.resume(training.abstract_state())
     finally:
         (tmp_path / "ck").chmod(0o700)
 
 
-def test_the_write_probe_leaves_nothing_behind(tmp_path):
-    checkpointer(tmp_path / "new" / "ck").close()
+def test_the_write_probe_leaves_nothing_behind(training, tmp_path):
+    with checkpointer(tmp_path / "new" / "ck") as ckpt:
+        assert ckpt.resume(training.abstract_state()) is None
     assert [p.name for p in (tmp_path / "new").iterdir()] == ["ck"] and not list((tmp_path / "new" / "ck").iterdir())
