@@ -469,13 +469,21 @@ def _check_writable(directory: str, *, probe: bool) -> None:
 
 
 def _check_shared(directory: str) -> None:
-    """Raises ConfigError unless every process sees a file that process 0 writes into `directory`."""
+    """Raises ConfigError unless every process sees a file that process 0 writes into `directory`.
+
+    When process 0 cannot write there, nothing is checked (a reader such as `export` may read a
+    read-only directory; a training run's `resume` then reports the directory as unwritable)."""
     token = _gather_json(uuid.uuid4().hex if jax.process_index() == 0 else "")[0]
     probe = epath.Path(directory) / f".podtrain-shared-{token}"
+    written = True
     if jax.process_index() == 0:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_text("written by process 0 to check that every process sees this directory\n")
-    multihost.sync_global_processes(f"podtrain_checkpoint_probe_written_{token}")
+        try:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_text("written by process 0 to check that every process sees this directory\n")
+        except OSError:
+            written = False
+    if not _gather_json(written)[0]:  # a collective: every process learns it and none waits alone
+        return
     seen = _gather_json(probe.exists())  # a collective: every process has looked once it returns
     if jax.process_index() == 0:
         probe.unlink()

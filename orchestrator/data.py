@@ -458,7 +458,7 @@ def row_positions(iterator: grain.DatasetIterator, rows: range) -> dict[str, dic
 
 
 def set_row_positions(iterator: grain.DatasetIterator, rows: range, positions: dict[str, dict], *,
-                      global_batch: int | None = None) -> None:
+                      global_batch: int) -> None:
     """Moves an iterator of `make_dataset(..., rows=rows)` to the positions `row_positions` recorded
     (possibly by other processes, for other rows too).
 
@@ -466,13 +466,13 @@ def set_row_positions(iterator: grain.DatasetIterator, rows: range, positions: d
         iterator: the iterator to move.
         rows: the global batch rows it loads.
         positions: every global row's position, as `row_positions` of all processes recorded it.
-        global_batch: this run's `train.batch_size`; None skips the check that the positions were
-            saved with it (row r reads documents r, r+B, ... of its split, so its stream depends on B).
+        global_batch: this run's `train.batch_size`, which the positions must have been saved with
+            (row r reads documents r, r+B, ... of its split, so its stream depends on B).
 
     Raises:
         ValueError: the positions were saved with another global batch size, or a row of `rows` has none.
     """
-    if global_batch is not None and len(positions) != global_batch:
+    if len(positions) != global_batch:
         raise ValueError(f"the saved data position has {len(positions)} rows, but this run has train.batch_size="
                          f"{global_batch}: resume with the train.batch_size it was saved with ({len(positions)})")
     missing = [row for row in rows if str(row) not in positions]

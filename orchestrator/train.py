@@ -191,13 +191,13 @@ def _data_ended(ended_here: bool, *, finite: bool) -> bool:
     return bool(multihost_utils.process_allgather(np.int32(ended_here)).any())
 
 
-def _restore_data_position(iterator, rows: range, meta: dict, where: str) -> None:
+def _restore_data_position(iterator, rows: range, global_batch: int, meta: dict, where: str) -> None:
     """Moves the training data iterator to where the restored checkpoint `meta` says it was."""
     if "data_position" not in meta:
         raise ConfigError(f"checkpoint {where} holds no data position (written by an older podtrain, which kept "
                           "one per process): resume it with that version, or start over with a new checkpoint.dir")
     try:
-        set_row_positions(iterator, rows, meta["data_position"])
+        set_row_positions(iterator, rows, meta["data_position"], global_batch=global_batch)
     except ValueError as e:
         raise ConfigError(f"checkpoint {where}: {e}") from None
 
@@ -233,7 +233,8 @@ def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Calla
     train_iter = iter(train_data)
     resumed = checkpointer.resume(training.abstract_state())
     if resumed:
-        _restore_data_position(train_iter, rows, resumed[1], f"step {resumed[2]} in {checkpointer.directory}")
+        _restore_data_position(train_iter, rows, config.train.batch_size, resumed[1],
+                               f"step {resumed[2]} in {checkpointer.directory}")
     state = resumed[0] if resumed else training.init_state()
     start = int(state.step)
     logger.info("starting at step %d (%s) on mesh %s", start, f"resumed from step {resumed[2]}" if resumed else "fresh",

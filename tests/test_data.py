@@ -286,17 +286,17 @@ def test_row_positions_of_two_processes_resume_one_process_and_back(tmp_path):
     saved = {**row_positions(halves[0], range(0, 2)), **row_positions(halves[1], range(2, 4))}
     assert sorted(saved) == ["0", "1", "2", "3"]
     one = iter(_dataset(config, global_batch=4))
-    set_row_positions(one, range(4), json.loads(json.dumps(saved)))
+    set_row_positions(one, range(4), json.loads(json.dumps(saved)), global_batch=4)
     expected = [next(whole) for _ in range(6)]
     for want in expected[:3]:
         np.testing.assert_array_equal(next(one)["inputs"], want["inputs"])
     back = [iter(_dataset(config, global_batch=4, rows=range(2 * p, 2 * p + 2))) for p in range(2)]
     for p, it in enumerate(back):
-        set_row_positions(it, range(2 * p, 2 * p + 2), row_positions(one, range(4)))
+        set_row_positions(it, range(2 * p, 2 * p + 2), row_positions(one, range(4)), global_batch=4)
     for want in expected[3:]:
         np.testing.assert_array_equal(np.concatenate([next(it)["inputs"] for it in back]), want["inputs"])
-    with pytest.raises(ValueError, match=r"none for rows \[4, 5\].*train.batch_size it was saved with \(4\)"):
-        set_row_positions(iter(_dataset(config, global_batch=6, rows=range(4, 6))), range(4, 6), saved)
+    with pytest.raises(ValueError, match=r"has 4 rows, but this run has train.batch_size=6: .* saved with \(4\)"):
+        set_row_positions(iter(_dataset(config, global_batch=6, rows=range(4, 6))), range(4, 6), saved, global_batch=6)
     for it in [whole, *halves, one, *back]:
         it.close()
 

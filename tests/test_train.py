@@ -137,9 +137,12 @@ def test_finite_data_stops_the_run_with_a_checkpoint_and_resume_mistakes_are_one
     for override, needle in (("checkpoint.resume=none", "checkpoint.resume=none, but"),
                              ("checkpoint.resume=1", "checkpoint.resume=1: no such step"),
                              ("model.num_kv_heads=2", "was trained with a different model: model.num_kv_heads: "
-                                                      "checkpoint has 4, config has 2")):
-        done = subprocess.run(command(run_dir, 50, *data, override), cwd=ROOT, env=env(),
-                              capture_output=True, text=True, timeout=300)
+                                                      "checkpoint has 4, config has 2"),
+                             ("train.batch_size=2", "the saved data position has 4 rows, but this run has "
+                                                    "train.batch_size=2")):
+        key = override.partition("=")[0]
+        cmd = [arg for arg in command(run_dir, 50, *data) if not arg.startswith(key + "=")] + [override]
+        done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
