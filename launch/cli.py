@@ -38,8 +38,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; overrides may also come after options (`a=1 --cpu-devices 2 b=2`), which
+    argparse alone takes for unrecognised arguments."""
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    unknown = [arg for arg in extra if arg.startswith("-") or "=" not in arg]
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(argv)
     import importlib
 
     from orchestrator.config import ConfigError

@@ -126,8 +126,22 @@ def _describe(error: Exception, max_chars: int = 300) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-# Model keys that change how the model runs or is initialised, not what its weights are.
-RUNTIME_MODEL_KEYS = frozenset({"dtype", "remat", "scan_layers", "initializer_range"})
+# Model keys that change how the model runs, is initialised or is trained, not what its weights
+# are: a run may resume with other values (DeepSeek-V3 stops its router-bias updates late in
+# training), and export and generate take any.
+RUNTIME_MODEL_KEYS = frozenset({"dtype", "remat", "scan_layers", "initializer_range", "moe.bias_update_rate",
+                                "moe.capacity_factor"})
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level of dotted keys ({"moe": {"top_k": 8}} -> {"moe.top_k": 8})."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:
@@ -137,7 +151,7 @@ def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:
     saved = (yaml.safe_load(meta.get("config_yaml", "")) or {}).get("model")
     if saved is None:
         return ""
-    current = dataclasses.asdict(model)
+    saved, current = _flat(saved), _flat(dataclasses.asdict(model))
     differences = [f"model.{key}: checkpoint has {saved.get(key)!r}, config has {current.get(key)!r}"
                    for key in sorted((set(saved) | set(current)) - RUNTIME_MODEL_KEYS)
                    if saved.get(key) != current.get(key)]

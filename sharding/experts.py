@@ -49,7 +49,8 @@ def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_expe
     load = jnp.bincount(flat_expert, length=num_experts)
     first = jnp.cumsum(load) - load
     slot = jnp.arange(n * k) - first[sorted_expert]
-    kept = slot < slots
+    real = sorted_expert < num_experts  # padding tokens pick expert id `num_experts`: none
+    kept = (slot < slots) & real
     target = jnp.where(kept, sorted_expert * slots + slot, num_experts * slots)
     token = order // k
     send = jnp.zeros((num_experts * slots, d), x_ND.dtype).at[target].set(x_ND[token], mode="drop")
@@ -78,7 +79,7 @@ def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_expe
     gathered = jnp.where(kept[:, None], out[jnp.minimum(target, num_experts * slots - 1)], 0)
     contribution = gathered * weight_NK.reshape(-1)[order][:, None].astype(gathered.dtype)
     y = jnp.zeros((n, d), contribution.dtype).at[token].add(contribution)
-    dropped = jnp.sum(~kept).astype(jnp.float32)
+    dropped = jnp.sum(real & ~kept).astype(jnp.float32)
     load = load.astype(jnp.float32)
     if token_axes:
         load, dropped = jax.lax.psum(load, token_axes), jax.lax.psum(dropped, token_axes)
@@ -114,7 +115,17 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
 
     gate_spec = logical_to_spec(EXPERT_GATE_NAMES, sizes, shape=w_gate_EDF.shape, what="MoE expert weights")
     down_spec = logical_to_spec(EXPERT_DOWN_NAMES, sizes, shape=w_down_EFD.shape, what="MoE expert weights")
-    token_spec = logical_to_spec(("batch", "seq"), sizes, shape=(b, t), what="MoE tokens")
+    token_spec = logical_to_spec(("batch", "seq"), sizes, what="MoE tokens")
+    # The shard_map needs token dimensions its mesh axes divide: a batch of one prompt (generation,
+    # samples at evals) on an fsdp or ep mesh gets padding rows, which pick no expert and are dropped.
+    pad_b, pad_t = (-n % math.prod(sizes[a] for a in axes_of(entry))
+                    for n, entry in zip((b, t), token_spec, strict=True))
+    if pad_b or pad_t:
+        widths = ((0, pad_b), (0, pad_t), (0, 0))
+        y, load, dropped = routed_experts(
+            jnp.pad(x_BTD, widths), jnp.pad(expert_BTK, widths, constant_values=num_experts),
+            jnp.pad(weight_BTK, widths), w_gate_EDF, w_up_EDF, w_down_EFD, capacity_factor=capacity_factor)
+        return y[:b, :t], load, dropped
     expert_axes = axes_of(gate_spec[0])
     token_axes = tuple(a for entry in token_spec for a in axes_of(entry))
     if len(expert_axes) > 1:

@@ -27,8 +27,8 @@ DEFAULT_RULES: dict[str, str | list[str] | None] = {
     "head_dim": None,
     "mlp": "tp",
     "experts": "ep",
-    "q_lora": None,
-    "kv_lora": None,
+    "q_lora": "fsdp",  # DeepSeek-V3 up-projections (L, rank, heads, dim): 12 GiB per device replicated at 671B
+    "kv_lora": "fsdp",
     "norm": None,
     # activations
     "batch": ["dp", "fsdp", "ep"],

@@ -262,6 +262,20 @@ def test_model_differences_name_the_first_three_and_count_the_rest(training):
                                               "config has 3; and 2 more")
 
 
+def test_model_differences_name_nested_keys_and_allow_moe_training_knobs():
+    """DeepSeek-V3 stops its router-bias updates late in training: a run resumes with another rate."""
+    from orchestrator.config import to_yaml
+
+    config = load_config("deepseek-v3-tiny")
+    meta = {"config_yaml": to_yaml(config)}
+    moe = config.model.moe
+    knobs = dataclasses.replace(moe, bias_update_rate=0.0, capacity_factor=2.0)
+    assert model_differences(meta, dataclasses.replace(config.model, moe=knobs)) == ""
+    other = dataclasses.replace(config.model, moe=dataclasses.replace(moe, num_experts=2 * moe.num_experts))
+    assert model_differences(meta, other) == (f"model.moe.num_experts: checkpoint has {moe.num_experts}, config has "
+                                              f"{2 * moe.num_experts}")
+
+
 @pytest.mark.parametrize("directory, expected", [
     ("gs://bucket/run/checkpoints", "gs://bucket/run/checkpoints"),
     ("/abs/checkpoints", "/abs/checkpoints"),

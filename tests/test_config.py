@@ -177,3 +177,12 @@ def test_cli_turns_config_errors_into_one_line_and_exit_2(argv, needle, capsys):
     err = capsys.readouterr().err
     assert err.startswith("podtrain: error: ") and needle in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_takes_overrides_before_and_after_options():
+    from launch.cli import parse
+
+    args = parse(["train", "model.num_layers=2", "--cpu-devices", "2", "-c", "qwen3-tiny", "train.steps=3"])
+    assert (args.config, args.cpu_devices, args.overrides) == ("qwen3-tiny", 2, ["model.num_layers=2", "train.steps=3"])
+    with pytest.raises(SystemExit):
+        parse(["train", "model.num_layers=2", "--cpu-devices", "2", "bogus"])

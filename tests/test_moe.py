@@ -115,6 +115,21 @@ def test_dispatch_with_the_expert_hidden_dim_over_a_token_axis_equals_the_refere
     np.testing.assert_array_equal(np.asarray(load), np.bincount(experts.reshape(-1), minlength=E))
 
 
+@pytest.mark.parametrize("mesh_name", ["ep2", "ep2_fsdp2", "dp2_ep2_tp2"])
+@pytest.mark.parametrize("batch, seq", [(1, 1), (1, 6), (3, 1)])
+def test_dispatch_of_a_batch_the_token_axes_do_not_divide_equals_the_reference(mesh_name, batch, seq):
+    """One prompt (or one decode step) on an EP mesh: padding rows pick no expert and are dropped."""
+    x, experts, weights, w = _inputs(batch=batch, seq=seq)
+    mesh = _mesh(MESHES[mesh_name])
+    want, _ = _reference(x, experts, weights, w, shards=1, slots=batch * seq)  # dropless
+    with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
+        y, load, dropped = jax.jit(routed_experts)(x, experts, weights, *w)
+    assert y.shape == x.shape
+    np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(load), np.bincount(experts.reshape(-1), minlength=E))
+    assert float(dropped) == 0
+
+
 def test_routing_is_group_limited_and_weighted_as_configured():
     moe = TINY.moe
     rng = np.random.default_rng(1)
