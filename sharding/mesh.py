@@ -45,12 +45,20 @@ def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int, *, key: str =
     return resolved
 
 
+def _tpu_slice_count(devices: Sequence[jax.Device]) -> int:
+    """How many TPU slices `devices` span by their `slice_index`; 0 for other devices, whose
+    `slice_index` XLA sets per host (every GPU node would count as a slice)."""
+    if not all(d.platform == "tpu" and hasattr(d, "slice_index") for d in devices):
+        return 0
+    return len({d.slice_index for d in devices})
+
+
 def device_slices(devices: Sequence[jax.Device], num_slices: int | None = None) -> list[int]:
-    """The slice of each device: its `slice_index` where devices carry several (TPU); otherwise, for
+    """The slice of each device: its `slice_index` where TPU devices carry several; otherwise, for
     `num_slices` > 1 simulated slices (CPU hosts standing in for TPU VMs, several processes),
-    consecutive equal blocks of processes, in process order."""
+    consecutive equal blocks of processes, in process order. GPU nodes are one slice."""
     devices = list(devices)
-    if all(hasattr(d, "slice_index") for d in devices) and len({d.slice_index for d in devices}) > 1:
+    if _tpu_slice_count(devices) > 1:
         return [int(d.slice_index) for d in devices]
     processes = sorted({d.process_index for d in devices})
     if not num_slices or num_slices == 1 or len(processes) == 1:
@@ -101,7 +109,7 @@ def device_grid(
             "the dp axis spans the slices"
         )
     ici = [resolved["dp"] // count] + shape[1:]
-    if all(hasattr(d, "slice_index") for d in devices) and len({d.slice_index for d in devices}) == count:
+    if _tpu_slice_count(devices) == count:
         dcn = [count] + [1] * (len(shape) - 1)
         return _physical_mesh(mesh_utils.create_hybrid_device_mesh, ici, dcn, devices, what=what)
     per_slice = [[d for d, s in zip(devices, slices, strict=True) if s == i] for i in sorted(set(slices))]

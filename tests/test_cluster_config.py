@@ -19,6 +19,7 @@ from orchestrator.cluster.reserve import (
     gang_devices,
     host_env,
     megascale_env,
+    ray_tpu_version,
     reserve,
     tpu_topology,
 )
@@ -30,10 +31,16 @@ ROOT = Path(__file__).parent.parent
 
 @pytest.mark.parametrize("tpu_type, topology", [
     ("v4-8", "2x2x1"), ("v4-16", "2x2x2"), ("v5p-64", "2x4x4"), ("v5p-128", "4x4x4"), ("v6e-16", "4x4"),
-    ("v6e-8", "2x4"), ("v5litepod-16", "4x4"),
+    ("v6e-8", "2x4"), ("v5litepod-16", "4x4"), ("v5e-16", "4x4"), ("v3-32", "4x4"), ("v2-128", "8x8"),
 ])
 def test_tpu_types_map_to_their_default_topology(tpu_type, topology):
+    """The topology podtrain asks Ray for is one Ray's own table holds for that generation."""
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+    from ray.util.tpu import get_tpu_version_from_type
+
     assert tpu_topology(tpu_type) == topology
+    version = get_tpu_version_from_type(ray_tpu_version(tpu_type))
+    assert TPUAcceleratorManager.is_valid_tpu_accelerator_topology(version, topology)
 
 
 def test_cluster_shorthand_and_kinds():
@@ -41,7 +48,13 @@ def test_cluster_shorthand_and_kinds():
     assert config.cluster.kind == "gpu"
     bundles, strategy, options = _bundles(config.cluster)
     assert bundles == [{"CPU": 1.0, "GPU": 8}] * 4 and strategy == "STRICT_SPREAD" and options["num_gpus"] == 8
-    assert host_env(config.cluster, {"gpu_ids": [4, 5, 6, 7]}) == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    # All of a node's GPUs for its one process, named (local_device_ids) so that JAX's Slurm / Open MPI
+    # detection cannot give it one; a missing CUDA plugin fails instead of falling back to the CPU.
+    assert host_env(config.cluster, {"gpu_ids": [str(i) for i in range(8, 16)]}) == {
+        "CUDA_VISIBLE_DEVICES": "8,9,10,11,12,13,14,15", "PODTRAIN_LOCAL_DEVICE_IDS": "0,1,2,3,4,5,6,7",
+        "JAX_PLATFORMS": "cuda"}
+    tpu = load_config("llama3-tiny", ["cluster=tpu", "cluster.tpu_type=v5p-64"]).cluster
+    assert host_env(tpu, {}) == {"JAX_PLATFORMS": "tpu"}
     local = load_config("llama3-tiny", ["cluster.num_hosts=3", "cluster.devices_per_host=2",
                                         "cluster.env.FOO=bar"]).cluster
     assert _bundles(local)[:2] == ([{"CPU": 1.0}] * 3, "PACK")
@@ -171,6 +184,9 @@ def test_a_host_actor_that_does_not_answer_is_a_lost_node_and_a_bad_slice_a_conf
 @pytest.mark.parametrize("error, expected, message", [
     (RuntimeError("Failed to reserve TPU slice. Requested 1 slice(s)"), ReservationError,
      "could not reserve 1 x v4-16 within cluster.reserve_timeout_s=5s: Failed to reserve TPU slice"),
+    # What ray 2.60's reserve_tpu_slice raises when no slice head frees up within the timeout.
+    (TimeoutError("Failed to reserve TPU head for slice with shape: v4-16 after 5.0 seconds"), ReservationError,
+     "could not reserve 1 x v4-16 within cluster.reserve_timeout_s=5s: Failed to reserve TPU head"),
     (ValueError("Invalid accelerator topology: '2x2x3' for accelerator version: 'v4'"), ConfigError,
      "cluster.tpu_type='v4-16', cluster.tpu_topology='2x2x3': not a slice Ray can reserve: Invalid"),
 ])

@@ -14,7 +14,7 @@ from orchestrator.build import build_training, model_factory
 from orchestrator.config import load_config
 from orchestrator.plan import format_plan, make_plan, sharding_table
 from sharding import DEFAULT_RULES, build_mesh, logical_to_spec, resolve_axis_sizes
-from sharding.mesh import device_grid
+from sharding.mesh import device_grid, device_slices
 from sharding.place import init_peak_bytes
 from sharding.rules import check_rules
 
@@ -88,9 +88,9 @@ def test_mesh_axes_and_order():
 
 def test_multislice_dp_spans_slices():
     """With devices on two slices, each slice holds half of dp and all of the other axes."""
-    devices = [
-        types.SimpleNamespace(id=i, slice_index=i // 4, process_index=i // 2, platform="tpu-fake",
-                              device_kind="fake")
+    devices = [  # two slices of 2x2 chips (one core each)
+        types.SimpleNamespace(id=i, slice_index=i // 4, process_index=i // 2, platform="tpu",
+                              device_kind="fake", coords=(i % 2, i // 2 % 2, 0), core_on_chip=0)
         for i in range(8)
     ]
     grid = device_grid({"dp": 2, "fsdp": 2, "tp": 2}, devices)
@@ -99,6 +99,14 @@ def test_multislice_dp_spans_slices():
     assert (slices[0] == 0).all() and (slices[1] == 1).all()
     with pytest.raises(ValueError, match="multiple of the number of slices"):
         device_grid({"dp": 1, "fsdp": 8}, devices)
+
+
+def test_gpu_nodes_are_one_slice_whatever_their_slice_index():
+    """XLA gives each GPU host its own slice_index: two nodes must not force dp to span "slices"."""
+    devices = [types.SimpleNamespace(id=i, slice_index=i // 4, process_index=i // 4, platform="gpu",
+                                     device_kind="fake") for i in range(8)]
+    assert device_slices(devices) == [0] * 8
+    assert device_slices(devices, num_slices=2) == [0] * 4 + [1] * 4  # asked for: blocks of processes
 
 
 def test_rules_map_logical_names():

@@ -61,7 +61,10 @@ class HostActor:
         """Where this actor runs: node IP, hostname, and what Ray gave it (GPU ids, TPU variables)."""
         import ray
 
-        gpu_ids = [int(i) for i in ray.get_gpu_ids()]
+        # Ray's ids are ints, or strings (even UUIDs) when the node was started with CUDA_VISIBLE_DEVICES.
+        gpu_ids = [str(i) for i in ray.get_gpu_ids()]
+        if all(i.isdigit() for i in gpu_ids):
+            gpu_ids.sort(key=int)
         return {
             "host_index": self.host_index,
             "ip": ray.util.get_node_ip_address(),
@@ -94,8 +97,11 @@ class HostActor:
         self.files["config"].write_text(config_yaml)
         for key in ("heartbeat", "error"):
             self.files[key].unlink(missing_ok=True)
+        # MEGASCALE_* come from the driver for several slices only: ones left in this node's
+        # environment (a multi-slice pod) would make a single-slice run look for other slices.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("MEGASCALE_")}
         worker_env = {
-            **os.environ, **env,
+            **inherited, **env,
             p.ENV_CONFIG: str(self.files["config"]),
             p.ENV_HEARTBEAT_FILE: str(self.files["heartbeat"]),
             p.ENV_ERROR_FILE: str(self.files["error"]),

@@ -16,12 +16,15 @@ import os
 from typing import Any
 
 from orchestrator.cluster.host import HostActor
+from orchestrator.cluster.protocol import ENV_LOCAL_DEVICE_IDS
 from orchestrator.config import ClusterConfig, ConfigError
 
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host
 # TPU generations whose type names count TensorCores (two per chip); the others count chips.
 _CORES_NAMED = ("v2", "v3", "v4", "v5p")
-_TWO_D = ("v5e", "v5litepod", "v6e")
+_TWO_D = ("v2", "v3", "v5e", "v5litepod", "v6e")  # 2-D tori (v4 and v5p are 3-D)
+# Names Ray's TPU support does not take, as it spells them (GCP calls v5e slices `v5litepod-N`).
+_RAY_VERSIONS = {"v5e": "v5litepod"}
 
 
 class ReservationError(RuntimeError):
@@ -31,6 +34,12 @@ class ReservationError(RuntimeError):
 def tpu_chips(tpu_type: str) -> int:
     version, _, count = tpu_type.lower().partition("-")
     return int(count) // 2 if version in _CORES_NAMED else int(count)
+
+
+def ray_tpu_version(tpu_type: str) -> str:
+    """The TPU generation of `tpu_type` as Ray names it (`v5e-16` -> `v5litepod`)."""
+    version = tpu_type.lower().partition("-")[0]
+    return _RAY_VERSIONS.get(version, version)
 
 
 def gang_devices(cluster: ClusterConfig) -> int | None:
@@ -120,13 +129,13 @@ def _reserve_slices(cluster: ClusterConfig, name: str) -> Any:
     try:
         return SlicePlacementGroup(
             topology=cluster.tpu_topology or tpu_topology(cluster.tpu_type),
-            accelerator_version=cluster.tpu_type.partition("-")[0], num_slices=cluster.num_slices,
+            accelerator_version=ray_tpu_version(cluster.tpu_type), num_slices=cluster.num_slices,
             resources_per_bundle={"CPU": cluster.cpus_per_host} if cluster.cpus_per_host else None,
             head_reservation_timeout_s=cluster.reserve_timeout_s, pg_per_slice=True, name=name,
         )
     except ValueError as error:  # a topology Ray does not know for this TPU generation
         raise ConfigError(f"{what}: not a slice Ray can reserve: {error}") from None
-    except RuntimeError as error:  # Ray found no free slice (its head resource) within the timeout
+    except (TimeoutError, RuntimeError) as error:  # no free slice (its head resource) within the timeout
         raise ReservationError(f"could not reserve {cluster.num_slices} x {cluster.tpu_type} within "
                                f"cluster.reserve_timeout_s={cluster.reserve_timeout_s:g}s: {error}") from None
 
@@ -203,7 +212,14 @@ def host_env(cluster: ClusterConfig, info: dict, xla_flags: str = "") -> dict[st
         kept = [flag for flag in flags if not flag.startswith(f"--{DEVICE_COUNT_FLAG}")]
         env["XLA_FLAGS"] = " ".join([f"--{DEVICE_COUNT_FLAG}={cluster.devices_per_host}", *kept])
     elif cluster.kind == "gpu":
+        # A missing CUDA plugin fails the worker instead of training on the CPU.
+        env.setdefault("JAX_PLATFORMS", "cuda")
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, info["gpu_ids"])))
+        # Every visible GPU (indices within CUDA_VISIBLE_DEVICES). Unset, JAX's cluster detection
+        # gives a process under Slurm or Open MPI (Ray started by srun, say) one GPU.
+        env.setdefault(ENV_LOCAL_DEVICE_IDS, ",".join(map(str, range(cluster.gpus_per_node))))
+    elif cluster.kind == "tpu":
+        env.setdefault("JAX_PLATFORMS", "tpu")
     return env
 
 
