@@ -112,10 +112,12 @@ class Llama(nnx.Module):
             result += (stats,)
         return result[0] if len(result) == 1 else result
 
-    def head(self) -> jax.Array:
-        """The output projection (hidden, vocab) in the compute dtype (the embedding when tied)."""
+    def head(self, *, compute_dtype: bool = True) -> jax.Array:
+        """The output projection (hidden, vocab) (the embedding when tied): in the compute dtype, or
+        with `compute_dtype=False` in the param dtype (for a caller that casts it where it is used, so
+        that its gradient is summed in the param dtype)."""
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return head.astype(dtype_of(self.config.dtype))
+        return head.astype(dtype_of(self.config.dtype)) if compute_dtype else head
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         c = self.config

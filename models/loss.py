@@ -43,7 +43,10 @@ def chunked_causal_lm_loss(
 
     A rematerialised scan over sequence chunks of `chunk` positions computes each chunk's logits,
     log-partition and target logit; the backward pass recomputes them chunk by chunk. The batch
-    axis stays whole in every chunk, so its sharding is untouched.
+    axis stays whole in every chunk, so its sharding is untouched. `head_DV` is cast to the dtype of
+    `h_BTD` inside each chunk: give it in the param dtype (float32), so that the backward pass sums
+    its gradient over the chunks in float32, not in a bfloat16 compute dtype (whose error grows
+    with the number of chunks).
 
     Returns:
         (loss, num_tokens), as `causal_lm_loss`.
@@ -60,7 +63,7 @@ def chunked_causal_lm_loss(
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def one_chunk(total, xs):
         h, targets, weights = xs
-        logits = (h @ head_DV).astype(jnp.float32)
+        logits = (h @ head_DV.astype(h.dtype)).astype(jnp.float32)
         target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
         return total + _weighted_sum(nll, weights), None

@@ -163,6 +163,12 @@ def test_plan_json_has_the_promised_fields(capsys):
         2 * c.hidden_size + c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
         + 3 * c.hidden_size * c.intermediate_size)
     assert plan["param_count"] == expected_params
+    assert "note" not in plan["memory"]
+    # XLA:CPU computes bfloat16 matmuls in float32: the plan says its temp bytes overstate bf16 memory.
+    assert main(["plan", "-c", "llama3-tiny", "--json", "mesh.tp=2", "model.num_layers=2",
+                 "model.dtype=bfloat16"]) == 0
+    note = json.loads(capsys.readouterr().out)["memory"]["note"]
+    assert note.startswith("compiled for CPU devices, where XLA computes bfloat16 matmuls in float32")
 
 
 def test_plan_of_a_real_size_compiles_without_allocating():
