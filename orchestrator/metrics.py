@@ -81,13 +81,12 @@ class _TensorBoard:
     were logged before a checkpoint). `purge_step` makes TensorBoard drop the events an earlier
     writer logged at that step and later."""
 
-    def __init__(self, logdir: Path, *, purge_step: int | None):
+    def __init__(self, logdir: Path, *, purge_step: int):
         events_writer, self._event, session_log, self._scalar = _tensorboardx()
         logdir.mkdir(parents=True, exist_ok=True)
         self._writer = events_writer(str(logdir / "events"))
-        if purge_step is not None:
-            self._writer.write_event(self._event(wall_time=time.time(), step=purge_step,
-                                                 session_log=session_log(status=session_log.START)))
+        self._writer.write_event(self._event(wall_time=time.time(), step=purge_step,
+                                             session_log=session_log(status=session_log.START)))
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self._writer.write_event(self._event(wall_time=time.time(), step=step, summary=self._scalar(tag, value)))
@@ -117,7 +116,7 @@ class MetricsWriter:
             run_dir.mkdir(parents=True, exist_ok=True)
             _drop_records_after(run_dir / "metrics.jsonl", start_step)
             self._jsonl = (run_dir / "metrics.jsonl").open("a")
-            self._tb = _TensorBoard(run_dir / "tensorboard", purge_step=start_step + 1 if start_step else None)
+            self._tb = _TensorBoard(run_dir / "tensorboard", purge_step=start_step + 1)
 
     def flush(self) -> None:
         """Puts every record written so far on disk."""
