@@ -45,6 +45,7 @@ from bench.common import format_table, machine_description, time_calls  # noqa: 
 from models import Llama, ModelConfig  # noqa: E402
 from models.generate import generate  # noqa: E402
 from models.layers import NEG_INF, apply_rope, dense, rope_inv_freq  # noqa: E402
+from models.runner import split_stack  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=8,
                      num_kv_heads=4, head_dim=32)
@@ -134,15 +135,19 @@ def baseline_run(model: Llama, max_len: int) -> Run:
     return run
 
 
-def podtrain_run(model: Llama, max_len: int) -> Run:
+def podtrain_run(model: Llama, max_len: int, layer_weights: str = "auto") -> Run:
     def run(prompts: np.ndarray, max_new_tokens: int) -> np.ndarray:
         lengths = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
-        return np.asarray(generate(model, prompts, lengths=lengths, max_new_tokens=max_new_tokens, max_len=max_len))
+        return np.asarray(generate(model, prompts, lengths=lengths, max_new_tokens=max_new_tokens, max_len=max_len,
+                                   layer_weights=layer_weights))
 
     return run
 
 
-IMPLEMENTATIONS = {"podtrain": podtrain_run, "baseline": baseline_run}
+# "podtrain" is `generate` as called (on CPU its decode steps read per-layer weight copies);
+# "stacked" is the same with `layer_weights="stacked"` (weights sliced from the stacks, as on TPU/GPU).
+IMPLEMENTATIONS = {"podtrain": podtrain_run, "stacked": partial(podtrain_run, layer_weights="stacked"),
+                   "baseline": baseline_run}
 
 
 def time_decode(run: Run, prompts: np.ndarray, *, new_tokens: int, warmup_tokens: int, repeats: int,
@@ -227,18 +232,22 @@ def ratio_rows(rows: list[dict], short: int, long: int) -> list[dict]:
 
 
 def decode_step_memory(model: Llama, batch: int, max_lens: list[int]) -> list[dict]:
-    """XLA's figures for one compiled decode step (one token, cache donated) per cache size: the
-    cache is updated in place (aliased) and the temporaries do not hold a copy of it."""
-    step = jax.jit(lambda m, token, cache: m(token, kv_cache=cache), donate_argnums=2)
+    """XLA's figures for one compiled decode step (one token, cache donated) per cache size and
+    layer weights (sliced from the stacks, or the per-layer copies `generate` makes on CPU, passed
+    in): the cache is updated in place (aliased) and the temporaries do not hold a copy of it."""
+    step = jax.jit(lambda m, token, cache, states: m(token, kv_cache=cache, layer_states=states), donate_argnums=2)
     rows = []
-    for max_len in max_lens:
-        cache = model.init_cache(batch, max_len)
-        compiled = step.lower(model, jnp.zeros((batch, 1), jnp.int32), cache).compile()
-        memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        rows.append({"max_len": max_len, "cache_mib": sum(a.nbytes for a in (*cache.k, *cache.v)) / 2**20,
-                     "alias_mib": memory.alias_size_in_bytes / 2**20, "temp_mib": memory.temp_size_in_bytes / 2**20,
-                     "bytes_mib": cost["bytes accessed"] / 2**20})
+    for weights in ("stacked", "split"):
+        states = [split_stack(stack) for stack in model.stacks()] if weights == "split" else None
+        for max_len in max_lens:
+            cache = model.init_cache(batch, max_len)
+            compiled = step.lower(model, jnp.zeros((batch, 1), jnp.int32), cache, states).compile()
+            memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            rows.append({"weights": weights, "max_len": max_len,
+                         "cache_mib": sum(a.nbytes for a in (*cache.k, *cache.v)) / 2**20,
+                         "alias_mib": memory.alias_size_in_bytes / 2**20,
+                         "temp_mib": memory.temp_size_in_bytes / 2**20, "bytes_mib": cost["bytes accessed"] / 2**20})
     return rows
 
 
@@ -302,7 +311,7 @@ def decode_floors(model: Llama, batch: int) -> list[dict]:
 FLOOR_COLUMNS = (("floor", "per decode step", "<44"), ("ms_per_step", "ms", ".3f"), ("gb_per_s", "GB/s", "<6"))
 
 
-MEMORY_COLUMNS = (("max_len", "max_len", "d"), ("cache_mib", "KV cache MiB", ".1f"),
+MEMORY_COLUMNS = (("weights", "layer weights", "<7"), ("max_len", "max_len", "d"), ("cache_mib", "KV cache MiB", ".1f"),
                   ("alias_mib", "updated in place (alias) MiB", ".1f"), ("temp_mib", "temporaries MiB", ".2f"),
                   ("bytes_mib", "bytes accessed MiB (scan body once)", ".1f"))
 ROW_COLUMNS = (("implementation", "implementation", "<9"), ("batch", "batch", "d"), ("max_len", "max_len", "d"),
@@ -323,9 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.repeats} runs (table cells: fewer once their runs pass {args.cell_budget_s:g} s)\n")
     headline = measure(model, random_prompts(HEADLINE_BATCH, args.prompt_len), max_len=HEADLINE_MAX_LEN,
                        new_tokens=args.new_tokens, repeats=args.repeats)
-    if headline[1]["same_tokens"] != "yes":
-        raise RuntimeError("the baseline's greedy tokens differ from podtrain's on the headline shape: "
-                           "the two implementations no longer compute the same model")
+    if any(row["same_tokens"] != "yes" for row in headline[1:]):
+        raise RuntimeError("greedy tokens differ from podtrain's on the headline shape: the implementations "
+                           "no longer compute the same model")
     say(format_table(headline, ROW_COLUMNS))
     ms = headline[0]["ms_per_token"]
     targets = [{"target": f"podtrain decode ms / generated token (batch {HEADLINE_BATCH}, max_len "

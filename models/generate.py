@@ -3,6 +3,9 @@
 Prompts are right-padded into one (batch, prompt_len) array with their true lengths beside it:
 padding slots hold position -1 in the cache, so no token attends to them, and each sequence
 continues from its own length. The whole prefill + decode loop is one jitted program.
+
+On CPU the decode steps read each layer's weights from per-layer copies made once per call
+(`layer_weights`; see `models.runner.run_layers`), not from slices of the stacked arrays.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from models.runner import split_stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +78,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8
     return ids, lengths
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id"))
-def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens, max_len, sampling, pad_id):
+LAYER_WEIGHTS = ("auto", "split", "stacked")
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id", "split_layers"))
+def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens, max_len, sampling, pad_id,
+              split_layers):
     model = nnx.merge(graphdef, state)
+    # Made here, before the loop: one copy of the layer weights per call, read by every decode step.
+    layer_states = [split_stack(stack) for stack in model.stacks()] if split_layers else None
     batch, prompt_len = prompt_ids.shape
     head = model.head()
 
@@ -102,7 +113,7 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
         step, cache, token, tokens, done, key = carry
         positions = (lengths + step - 1)[:, None]
         hidden, cache = model(token[:, None], positions=positions, kv_cache=cache, return_hidden=True,
-                              scan=True)
+                              scan=True, layer_states=layer_states)
         key, step_key = jax.random.split(key)
         token, done = next_token(hidden[:, 0], step_key, done)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
@@ -111,6 +122,14 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
     carry = (jnp.ones((), jnp.int32), cache, token, tokens, done, key)
     step, _, _, tokens, _, _ = jax.lax.while_loop(cond, body, carry)
     return tokens, step
+
+
+def _on_cpu(state: nnx.State) -> bool:
+    """Whether the params live on CPU devices (numpy leaves go to the default backend)."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array):
+            return all(device.platform == "cpu" for device in leaf.devices())
+    return jax.default_backend() == "cpu"
 
 
 def generate(
@@ -124,6 +143,7 @@ def generate(
     pad_id: int = 0,
     seed: int = 0,
     max_len: int | None = None,
+    layer_weights: str = "auto",
 ) -> list[list[int]]:
     """Generates up to `max_new_tokens` tokens after each prompt; returns each sequence's new tokens.
 
@@ -135,8 +155,14 @@ def generate(
         pad_id: fills the padding of prompts (never attended to) and of finished sequences.
         seed: the sampling seed: the same seed, prompts and model give the same tokens.
         max_len: cache slots per sequence (default: padded prompt length + max_new_tokens).
+        layer_weights: where decode steps read each layer's weights: "split" from per-layer copies
+            made once per call (faster on CPU, where XLA copies a stacked weight's slice before
+            every matmul; holds a second copy of the layer weights while generating), "stacked"
+            from the stacked arrays, "auto" (default) "split" when the params are on CPU devices.
     """
     sampling.validate()
+    if layer_weights not in LAYER_WEIGHTS:
+        raise ValueError(f"layer_weights: expected one of {', '.join(LAYER_WEIGHTS)}, found {layer_weights!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected >= 1, found {max_new_tokens}")
     if lengths is None:
@@ -160,9 +186,12 @@ def generate(
     stop = np.full(-(-max(len(stop_tokens), 1) // 8) * 8, -1, np.int32)
     stop[: len(stop_tokens)] = stop_tokens
     graphdef, state = nnx.split(model)
+    if layer_weights == "auto":
+        layer_weights = "split" if _on_cpu(state) else "stacked"
     tokens, steps = _generate(
         graphdef, state, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop), jax.random.key(seed),
         max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling, pad_id=int(pad_id),
+        split_layers=layer_weights == "split",
     )
     tokens = np.asarray(tokens)[:, : int(steps)]
     stops = set(int(t) for t in stop_tokens)

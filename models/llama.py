@@ -51,6 +51,7 @@ class Llama(nnx.Module):
         scan: bool | None = None,
         return_hidden: bool = False,
         return_stats: bool = False,
+        layer_states: list | None = None,
     ):
         """Logits for `input_ids` (batch, seq).
 
@@ -66,6 +67,9 @@ class Llama(nnx.Module):
                 logits (for a loss that applies `head()` chunk by chunk).
             return_stats: also return the layers' statistics (for MoE stacks: `expert_load`,
                 tokens per expert per layer, and `dropped_tokens` per layer; empty otherwise).
+            layer_states: per stack (in `stacks()` order), its per-layer copies from
+                `models.runner.split_stack`: the scan reads each layer's weights from these
+                (decoding on CPU; see `run_layers`).
 
         Returns:
             logits (B, T, vocab) in the compute dtype, or (logits, new_cache) with a cache;
@@ -94,8 +98,10 @@ class Llama(nnx.Module):
             kwargs = {"key_positions_BT": key_positions, "cache_positions_BS": kv_cache.positions,
                       "cache_used": kv_cache.index}
         stats, new_pairs = {}, []
-        for stack, pair in zip(stacks, pairs, strict=True):
-            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, positions_BT=positions, **kwargs)
+        per_stack = [None] * len(stacks) if layer_states is None else layer_states
+        for stack, pair, states in zip(stacks, pairs, per_stack, strict=True):
+            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, layer_states=states,
+                                    positions_BT=positions, **kwargs)
             new_entries = outputs.pop("kv")
             if pair is not None:
                 new_pairs.append(tuple(write_tokens(cache, new, kv_cache.index)

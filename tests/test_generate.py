@@ -16,6 +16,7 @@ from hf_fixtures import save_hf_model
 from models import Llama, ModelConfig
 from models.generate import Sampling, generate, sample
 from models.hf import from_hf
+from models.runner import split_stack
 from sharding import DEFAULT_RULES, build_mesh, use_rules
 
 PROMPT_LENGTHS = (7, 3, 12, 5)
@@ -115,6 +116,7 @@ def test_sample_follows_temperature_top_k_and_top_p():
     (dict(sampling=Sampling(top_p=0.0)), "top_p"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_len=8), "max_len"),
+    (dict(layer_weights="flat"), "layer_weights: expected one of auto, split, stacked, found 'flat'"),
 ])
 def test_generate_rejects_bad_arguments(bad, message):
     model = Llama(TINY, rngs=nnx.Rngs(0))
@@ -124,16 +126,20 @@ def test_generate_rejects_bad_arguments(bad, message):
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
 def test_sharded_decode_equals_single_device(kind, tmp_path):
-    """Greedy tokens with params and cache sharded over (fsdp=2, tp=2) equal one device's."""
+    """Greedy tokens with params and cache sharded over (fsdp=2, tp=2) equal one device's, with
+    the decode steps reading the layers' weights from per-layer copies (CPU's default) or from
+    the stacked arrays (TPU's and GPU's)."""
     save_hf_model(kind, tmp_path)
     _, single = from_hf(tmp_path)
     prompts = _prompts(128, seed=5)
     expected = generate(single, prompts, max_new_tokens=NEW_TOKENS)
+    assert generate(single, prompts, max_new_tokens=NEW_TOKENS, layer_weights="stacked") == expected
     mesh = build_mesh(dict(fsdp=2, tp=2), jax.devices()[:4])
     _, sharded = from_hf(tmp_path, mesh=mesh)
     assert len(sharded.embed[...].sharding.device_set) == 4
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
         assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS) == expected
+        assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS, layer_weights="stacked") == expected
     if kind == "deepseek_v3":  # one prompt over fsdp x ep: a batch the token axes do not divide
         expected = generate(single, prompts[:1], max_new_tokens=NEW_TOKENS)
         mesh = build_mesh(dict(fsdp=2, ep=2), jax.devices()[:4])
@@ -142,14 +148,19 @@ def test_sharded_decode_equals_single_device(kind, tmp_path):
             assert generate(sharded, prompts[:1], max_new_tokens=NEW_TOKENS) == expected
 
 
-def test_decode_step_updates_the_stacked_cache_in_place():
+@pytest.mark.parametrize("layer_weights", ["stacked", "split"])
+def test_decode_step_updates_the_stacked_cache_in_place(layer_weights):
     """A compiled decode step at max_len 4096: no copy of a whole stacked cache (the output cache
-    aliases the donated input), and temporaries far below one layer's share of it."""
+    aliases the donated input), and temporaries far below one layer's share of it; with the
+    weights read from the stacks or (CPU's default) from per-layer copies picked by `lax.switch`."""
     config = TINY.replace(num_layers=4)
     model = Llama(config, rngs=nnx.Rngs(0))
     cache = model.init_cache(2, 4096)
-    step = jax.jit(lambda m, token, cache: m(token, kv_cache=cache), donate_argnums=2)
-    compiled = step.lower(model, jnp.zeros((2, 1), jnp.int32), cache).compile()
+    states = [split_stack(stack) for stack in model.stacks()] if layer_weights == "split" else None
+    step = jax.jit(lambda m, token, cache, states: m(token, kv_cache=cache, layer_states=states), donate_argnums=2)
+    compiled = step.lower(model, jnp.zeros((2, 1), jnp.int32), cache, states).compile()
+    if layer_weights == "split":
+        assert "conditional(" in compiled.as_text()
     cache_shape = ",".join(map(str, cache.k[0].shape))
     copies = re.findall(rf"f32\[{cache_shape}\]\S* (?:copy|fusion)\(", compiled.as_text())
     # The only full-cache-shaped results: the in-place writes of k and v (dynamic-update-slice fusions).
@@ -159,3 +170,11 @@ def test_decode_step_updates_the_stacked_cache_in_place():
     cache_bytes = 2 * cache.k[0].nbytes
     assert memory.alias_size_in_bytes >= cache_bytes
     assert memory.temp_size_in_bytes < cache.k[0].nbytes // config.num_layers
+    # Two steps from a prompt token: the same logits as the layers run on the stacked weights.
+    tokens = jnp.asarray([[5], [9]], jnp.int32)
+    logits, cache = compiled(model, tokens, cache, states)
+    logits_2, _ = compiled(model, tokens + 1, cache, states)
+    want, want_cache = model(tokens, kv_cache=model.init_cache(2, 4096))
+    want_2, _ = model(tokens + 1, kv_cache=want_cache)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits_2), np.asarray(want_2), rtol=1e-5, atol=1e-5)
