@@ -14,7 +14,8 @@ The issue's model (Llama, vocab 4096, hidden 256, ffn 1024, 8 layers, 8 query / 
 
 A run with n new tokens is prefill + (n - 1) decode steps, so the decode cost per generated token
 is (time(n new) - time(1 new)) / ((n - 1) * batch), each time the median of `--repeats` runs
-after the compiling calls (the two are run alternately so that load drift hits both alike).
+after the compiling calls (the two are run back to back, and the implementations take turns, so
+that load drift hits all of them alike).
 `prefill ms` is time(1 new): the prompt pass plus the first token. A table cell whose timed runs
 pass `--cell-budget-s` stops early (the baseline at batch 32 x 4096 takes 40-60 s a run on 2 cores);
 the `runs` column says how many runs its medians come from.
@@ -150,41 +151,46 @@ IMPLEMENTATIONS = {"podtrain": podtrain_run, "stacked": partial(podtrain_run, la
                    "baseline": baseline_run}
 
 
-def time_decode(run: Run, prompts: np.ndarray, *, new_tokens: int, warmup_tokens: int, repeats: int,
-                budget_s: float) -> dict:
-    """Medians of time(1 new) and time(`new_tokens` new), run alternately after compiling calls.
+def time_decode(runs: dict[str, Run], prompts: np.ndarray, *, new_tokens: int, repeats: int,
+                budget_s: float) -> dict[str, dict]:
+    """Per implementation, medians of time(1 new) and time(`new_tokens` new), after compiling calls.
 
-    `warmup_tokens`: the new tokens of the compiling call (2 compiles both of the baseline's
-    programs; podtrain compiles one program per `max_new_tokens`). Timing stops after `repeats`
-    pairs, or earlier once the timed pairs took longer than `budget_s` (at least one pair).
+    The implementations take turns (one pair of runs each per round, the pair's two runs back to
+    back) so that load drift on this shared machine hits all of them alike. An implementation
+    stops after `repeats` pairs, or earlier once its timed pairs took longer than `budget_s` (at
+    least one pair).
     """
-    run(prompts, warmup_tokens)
-    run(prompts, 1)
-    times, tokens, spent = {1: [], new_tokens: []}, None, 0.0
-    while len(times[1]) < repeats and (not times[1] or spent < budget_s):
-        for n in times:
-            start = time.perf_counter()
-            out = run(prompts, n)
-            times[n].append(time.perf_counter() - start)
-            spent += times[n][-1]
-            tokens = out if n == new_tokens else tokens
-    prefill_s, full_s = statistics.median(times[1]), statistics.median(times[new_tokens])
-    batch = prompts.shape[0]
-    per_token_ms = 1e3 * (full_s - prefill_s) / ((new_tokens - 1) * batch)
-    return {"batch": batch, "runs": len(times[1]), "prefill_ms": 1e3 * prefill_s, "total_ms": 1e3 * full_s,
-            "ms_per_token": per_token_ms, "ms_per_step": per_token_ms * batch, "tokens_per_s": 1e3 / per_token_ms,
-            "tokens": tokens}
+    for name, run in runs.items():
+        run(prompts, 2 if name == "baseline" else new_tokens)  # 2 compiles both of the baseline's programs
+        run(prompts, 1)
+    times = {name: {1: [], new_tokens: []} for name in runs}
+    spent, tokens = dict.fromkeys(runs, 0.0), {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            if times[name][1] and spent[name] >= budget_s:
+                continue
+            for n in (1, new_tokens):
+                start = time.perf_counter()
+                out = run(prompts, n)
+                times[name][n].append(time.perf_counter() - start)
+                spent[name] += times[name][n][-1]
+            tokens[name] = out
+    batch, result = prompts.shape[0], {}
+    for name in runs:
+        prefill_s, full_s = statistics.median(times[name][1]), statistics.median(times[name][new_tokens])
+        per_token_ms = 1e3 * (full_s - prefill_s) / ((new_tokens - 1) * batch)
+        result[name] = {"batch": batch, "runs": len(times[name][1]), "prefill_ms": 1e3 * prefill_s,
+                        "total_ms": 1e3 * full_s, "ms_per_token": per_token_ms, "ms_per_step": per_token_ms * batch,
+                        "tokens_per_s": 1e3 / per_token_ms, "tokens": tokens[name]}
+    return result
 
 
 def measure(model: Llama, prompts: np.ndarray, *, max_len: int, new_tokens: int, repeats: int,
             budget_s: float = float("inf")) -> list[dict]:
     """One row per implementation for these prompts and cache size; `same_tokens` compares with podtrain's."""
-    rows = []
-    for name, make_run in IMPLEMENTATIONS.items():
-        warmup_tokens = 2 if name == "baseline" else new_tokens
-        timing = time_decode(make_run(model, max_len), prompts, new_tokens=new_tokens, warmup_tokens=warmup_tokens,
-                             repeats=repeats, budget_s=budget_s)
-        rows.append({"implementation": name, "max_len": max_len} | timing)
+    runs = {name: make_run(model, max_len) for name, make_run in IMPLEMENTATIONS.items()}
+    timings = time_decode(runs, prompts, new_tokens=new_tokens, repeats=repeats, budget_s=budget_s)
+    rows = [{"implementation": name, "max_len": max_len} | timing for name, timing in timings.items()]
     rows[0]["same_tokens"] = "(ref)"
     for row in rows[1:]:
         row["same_tokens"] = "yes" if np.array_equal(row["tokens"], rows[0]["tokens"]) else "NO"
@@ -329,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     say(f"model: Llama, vocab {CONFIG.vocab_size}, hidden {CONFIG.hidden_size}, ffn {CONFIG.intermediate_size}, "
         f"{CONFIG.num_layers} layers, {CONFIG.num_heads} / {CONFIG.num_kv_heads} heads of {CONFIG.head_dim}, "
         f"{CONFIG.dtype}; prompts {args.prompt_len} tokens, {args.new_tokens} new, greedy, "
-        f"median of {args.repeats} runs (table cells: fewer once their runs pass {args.cell_budget_s:g} s)\n")
+        f"median of {3 * args.repeats} runs in the headline, {args.repeats} in the table (fewer once a cell's "
+        f"runs pass {args.cell_budget_s:g} s)\n")
     headline = measure(model, random_prompts(HEADLINE_BATCH, args.prompt_len), max_len=HEADLINE_MAX_LEN,
-                       new_tokens=args.new_tokens, repeats=args.repeats)
+                       new_tokens=args.new_tokens, repeats=3 * args.repeats)
     if any(row["same_tokens"] != "yes" for row in headline[1:]):
         raise RuntimeError("greedy tokens differ from podtrain's on the headline shape: the implementations "
                            "no longer compute the same model")
