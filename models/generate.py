@@ -132,6 +132,28 @@ def _on_cpu(state: nnx.State) -> bool:
     return jax.default_backend() == "cpu"
 
 
+def _available_host_bytes() -> int | None:
+    """The host's available memory (`MemAvailable` in /proc/meminfo), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def auto_layer_weights(model: nnx.Module) -> str:
+    """What `layer_weights="auto"` picks: "split" when the params are on CPU devices and a second
+    copy of the layer weights fits in half of the host's available memory, else "stacked"."""
+    if not _on_cpu(nnx.state(model)):
+        return "stacked"
+    layer_bytes = sum(leaf.nbytes for stack in model.stacks() for leaf in jax.tree.leaves(nnx.state(stack)))
+    available = _available_host_bytes()
+    return "stacked" if available is not None and layer_bytes > available // 2 else "split"
+
+
 def generate(
     model: nnx.Module,
     prompts: Sequence[Sequence[int]] | np.ndarray,
@@ -158,7 +180,8 @@ def generate(
         layer_weights: where decode steps read each layer's weights: "split" from per-layer copies
             made once per call (faster on CPU, where XLA copies a stacked weight's slice before
             every matmul; holds a second copy of the layer weights while generating), "stacked"
-            from the stacked arrays, "auto" (default) "split" when the params are on CPU devices.
+            from the stacked arrays, "auto" (default) "split" when the params are on CPU devices
+            and the copy fits in half of the host's available memory (`auto_layer_weights`).
     """
     sampling.validate()
     if layer_weights not in LAYER_WEIGHTS:
@@ -187,7 +210,7 @@ def generate(
     stop[: len(stop_tokens)] = stop_tokens
     graphdef, state = nnx.split(model)
     if layer_weights == "auto":
-        layer_weights = "split" if _on_cpu(state) else "stacked"
+        layer_weights = auto_layer_weights(model)
     tokens, steps = _generate(
         graphdef, state, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop), jax.random.key(seed),
         max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling, pad_id=int(pad_id),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 
 import jax
@@ -14,7 +15,7 @@ from flax import nnx
 from hf_fixtures import save_hf_model
 
 from models import Llama, ModelConfig
-from models.generate import Sampling, generate, sample
+from models.generate import Sampling, auto_layer_weights, generate, sample
 from models.hf import from_hf
 from models.runner import split_stack
 from sharding import DEFAULT_RULES, build_mesh, use_rules
@@ -122,6 +123,20 @@ def test_generate_rejects_bad_arguments(bad, message):
     model = Llama(TINY, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=message):
         generate(model, _prompts(TINY.vocab_size), **{"max_new_tokens": 4, **bad})
+
+
+def test_auto_layer_weights_copies_the_layers_only_where_the_copy_fits(monkeypatch):
+    """On CPU `auto` reads per-layer copies unless a second copy of the layer weights would take
+    more than half of the host's available memory (a big model on a small host)."""
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    layer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model.layers)))
+    module = sys.modules["models.generate"]  # `models.generate` is also the function's name
+    monkeypatch.setattr(module, "_available_host_bytes", lambda: 2 * layer_bytes)
+    assert auto_layer_weights(model) == "split"
+    monkeypatch.setattr(module, "_available_host_bytes", lambda: 2 * layer_bytes - 2)
+    assert auto_layer_weights(model) == "stacked"
+    monkeypatch.setattr(module, "_available_host_bytes", lambda: None)  # not Linux: copy
+    assert auto_layer_weights(model) == "split"
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
