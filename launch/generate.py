@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 
 from models.generate import LAYER_WEIGHTS, Sampling, generate
-from orchestrator.config import ConfigError, load_config
+from orchestrator.config import ConfigError, load_config, override_keys
 from orchestrator.load import load_checkpoint_tokenizer, load_model
 from orchestrator.tokenizers import check_vocab
 from sharding.rules import use_rules
@@ -107,7 +107,7 @@ def run_command(args) -> int:
     request, overrides = split_generate_args(args.overrides)
     config = load_config(args.config, overrides, hint_keys=GENERATE_KEYS)
     tokenizer, stop, add_bos = load_checkpoint_tokenizer(config, request.checkpoint)
-    model_keys = [item.partition("=")[0].removeprefix("model.") for item in overrides if item.startswith("model.")]
+    model_keys = [key.removeprefix("model.") for key in override_keys(overrides) if key.startswith("model.")]
     model, mesh, vocab_size = load_model(config, request.checkpoint, request.step, model_keys)
     try:
         check_vocab(tokenizer, vocab_size)

@@ -426,6 +426,12 @@ def parse_overrides(overrides: list[str]) -> dict:
     return nested
 
 
+def override_keys(overrides: list[str]) -> list[str]:
+    """The dotted keys `overrides` set, as `load_config` applies them (`model={dtype: bfloat16}`
+    sets `model.dtype`, `cluster=tpu` sets `cluster.kind`)."""
+    return list(_flatten(parse_overrides(list(overrides))))
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """A parser error in one line: where it is and what the parser found."""
     if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:

@@ -3,7 +3,15 @@
 import pytest
 
 from launch.cli import main
-from orchestrator.config import ConfigError, closest_key, list_presets, load_config, parse_overrides, validate
+from orchestrator.config import (
+    ConfigError,
+    closest_key,
+    list_presets,
+    load_config,
+    override_keys,
+    parse_overrides,
+    validate,
+)
 
 REQUIRED_PRESETS = {
     "llama3-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b", "deepseek-v3-tiny",
@@ -156,6 +164,7 @@ def test_unknown_preset_and_bad_file(tmp_path, monkeypatch):
 
 def test_parse_overrides_nests():
     assert parse_overrides(["a.b=1", "a.c=[x, y]", "d=text"]) == {"a": {"b": 1, "c": ["x", "y"]}, "d": "text"}
+    assert override_keys(["a.b=1", "c={d: 2, e: x}", "cluster=tpu"]) == ["a.b", "c.d", "c.e", "cluster.kind"]
 
 
 @pytest.mark.parametrize(

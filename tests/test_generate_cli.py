@@ -112,6 +112,9 @@ def test_generate_on_an_hf_directory_takes_runtime_model_keys_only(tmp_path, cap
     err = capsys.readouterr().err
     assert f"model.num_layers: {tmp_path / 'config.json'} describes the model of a Hugging Face directory; only " \
            "model.dtype, model.param_dtype, model.remat, model.scan_layers may be overridden" in err, err
+    # The same key set through a YAML mapping is the same override.
+    assert main(["generate", "-c", "llama3-tiny", f"checkpoint={tmp_path}", "prompt=hi", "model={num_layers: 3}"]) == 2
+    assert "model.num_layers: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("post_processor, add_bos_token", [
