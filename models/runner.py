@@ -136,14 +136,18 @@ def run_layers(
     if scan:
         return jax.lax.scan(body, h, (state, jnp.arange(num_layers, dtype=jnp.int32)))
     outputs = []
-    for i in range(num_layers):
-        h, out = body(h, (jax.tree.map(lambda x, i=i: x[i], state), i))
+    for i, layer_state in enumerate(_layer_slices(state)):
+        h, out = body(h, (layer_state, i))
         outputs.append(out)
     return h, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
 
 def split_stack(stack: nnx.Module) -> list[nnx.State]:
     """Layer `i`'s state of a stacked module, for each `i`: per-layer copies for `run_layers(layer_states=...)`."""
-    _, state = nnx.split(stack)
+    return _layer_slices(nnx.split(stack)[1])
+
+
+def _layer_slices(state: nnx.State) -> list[nnx.State]:
+    """Layer `i`'s slice of every stacked array in `state`, for each `i`."""
     num_layers = jax.tree.leaves(state)[0].shape[0]
     return [jax.tree.map(lambda x, i=i: x[i], state) for i in range(num_layers)]
