@@ -119,36 +119,56 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     The new tokens are attended first (causally, by position); then the cache's slots below
     `cache_used`, `block` at a time, straight from the stacked cache with a running softmax. A
     token's cost grows with the filled length, not with `max_len`, and no cache is ever copied.
-    Returns (B, T, H, E) in the values' dtype.
+    One new token per sequence (decoding) takes `_decode_attention`, the same computation laid
+    out for a single query row. Returns (B, T, H, E) in the values' dtype.
     """
+    length = value_cache.shape[2]
+    block = min(block, length)
+    layer = jnp.asarray(layer, jnp.int32)
+    args = (queries, new_keys, new_values, key_caches, value_cache)
+    kwargs = dict(layer=layer, positions_BT=positions_BT, key_positions_BT=key_positions_BT,
+                  cache_positions_BS=cache_positions_BS, cache_used=cache_used, block=block)
+    if queries[0].shape[1] == 1:
+        return _decode_attention(*args, **kwargs)
+    return _prefill_attention(*args, **kwargs)
+
+
+def _read_block(cache, layer, start, block):
+    """Slots `start`..`start + block` of layer `layer` of a stacked cache (L, B, S, ...): (B, block, ...)."""
+    zero = jnp.zeros((), jnp.int32)
+    size = (1, cache.shape[1], block, *cache.shape[3:])
+    return jax.lax.dynamic_slice(cache, (layer, zero, start) + (zero,) * (cache.ndim - 3), size)[0]
+
+
+def _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used):
+    """(B, T, block): which slots of the block at `start` (loop step `j`) each new token attends to.
+
+    The last block may overlap the one before it (`start` is clamped to fit the cache): its slots
+    below `j * block` were already read.
+    """
+    slot_pos = jax.lax.dynamic_slice_in_dim(cache_positions_BS, start, block, axis=1)
+    slot = start + jnp.arange(block)
+    return ((slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= positions_BT[:, :, None])
+            & (slot >= j * block) & (slot < cache_used))
+
+
+def _filled_blocks(cache_used, block):
+    """Blocks of `block` slots holding the `cache_used` filled slots: the block loop's trip count."""
+    return (cache_used + block - 1) // block
+
+
+def _prefill_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
+                       key_positions_BT, cache_positions_BS, cache_used, block):
+    """`cached_attention` for T > 1 new tokens: (B, K, G, T, ...) einsums per block."""
     b, t, heads, _ = queries[0].shape
     length, kv_heads, e = value_cache.shape[2], value_cache.shape[3], value_cache.shape[4]
     group = heads // kv_heads
-    block = min(block, length)
     dtype = new_values.dtype
     queries = [q.reshape(b, t, kv_heads, group, q.shape[-1]) for q in queries]
-    layer = jnp.asarray(layer, jnp.int32)
-    zero = jnp.zeros((), jnp.int32)
-
-    # One new token (decoding): the products are batched matmuls over `batch` only, with the
-    # block's kv-head axis folded into its rows (a free reshape of the (B, block, K, D) layout),
-    # and the matching kv-head pairs kept. This computes K times the (tiny) attention FLOPs but
-    # reads the cache in the layout it is stored in; matmuls batched over (batch, kv head) would
-    # first copy every block into a transposed layout.
-    same_head = jnp.eye(kv_heads, dtype=bool)
 
     def scores_of(keys, valid_BTS):
-        if t == 1:
-            scores = 0.0
-            for q, k in zip(queries, keys, strict=True):
-                rows = k.reshape(b, -1, k.shape[-1]).astype(q.dtype)  # (B, S * K, D)
-                all_pairs = jax.lax.dot_general(q.reshape(b, kv_heads * group, -1), rows, (((2,), (2,)), ((0,), (0,))),
-                                                preferred_element_type=jnp.float32)
-                all_pairs = all_pairs.reshape(b, kv_heads, group, -1, kv_heads)  # (B, K, G, S, K')
-                scores += jnp.sum(jnp.where(same_head[None, :, None, None, :], all_pairs, 0.0), axis=-1)[:, :, :, None]
-        else:
-            scores = sum(jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-                         for q, k in zip(queries, keys, strict=True))
+        scores = sum(jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+                     for q, k in zip(queries, keys, strict=True))
         valid = valid_BTS[:, None, None]
         return jnp.where(valid, scores, NEG_INF), valid
 
@@ -157,30 +177,15 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1, keepdims=True))
         probs = jnp.where(valid, jnp.exp(scores - new_max), 0.0)
         correction = jnp.exp(row_max - new_max)
-        if t == 1:
-            columns = values.reshape(b, values.shape[1], -1).astype(dtype)  # (B, S, K * E)
-            all_pairs = jax.lax.dot_general(probs.reshape(b, kv_heads * group, -1).astype(dtype), columns,
-                                            (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-            all_pairs = all_pairs.reshape(b, kv_heads, group, kv_heads, e)  # (B, K, G, K', E)
-            weighted = jnp.sum(jnp.where(same_head[None, :, None, :, None], all_pairs, 0.0), axis=3)[:, :, :, None]
-        else:
-            weighted = jnp.einsum("bkgts,bske->bkgte", probs.astype(dtype), values.astype(dtype),
-                                  preferred_element_type=jnp.float32)
+        weighted = jnp.einsum("bkgts,bske->bkgte", probs.astype(dtype), values.astype(dtype),
+                              preferred_element_type=jnp.float32)
         return new_max, row_sum * correction + jnp.sum(probs, axis=-1, keepdims=True), acc * correction + weighted
 
     def step(j, carry):
-        start = jnp.minimum(j * block, length - block)  # the last block may overlap the one before
-
-        def read(cache):
-            size = (1, b, block, *cache.shape[3:])
-            return jax.lax.dynamic_slice(cache, (layer, zero, start, zero, zero), size)[0]
-
-        slot_pos = jax.lax.dynamic_slice_in_dim(cache_positions_BS, start, block, axis=1)
-        slot = start + jnp.arange(block)
-        valid = ((slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= positions_BT[:, :, None])
-                 & (slot >= j * block) & (slot < cache_used))
-        scores, valid = scores_of([read(k) for k in key_caches], valid)
-        return accumulate(carry, scores, valid, read(value_cache))
+        start = jnp.minimum(j * block, length - block)
+        valid = _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used)
+        scores, valid = scores_of([_read_block(k, layer, start, block) for k in key_caches], valid)
+        return accumulate(carry, scores, valid, _read_block(value_cache, layer, start, block))
 
     init = (
         jnp.full((b, kv_heads, group, t, 1), NEG_INF, jnp.float32),
@@ -189,9 +194,66 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     )
     scores, valid = scores_of(new_keys, make_attention_mask(positions_BT, key_positions_BT))
     carry = accumulate(init, scores, valid, new_values)
-    _, row_sum, acc = jax.lax.fori_loop(0, (cache_used + block - 1) // block, step, carry)
+    _, row_sum, acc = jax.lax.fori_loop(0, _filled_blocks(cache_used, block), step, carry)
     out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e).astype(dtype)
+
+
+def _decode_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
+                      key_positions_BT, cache_positions_BS, cache_used, block):
+    """`cached_attention` for one new token per sequence, as few and as plain matmuls as it takes.
+
+    Per block, the scores are one batched matmul (over `batch`) of the queries, laid out
+    block-diagonally as (H, K * Dp) rows (row (k, g) holds query (k, g) in column block k, zeros
+    elsewhere), with the block's keys as stored, (block, K * Dp) (a free reshape): so every row
+    meets only its own kv head, and no block is copied into another layout. The values side
+    multiplies the probabilities (H, block) with the block's values (block, K * E) and keeps the
+    matching kv-head pairs. The new token's own key is one element-wise product, not a matmul.
+    """
+    b, _, heads, _ = queries[0].shape
+    length, kv_heads, e = value_cache.shape[2], value_cache.shape[3], value_cache.shape[4]
+    group = heads // kv_heads
+    dtype = new_values.dtype
+    same_head = jnp.eye(kv_heads, dtype=bool)[None, :, None, :, None]  # (1, K, 1, K', 1)
+
+    def block_diagonal(q):  # (B, 1, H, D) -> (B, H, K * D)
+        q = q.reshape(b, kv_heads, group, 1, q.shape[-1])
+        return jnp.where(same_head, q, jnp.zeros((), q.dtype)).reshape(b, heads, -1)
+
+    rows = [block_diagonal(q) for q in queries]
+    # The new token attends to itself unless it is padding (key position -1).
+    self_valid = (key_positions_BT >= 0) & (key_positions_BT <= positions_BT)  # (B, 1)
+    self_scores = sum(jnp.sum(q.reshape(b, kv_heads, group, -1).astype(jnp.float32)
+                              * k.reshape(b, kv_heads, 1, -1).astype(jnp.float32), axis=-1)
+                      for q, k in zip(queries, new_keys, strict=True)).reshape(b, heads)
+    own_values = jnp.broadcast_to(new_values.reshape(b, kv_heads, 1, e), (b, kv_heads, group, e))
+    init = (
+        jnp.where(self_valid, self_scores, NEG_INF),
+        jnp.where(self_valid, 1.0, 0.0) * jnp.ones((b, heads), jnp.float32),
+        jnp.where(self_valid[:, :, None], own_values.reshape(b, heads, e).astype(jnp.float32), 0.0),
+    )
+
+    def step(j, carry):
+        row_max, row_sum, acc = carry
+        start = jnp.minimum(j * block, length - block)
+        valid = _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used)  # (B, 1, block)
+        scores = sum(jax.lax.dot_general(q, _read_block(k, layer, start, block).reshape(b, block, -1).astype(q.dtype),
+                                         (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+                     for q, k in zip(rows, key_caches, strict=True))  # (B, H, block)
+        scores = jnp.where(valid, scores, NEG_INF)
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+        probs = jnp.where(valid, jnp.exp(scores - new_max[:, :, None]), 0.0)
+        correction = jnp.exp(row_max - new_max)
+        values = _read_block(value_cache, layer, start, block).reshape(b, block, kv_heads * e).astype(dtype)
+        all_pairs = jax.lax.dot_general(probs.astype(dtype), values, (((2,), (1,)), ((0,), (0,))),
+                                        preferred_element_type=jnp.float32)  # (B, H, K' * E)
+        weighted = jnp.sum(jnp.where(same_head, all_pairs.reshape(b, kv_heads, group, kv_heads, e), 0.0), axis=3)
+        return (new_max, row_sum * correction + jnp.sum(probs, axis=-1),
+                acc * correction[:, :, None] + weighted.reshape(b, heads, e))
+
+    _, row_sum, acc = jax.lax.fori_loop(0, _filled_blocks(cache_used, block), step, init)
+    out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)[:, :, None]
+    return out.reshape(b, 1, heads, e).astype(dtype)
 
 
 def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:

@@ -100,6 +100,55 @@ def test_cached_decode_equals_full_forward():
     assert int(cache.index) == 10
 
 
+@pytest.mark.parametrize("kv_heads, group, dims, length, block, used", [
+    (2, 4, (16,), 40, 16, 37),  # three blocks, the last one overlapping the second
+    (4, 2, (32,), 128, 128, 64),  # one block (the benchmark's layout)
+    (1, 8, (24, 8), 24, 8, 24),  # MLA: one latent "head", two key parts, every slot filled
+    (2, 2, (8,), 16, 8, 0),  # an empty cache: only the token itself
+])
+def test_one_token_cached_attention_equals_a_dense_softmax(kv_heads, group, dims, length, block, used):
+    """The decode path of `cached_attention` (one new token) against a plain masked softmax over
+    the layer's filled slots and the token itself: rows of different lengths, a padding token
+    (key position -1, which still attends but is not attended to), GQA and MLA's two key parts."""
+    from models.layers import cached_attention
+
+    rng = np.random.default_rng(7)
+    batch, layers, layer, e = 3, 3, 1, dims[0]
+    heads = kv_heads * group
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    queries = [normal(batch, 1, heads, d) for d in dims]
+    new_keys = [normal(batch, 1, kv_heads, d) for d in dims]
+    new_values = normal(batch, 1, kv_heads, e)
+    key_caches = [normal(layers, batch, length, kv_heads, d) for d in dims]
+    value_cache = normal(layers, batch, length, kv_heads, e)
+    filled = np.array([used, used // 2, used])  # slots each row has written
+    slots = np.arange(length)
+    cache_positions = np.where(slots[None] < filled[:, None], slots[None], -1).astype(np.int32)
+    cache_positions[2, 1:used:3] = -1  # padding slots inside row 2's prompt
+    positions = filled[:, None].astype(np.int32)
+    key_positions = positions.copy()
+    key_positions[1] = -1  # row 1's new token is padding
+    as_jax = lambda arrays: [jnp.asarray(a) for a in arrays]  # noqa: E731
+    got = cached_attention(as_jax(queries), as_jax(new_keys), jnp.asarray(new_values), as_jax(key_caches),
+                           jnp.asarray(value_cache), layer=layer, positions_BT=jnp.asarray(positions),
+                           key_positions_BT=jnp.asarray(key_positions), cache_positions_BS=jnp.asarray(cache_positions),
+                           cache_used=jnp.int32(used), block=block)
+    assert got.shape == (batch, 1, heads, e)
+    for row in range(batch):
+        for head in range(heads):
+            kv = head // group
+            keys = [np.concatenate([cache[layer, row, :, kv], new[row, :, kv]])
+                    for cache, new in zip(key_caches, new_keys, strict=True)]
+            values = np.concatenate([value_cache[layer, row, :, kv], new_values[row, :, kv]])
+            scores = sum(key @ q[row, 0, head] for key, q in zip(keys, queries, strict=True))
+            attended = np.append((cache_positions[row] >= 0) & (slots < used), key_positions[row, 0] >= 0)
+            if not attended.any():  # a padding token with nothing before it: zeros, not NaN
+                np.testing.assert_array_equal(got[row, 0, head], 0.0)
+                continue
+            probs = np.where(attended, np.exp(scores - scores[attended].max()), 0.0)
+            np.testing.assert_allclose(got[row, 0, head], probs @ values / probs.sum(), rtol=1e-5, atol=1e-5)
+
+
 def test_padding_and_segments_do_not_leak():
     model = Llama(TINY, rngs=nnx.Rngs(3))
     ids = tokens(batch=1, seq=8, seed=3)
