@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import statistics
@@ -44,7 +45,8 @@ if __package__ in (None, ""):
 
 from bench.common import format_table, machine_description, time_calls  # noqa: E402
 from models import Llama, ModelConfig  # noqa: E402
-from models.generate import generate  # noqa: E402
+from models import layers as model_layers  # noqa: E402
+from models.generate import Sampling, auto_layer_weights, generate  # noqa: E402
 from models.layers import NEG_INF, apply_rope, dense, rope_inv_freq  # noqa: E402
 from models.runner import split_stack  # noqa: E402
 
@@ -314,6 +316,71 @@ def decode_floors(model: Llama, batch: int) -> list[dict]:
             {"floor": "head matmul, weights in cache", "ms_per_step": head_s * 1e3, "gb_per_s": ""}]
 
 
+@contextlib.contextmanager
+def attention_to_cache_left_out():
+    """Inside the block, a decode step's attention (one new token) returns the queries plus the new
+    token's own values instead of attending to the cache: every projection still runs, no cache
+    block is read. Prefill is unchanged. Only for tracing the `decode_parts` variant."""
+    real = model_layers.cached_attention
+
+    def stand_in(queries, new_keys, new_values, *args, **kwargs):
+        if queries[0].shape[1] != 1:
+            return real(queries, new_keys, new_values, *args, **kwargs)
+        return queries[0] + jnp.repeat(new_values, queries[0].shape[2] // new_values.shape[2], axis=2)
+
+    model_layers.cached_attention = stand_in
+    try:
+        yield
+    finally:
+        model_layers.cached_attention = real
+
+
+def decode_parts(model: Llama, prompts: np.ndarray, *, max_len: int, new_tokens: int, rounds: int) -> list[dict]:
+    """podtrain's decode step as is and with its attention to the cache left out, interleaved.
+
+    Each variant is `generate`'s jitted program compiled ahead of time (traced after
+    `jax.clear_caches()`, so the two cannot share a trace) for 1 and `new_tokens` new tokens;
+    per round each variant runs both back to back, and a step is their difference over
+    `new_tokens - 1`. Returns median and minimum ms per step per variant.
+    """
+    program = sys.modules["models.generate"]._generate  # `models.generate` the name is the function
+    graphdef, state = nnx.split(model)
+    batch = prompts.shape[0]
+    args = (state, jnp.asarray(prompts), jnp.full((batch,), prompts.shape[1], jnp.int32), jnp.full((8,), -1, jnp.int32),
+            jax.random.key(0))
+    split = auto_layer_weights(model) == "split"
+
+    def compiled(n):
+        jax.clear_caches()
+        return program.lower(graphdef, *args, max_new_tokens=n, max_len=max_len, sampling=Sampling(), pad_id=0,
+                             split_layers=split).compile()
+
+    variants = {"decode step": contextlib.nullcontext, "attention to the cache left out": attention_to_cache_left_out}
+    programs = {}
+    for name, context in variants.items():
+        with context():
+            programs[name] = (compiled(1), compiled(new_tokens))
+    jax.clear_caches()
+
+    def seconds(program):
+        start = time.perf_counter()
+        jax.block_until_ready(program(*args))
+        return time.perf_counter() - start
+
+    steps = {name: [] for name in programs}
+    for one, full in programs.values():
+        seconds(one), seconds(full)
+    for _ in range(rounds):
+        for name, (one, full) in programs.items():
+            steps[name].append(1e3 * (seconds(full) - seconds(one)) / (new_tokens - 1))
+    return [{"variant": name, "median_ms": statistics.median(times), "min_ms": min(times), "rounds": rounds}
+            for name, times in steps.items()]
+
+
+PARTS_COLUMNS = (("variant", "podtrain at the headline shape", "<31"), ("rounds", "rounds", "d"),
+                 ("median_ms", "ms / decode step, median", ".3f"), ("min_ms", "min", ".3f"))
+
+
 FLOOR_COLUMNS = (("floor", "per decode step", "<44"), ("ms_per_step", "ms", ".3f"), ("gb_per_s", "GB/s", "<6"))
 
 
@@ -376,13 +443,17 @@ def main(argv: list[str] | None = None) -> int:
         + format_table(floors, FLOOR_COLUMNS)
         + f"\nmatmuls with every weight already in cache: {compute_floor:.3f} ms per step, "
           f"{compute_floor / HEADLINE_BATCH:.3f} ms per token")
+    parts = decode_parts(model, random_prompts(HEADLINE_BATCH, args.prompt_len), max_len=HEADLINE_MAX_LEN,
+                         new_tokens=args.new_tokens, rounds=3 * args.repeats)
+    say("\nwhere a decode step goes (the two compiled programs take turns):\n" + format_table(parts, PARTS_COLUMNS))
     memory = decode_step_memory(model, HEADLINE_BATCH, sorted({*args.max_lens, HEADLINE_MAX_LEN}))
     say(f"\ncompiled decode step, batch {HEADLINE_BATCH} (XLA memory_analysis / cost_analysis):\n"
         + format_table(memory, MEMORY_COLUMNS))
     if args.json:
         strip = [{k: v for k, v in row.items() if k != "tokens"} for row in headline + rows]
         print(json.dumps({"machine": machine_description(), "rows": strip, "ratios": ratios, "targets": targets,
-                          "floors": floors, "decode_step_memory": memory}, indent=1))
+                          "floors": floors, "decode_parts": parts, "decode_step_memory": memory},
+                         indent=1))
     return 0
 
 
