@@ -19,6 +19,9 @@ that load drift hits all of them alike).
 `prefill ms` is time(1 new): the prompt pass plus the first token. A table cell whose timed runs
 pass `--cell-budget-s` stops early (the baseline at batch 32 x 4096 takes 40-60 s a run on 2 cores);
 the `runs` column says how many runs its medians come from.
+After the tables: floors for one decode step on this machine (`decode_floors`), where podtrain's
+decode step goes (`decode_parts`: the step with and without its attention to the cache), and
+the compiled decode step's memory figures.
 """
 
 from __future__ import annotations
