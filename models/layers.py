@@ -122,15 +122,11 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     One new token per sequence (decoding) takes `_decode_attention`, the same computation laid
     out for a single query row. Returns (B, T, H, E) in the values' dtype.
     """
-    length = value_cache.shape[2]
-    block = min(block, length)
-    layer = jnp.asarray(layer, jnp.int32)
-    args = (queries, new_keys, new_values, key_caches, value_cache)
-    kwargs = dict(layer=layer, positions_BT=positions_BT, key_positions_BT=key_positions_BT,
-                  cache_positions_BS=cache_positions_BS, cache_used=cache_used, block=block)
-    if queries[0].shape[1] == 1:
-        return _decode_attention(*args, **kwargs)
-    return _prefill_attention(*args, **kwargs)
+    attend_blocks = _decode_attention if queries[0].shape[1] == 1 else _prefill_attention
+    return attend_blocks(queries, new_keys, new_values, key_caches, value_cache, layer=jnp.asarray(layer, jnp.int32),
+                         positions_BT=positions_BT, key_positions_BT=key_positions_BT,
+                         cache_positions_BS=cache_positions_BS, cache_used=cache_used,
+                         block=min(block, value_cache.shape[2]))
 
 
 def _read_block(cache, layer, start, block):
@@ -222,14 +218,14 @@ def _decode_attention(queries, new_keys, new_values, key_caches, value_cache, *,
 
     rows = [block_diagonal(q) for q in queries]
     # The new token attends to itself unless it is padding (key position -1).
-    self_valid = (key_positions_BT >= 0) & (key_positions_BT <= positions_BT)  # (B, 1)
+    self_valid = make_attention_mask(positions_BT, key_positions_BT)[:, 0]  # (B, 1)
     self_scores = sum(jnp.sum(q.reshape(b, kv_heads, group, -1).astype(jnp.float32)
                               * k.reshape(b, kv_heads, 1, -1).astype(jnp.float32), axis=-1)
                       for q, k in zip(queries, new_keys, strict=True)).reshape(b, heads)
     own_values = jnp.broadcast_to(new_values.reshape(b, kv_heads, 1, e), (b, kv_heads, group, e))
     init = (
         jnp.where(self_valid, self_scores, NEG_INF),
-        jnp.where(self_valid, 1.0, 0.0) * jnp.ones((b, heads), jnp.float32),
+        jnp.broadcast_to(self_valid, (b, heads)).astype(jnp.float32),
         jnp.where(self_valid[:, :, None], own_values.reshape(b, heads, e).astype(jnp.float32), 0.0),
     )
 
