@@ -119,45 +119,14 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     The new tokens are attended first (causally, by position); then the cache's slots below
     `cache_used`, `block` at a time, straight from the stacked cache with a running softmax. A
     token's cost grows with the filled length, not with `max_len`, and no cache is ever copied.
-    One new token per sequence (decoding) takes `_decode_attention`, the same computation laid
-    out for a single query row. Returns (B, T, H, E) in the values' dtype.
+    Every product is batched over (batch, kv head), prefill and decode alike: with the kv heads
+    sharded (tensor parallelism) each device reads only its own heads' slots and nothing crosses
+    devices. Returns (B, T, H, E) in the values' dtype.
     """
-    attend_blocks = _decode_attention if queries[0].shape[1] == 1 else _prefill_attention
-    return attend_blocks(queries, new_keys, new_values, key_caches, value_cache, layer=jnp.asarray(layer, jnp.int32),
-                         positions_BT=positions_BT, key_positions_BT=key_positions_BT,
-                         cache_positions_BS=cache_positions_BS, cache_used=cache_used,
-                         block=min(block, value_cache.shape[2]))
-
-
-def _read_block(cache, layer, start, block):
-    """Slots `start`..`start + block` of layer `layer` of a stacked cache (L, B, S, ...): (B, block, ...)."""
-    zero = jnp.zeros((), jnp.int32)
-    size = (1, cache.shape[1], block, *cache.shape[3:])
-    return jax.lax.dynamic_slice(cache, (layer, zero, start) + (zero,) * (cache.ndim - 3), size)[0]
-
-
-def _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used):
-    """(B, T, block): which slots of the block at `start` (loop step `j`) each new token attends to.
-
-    The last block may overlap the one before it (`start` is clamped to fit the cache): its slots
-    below `j * block` were already read.
-    """
-    slot_pos = jax.lax.dynamic_slice_in_dim(cache_positions_BS, start, block, axis=1)
-    slot = start + jnp.arange(block)
-    return ((slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= positions_BT[:, :, None])
-            & (slot >= j * block) & (slot < cache_used))
-
-
-def _filled_blocks(cache_used, block):
-    """Blocks of `block` slots holding the `cache_used` filled slots: the block loop's trip count."""
-    return (cache_used + block - 1) // block
-
-
-def _prefill_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
-                       key_positions_BT, cache_positions_BS, cache_used, block):
-    """`cached_attention` for T > 1 new tokens: (B, K, G, T, ...) einsums per block."""
     b, t, heads, _ = queries[0].shape
     length, kv_heads, e = value_cache.shape[2], value_cache.shape[3], value_cache.shape[4]
+    block = min(block, length)
+    layer = jnp.asarray(layer, jnp.int32)
     group = heads // kv_heads
     dtype = new_values.dtype
     queries = [q.reshape(b, t, kv_heads, group, q.shape[-1]) for q in queries]
@@ -190,66 +159,28 @@ def _prefill_attention(queries, new_keys, new_values, key_caches, value_cache, *
     )
     scores, valid = scores_of(new_keys, make_attention_mask(positions_BT, key_positions_BT))
     carry = accumulate(init, scores, valid, new_values)
-    _, row_sum, acc = jax.lax.fori_loop(0, _filled_blocks(cache_used, block), step, carry)
+    _, row_sum, acc = jax.lax.fori_loop(0, (cache_used + block - 1) // block, step, carry)
     out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e).astype(dtype)
 
 
-def _decode_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
-                      key_positions_BT, cache_positions_BS, cache_used, block):
-    """`cached_attention` for one new token per sequence, as few and as plain matmuls as it takes.
+def _read_block(cache, layer, start, block):
+    """Slots `start`..`start + block` of layer `layer` of a stacked cache (L, B, S, ...): (B, block, ...)."""
+    zero = jnp.zeros((), jnp.int32)
+    size = (1, cache.shape[1], block, *cache.shape[3:])
+    return jax.lax.dynamic_slice(cache, (layer, zero, start) + (zero,) * (cache.ndim - 3), size)[0]
 
-    Per block, the scores are one batched matmul (over `batch`) of the queries, laid out
-    block-diagonally as (H, K * Dp) rows (row (k, g) holds query (k, g) in column block k, zeros
-    elsewhere), with the block's keys as stored, (block, K * Dp) (a free reshape): so every row
-    meets only its own kv head, and no block is copied into another layout. The values side
-    multiplies the probabilities (H, block) with the block's values (block, K * E) and keeps the
-    matching kv-head pairs. The new token's own key is one element-wise product, not a matmul.
+
+def _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used):
+    """(B, T, block): which slots of the block at `start` (loop step `j`) each new token attends to.
+
+    The last block may overlap the one before it (`start` is clamped to fit the cache): its slots
+    below `j * block` were already read.
     """
-    b, _, heads, _ = queries[0].shape
-    length, kv_heads, e = value_cache.shape[2], value_cache.shape[3], value_cache.shape[4]
-    group = heads // kv_heads
-    dtype = new_values.dtype
-    same_head = jnp.eye(kv_heads, dtype=bool)[None, :, None, :, None]  # (1, K, 1, K', 1)
-
-    def block_diagonal(q):  # (B, 1, H, D) -> (B, H, K * D)
-        q = q.reshape(b, kv_heads, group, 1, q.shape[-1])
-        return jnp.where(same_head, q, jnp.zeros((), q.dtype)).reshape(b, heads, -1)
-
-    rows = [block_diagonal(q) for q in queries]
-    # The new token attends to itself unless it is padding (key position -1).
-    self_valid = make_attention_mask(positions_BT, key_positions_BT)[:, 0]  # (B, 1)
-    self_scores = sum(jnp.sum(q.reshape(b, kv_heads, group, -1).astype(jnp.float32)
-                              * k.reshape(b, kv_heads, 1, -1).astype(jnp.float32), axis=-1)
-                      for q, k in zip(queries, new_keys, strict=True)).reshape(b, heads)
-    own_values = jnp.broadcast_to(new_values.reshape(b, kv_heads, 1, e), (b, kv_heads, group, e))
-    init = (
-        jnp.where(self_valid, self_scores, NEG_INF),
-        jnp.broadcast_to(self_valid, (b, heads)).astype(jnp.float32),
-        jnp.where(self_valid[:, :, None], own_values.reshape(b, heads, e).astype(jnp.float32), 0.0),
-    )
-
-    def step(j, carry):
-        row_max, row_sum, acc = carry
-        start = jnp.minimum(j * block, length - block)
-        valid = _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used)  # (B, 1, block)
-        scores = sum(jax.lax.dot_general(q, _read_block(k, layer, start, block).reshape(b, block, -1).astype(q.dtype),
-                                         (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-                     for q, k in zip(rows, key_caches, strict=True))  # (B, H, block)
-        scores = jnp.where(valid, scores, NEG_INF)
-        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
-        probs = jnp.where(valid, jnp.exp(scores - new_max[:, :, None]), 0.0)
-        correction = jnp.exp(row_max - new_max)
-        values = _read_block(value_cache, layer, start, block).reshape(b, block, kv_heads * e).astype(dtype)
-        all_pairs = jax.lax.dot_general(probs.astype(dtype), values, (((2,), (1,)), ((0,), (0,))),
-                                        preferred_element_type=jnp.float32)  # (B, H, K' * E)
-        weighted = jnp.sum(jnp.where(same_head, all_pairs.reshape(b, kv_heads, group, kv_heads, e), 0.0), axis=3)
-        return (new_max, row_sum * correction + jnp.sum(probs, axis=-1),
-                acc * correction[:, :, None] + weighted.reshape(b, heads, e))
-
-    _, row_sum, acc = jax.lax.fori_loop(0, _filled_blocks(cache_used, block), step, init)
-    out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)[:, :, None]
-    return out.reshape(b, 1, heads, e).astype(dtype)
+    slot_pos = jax.lax.dynamic_slice_in_dim(cache_positions_BS, start, block, axis=1)
+    slot = start + jnp.arange(block)
+    return ((slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= positions_BT[:, :, None])
+            & (slot >= j * block) & (slot < cache_used))
 
 
 def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:

@@ -163,6 +163,40 @@ def test_sharded_decode_equals_single_device(kind, tmp_path):
             assert generate(sharded, prompts[:1], max_new_tokens=NEW_TOKENS) == expected
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_tensor_parallel_cached_attention_needs_no_collective(tokens):
+    """With the query and kv heads sharded over tp=2, cached attention (a decode step's one token,
+    and a prefill chunk) compiles to a program without any collective: each device reads only its
+    own kv heads' cache slots, never another device's."""
+    from models.layers import cached_attention
+
+    mesh = build_mesh(dict(tp=2), jax.devices()[:2])
+    rng = np.random.default_rng(3)
+    batch, length, kv_heads, group, d = 2, 64, 4, 2, 16
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    heads_on_tp = lambda ndim: jax.NamedSharding(mesh, jax.P(*[None] * (ndim - 2), "tp", None))  # noqa: E731
+    queries, new_keys = normal(batch, tokens, kv_heads * group, d), normal(batch, tokens, kv_heads, d)
+    new_values = normal(batch, tokens, kv_heads, d)
+    key_cache, value_cache = normal(3, batch, length, kv_heads, d), normal(3, batch, length, kv_heads, d)
+    positions = jnp.broadcast_to(40 + jnp.arange(tokens, dtype=jnp.int32), (batch, tokens))
+    slots = jnp.arange(length, dtype=jnp.int32)
+    cache_positions = jnp.broadcast_to(jnp.where(slots < 40, slots, -1), (batch, length))
+
+    def attend(q, k, v, k_cache, v_cache, layer):
+        return cached_attention([q], [k], v, [k_cache], v_cache, layer=layer, positions_BT=positions,
+                                key_positions_BT=positions, cache_positions_BS=cache_positions,
+                                cache_used=jnp.int32(40), block=16)
+
+    arrays = (queries, new_keys, new_values, key_cache, value_cache)
+    shardings = tuple(heads_on_tp(a.ndim) for a in arrays)
+    sharded = jax.jit(attend, in_shardings=(*shardings, None), out_shardings=heads_on_tp(4))
+    hlo = sharded.lower(*arrays, jnp.int32(1)).compile().as_text()
+    collectives = re.findall(r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)", hlo)
+    assert collectives == []
+    expected = jax.jit(attend)(*arrays, jnp.int32(1))
+    np.testing.assert_allclose(sharded(*arrays, jnp.int32(1)), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("layer_weights", ["stacked", "split"])
 def test_decode_step_updates_the_stacked_cache_in_place(layer_weights):
     """A compiled decode step at max_len 4096: no copy of a whole stacked cache (the output cache

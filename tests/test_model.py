@@ -107,7 +107,7 @@ def test_cached_decode_equals_full_forward():
     (2, 2, (8,), 16, 8, 0),  # an empty cache: only the token itself
 ])
 def test_one_token_cached_attention_equals_a_dense_softmax(kv_heads, group, dims, length, block, used):
-    """The decode path of `cached_attention` (one new token) against a plain masked softmax over
+    """`cached_attention` of one new token (a decode step) against a plain masked softmax over
     the layer's filled slots and the token itself: rows of different lengths, a padding token
     (key position -1, which still attends but is not attended to), GQA and MLA's two key parts."""
     from models.layers import cached_attention
