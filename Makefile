@@ -38,6 +38,7 @@ bench: install
 	$(PY) bench/loop.py
 	$(PY) bench/moe.py
 	$(PY) bench/generate.py
+	$(PY) bench/generate_tp.py
 	bash tests/netns.sh $(PY) bench/cluster.py
 
 clean:
