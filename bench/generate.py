@@ -190,16 +190,22 @@ def time_decode(runs: dict[str, Run], prompts: np.ndarray, *, new_tokens: int, r
     return result
 
 
-def measure(model: Llama, prompts: np.ndarray, *, max_len: int, new_tokens: int, repeats: int,
+def compare(runs: dict[str, Run], prompts: np.ndarray, *, max_len: int, new_tokens: int, repeats: int,
             budget_s: float = float("inf")) -> list[dict]:
-    """One row per implementation for these prompts and cache size; `same_tokens` compares with podtrain's."""
-    runs = {name: make_run(model, max_len) for name, make_run in IMPLEMENTATIONS.items()}
+    """`time_decode`'s timings as one row per run; `same_tokens` compares each run's tokens with the first's."""
     timings = time_decode(runs, prompts, new_tokens=new_tokens, repeats=repeats, budget_s=budget_s)
     rows = [{"implementation": name, "max_len": max_len} | timing for name, timing in timings.items()]
     rows[0]["same_tokens"] = "(ref)"
     for row in rows[1:]:
         row["same_tokens"] = "yes" if np.array_equal(row["tokens"], rows[0]["tokens"]) else "NO"
     return rows
+
+
+def measure(model: Llama, prompts: np.ndarray, *, max_len: int, new_tokens: int, repeats: int,
+            budget_s: float = float("inf")) -> list[dict]:
+    """One row per implementation for these prompts and cache size; `same_tokens` compares with podtrain's."""
+    runs = {name: make_run(model, max_len) for name, make_run in IMPLEMENTATIONS.items()}
+    return compare(runs, prompts, max_len=max_len, new_tokens=new_tokens, repeats=repeats, budget_s=budget_s)
 
 
 def random_prompts(batch: int, prompt_len: int) -> np.ndarray:

@@ -48,11 +48,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from bench.common import format_table, machine_description
-    from bench.generate import CONFIG, HEADLINE_BATCH, HEADLINE_MAX_LEN, podtrain_run, random_prompts, time_decode
+    from bench.generate import CONFIG, HEADLINE_BATCH, HEADLINE_MAX_LEN, compare, podtrain_run, random_prompts
     from models import Llama
     from sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
 
@@ -72,11 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             return sharded_run(prompts, new_tokens)
 
     prompts = random_prompts(HEADLINE_BATCH, 64)
-    timings = time_decode({"1 device": podtrain_run(single, HEADLINE_MAX_LEN), f"tp={args.tp}": tp_run}, prompts,
-                          new_tokens=64, repeats=args.repeats, budget_s=float("inf"))
-    reference = timings["1 device"]["tokens"]
-    rows = [{"implementation": name, "same_tokens": "(ref)" if name == "1 device" else
-             ("yes" if np.array_equal(t["tokens"], reference) else "NO")} | t for name, t in timings.items()]
+    rows = compare({"1 device": podtrain_run(single, HEADLINE_MAX_LEN), f"tp={args.tp}": tp_run}, prompts,
+                   max_len=HEADLINE_MAX_LEN, new_tokens=64, repeats=args.repeats)
     with on_mesh():
         cache = sharded.init_cache(HEADLINE_BATCH, HEADLINE_MAX_LEN)
         token = jnp.ones((HEADLINE_BATCH, 1), jnp.int32)
