@@ -20,7 +20,8 @@ that load drift hits all of them alike).
 pass `--cell-budget-s` stops early (the baseline at batch 32 x 4096 takes 40-60 s a run on 2 cores);
 the `runs` column says how many runs its medians come from.
 After the tables: floors for one decode step on this machine (`decode_floors`), where podtrain's
-decode step goes (`decode_parts`: the step with and without its attention to the cache), and
+decode step goes (`decode_parts`: the step as is, with its attention reduced to reading the cache
+blocks and the two products, to the block reads alone, and left out), and
 the compiled decode step's memory figures.
 """
 
@@ -325,68 +326,120 @@ def decode_floors(model: Llama, batch: int) -> list[dict]:
             {"floor": "head matmul, weights in cache", "ms_per_step": head_s * 1e3, "gb_per_s": ""}]
 
 
-@contextlib.contextmanager
-def attention_to_cache_left_out():
-    """Inside the block, a decode step's attention (one new token) returns the queries plus the new
-    token's own values instead of attending to the cache: every projection still runs, no cache
-    block is read. Prefill is unchanged. Only for tracing the `decode_parts` variant."""
-    real = model_layers.cached_attention
-
-    def stand_in(queries, new_keys, new_values, *args, **kwargs):
-        if queries[0].shape[1] != 1:
-            return real(queries, new_keys, new_values, *args, **kwargs)
-        return queries[0] + jnp.repeat(new_values, queries[0].shape[2] // new_values.shape[2], axis=2)
-
-    model_layers.cached_attention = stand_in
-    try:
-        yield
-    finally:
-        model_layers.cached_attention = real
+def _new_token_values(queries, new_values):
+    """The new token's own values repeated over each kv head's query heads: (B, 1, H, E)."""
+    return jnp.repeat(new_values, queries[0].shape[2] // new_values.shape[2], axis=2)
 
 
-def decode_parts(model: Llama, prompts: np.ndarray, *, max_len: int, new_tokens: int, rounds: int) -> list[dict]:
-    """podtrain's decode step as is and with its attention to the cache left out, interleaved.
+def _first_blocks(key_caches, value_cache, layer, block):
+    """Layer `layer`'s first `block` slots of its key and value caches, each (B, block, K, D)."""
+    def read(cache):
+        return jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)[:, :block]
+    return read(key_caches[0]), read(value_cache)
 
-    Each variant is `generate`'s jitted program compiled ahead of time (traced after
-    `jax.clear_caches()`, so the two cannot share a trace) for 1 and `new_tokens` new tokens;
-    per round each variant runs both back to back, and a step is their difference over
-    `new_tokens - 1`. Returns median and minimum ms per step per variant.
+
+def _left_out(queries, new_keys, new_values, key_caches, value_cache, *, layer, block=128, **_):
+    """No cache block read: the queries plus the new token's own values (every projection still runs)."""
+    return queries[0] + _new_token_values(queries, new_values)
+
+
+def _blocks_read(queries, new_keys, new_values, key_caches, value_cache, *, layer, block=128, **_):
+    """The layer's first key and value blocks copied out of the stacked cache (behind an optimization
+    barrier, so that XLA materialises them), one slot of each used, nothing else computed from them."""
+    keys, values = jax.lax.optimization_barrier(_first_blocks(key_caches, value_cache, layer, block))
+    row = (keys[:, 0] + values[:, 0]).mean(axis=1)  # (B, D)
+    return queries[0] + _new_token_values(queries, new_values) + row[:, None, None, :]
+
+
+def _blocks_products(queries, new_keys, new_values, key_caches, value_cache, *, layer, block=128, **_):
+    """The layer's first blocks through the two products `cached_attention` makes (queries x keys,
+    then scores x values, the same einsums), without the mask, the softmax and the new token's part."""
+    keys, values = _first_blocks(key_caches, value_cache, layer, block)
+    b, t, heads, d = queries[0].shape
+    q = queries[0].reshape(b, t, keys.shape[2], heads // keys.shape[2], d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bske->bkgte", scores, values, preferred_element_type=jnp.float32)
+    return queries[0] + out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
+
+
+def attention_stand_in(replacement: Callable | None) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context in which a decode step's attention (one new token) is `replacement(...)`, called
+    with `cached_attention`'s arguments, instead of `models.layers.cached_attention` (None: the real
+    one). Prefill is unchanged. Only for tracing `decode_parts`'s variants. The stand-ins read only
+    the first cache block: at the headline's max_len (128 slots) that is the whole cache."""
+    @contextlib.contextmanager
+    def context():
+        real = model_layers.cached_attention
+
+        def stand_in(queries, *args, **kwargs):
+            if queries[0].shape[1] != 1:
+                return real(queries, *args, **kwargs)
+            return replacement(queries, *args, **kwargs)
+
+        model_layers.cached_attention = real if replacement is None else stand_in
+        try:
+            yield
+        finally:
+            model_layers.cached_attention = real
+    return context
+
+
+# Variants of the decode step, from the full step down to no attention to the cache at all.
+PART_VARIANTS = {
+    "decode step": attention_stand_in(None),
+    "blocks + the two products, no softmax": attention_stand_in(_blocks_products),
+    "cache blocks read, nothing computed": attention_stand_in(_blocks_read),
+    "attention to the cache left out": attention_stand_in(_left_out),
+}
+
+
+def decode_parts(models: dict[str, tuple[Llama, Callable[[], contextlib.AbstractContextManager]]],
+                 prompts: np.ndarray, *, max_len: int, new_tokens: int, rounds: int,
+                 variants: dict | None = None) -> list[dict]:
+    """Each model's decode step as is and with parts of its attention replaced (`PART_VARIANTS`),
+    all taking turns.
+
+    `models` maps a name to (model, context): the context (e.g. a mesh) is entered to trace and
+    compile. Each (model, variant) is `generate`'s jitted program compiled ahead of time (traced
+    after `jax.clear_caches()`, so that no two variants share a trace) for 1 and `new_tokens` new
+    tokens; per round each runs both back to back, and a step is their difference over
+    `new_tokens - 1`. Returns median and minimum ms per step for each (model, variant).
     """
     program = sys.modules["models.generate"]._generate  # `models.generate` the name is the function
-    graphdef, state = nnx.split(model)
+    variants = PART_VARIANTS if variants is None else variants
     batch = prompts.shape[0]
-    args = (state, jnp.asarray(prompts), jnp.full((batch,), prompts.shape[1], jnp.int32), jnp.full((8,), -1, jnp.int32),
-            jax.random.key(0))
-    split = auto_layer_weights(model) == "split"
-
-    def compiled(n):
-        jax.clear_caches()
-        return program.lower(graphdef, *args, max_new_tokens=n, max_len=max_len, sampling=Sampling(), pad_id=0,
-                             split_layers=split).compile()
-
-    variants = {"decode step": contextlib.nullcontext, "attention to the cache left out": attention_to_cache_left_out}
+    inputs = (jnp.asarray(prompts), jnp.full((batch,), prompts.shape[1], jnp.int32), jnp.full((8,), -1, jnp.int32),
+              jax.random.key(0))
     programs = {}
-    for name, context in variants.items():
-        with context():
-            programs[name] = (compiled(1), compiled(new_tokens))
+    for model_name, (model, model_context) in models.items():
+        graphdef, state = nnx.split(model)
+        split = auto_layer_weights(model) == "split"
+        for variant, variant_context in variants.items():
+            compiled = []
+            with model_context(), variant_context():
+                for n in (1, new_tokens):
+                    jax.clear_caches()
+                    compiled.append(program.lower(graphdef, state, *inputs, max_new_tokens=n, max_len=max_len,
+                                                  sampling=Sampling(), pad_id=0, split_layers=split).compile())
+            programs[model_name, variant] = (state, *compiled)
     jax.clear_caches()
 
-    def seconds(program):
+    def seconds(state, program):
         start = time.perf_counter()
-        jax.block_until_ready(program(*args))
+        jax.block_until_ready(program(state, *inputs))
         return time.perf_counter() - start
 
-    steps = {name: [] for name in programs}
-    for one, full in programs.values():
-        seconds(one), seconds(full)
+    steps = {key: [] for key in programs}
+    for state, one, full in programs.values():
+        seconds(state, one), seconds(state, full)
     for _ in range(rounds):
-        for name, (one, full) in programs.items():
-            steps[name].append(1e3 * (seconds(full) - seconds(one)) / (new_tokens - 1))
-    return [{"variant": name, "median_ms": statistics.median(times), "min_ms": min(times), "rounds": rounds}
-            for name, times in steps.items()]
+        for key, (state, one, full) in programs.items():
+            steps[key].append(1e3 * (seconds(state, full) - seconds(state, one)) / (new_tokens - 1))
+    return [{"model": model_name, "variant": variant, "median_ms": statistics.median(times), "min_ms": min(times),
+             "rounds": rounds} for (model_name, variant), times in steps.items()]
 
 
-PARTS_COLUMNS = (("variant", "podtrain at the headline shape", "<31"), ("rounds", "rounds", "d"),
+PARTS_COLUMNS = (("model", "podtrain", "<8"), ("variant", "at the headline shape", "<38"), ("rounds", "rounds", "d"),
                  ("median_ms", "ms / decode step, median", ".3f"), ("min_ms", "min", ".3f"))
 
 
@@ -452,9 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         + format_table(floors, FLOOR_COLUMNS)
         + f"\nmatmuls with every weight already in cache: {compute_floor:.3f} ms per step, "
           f"{compute_floor / HEADLINE_BATCH:.3f} ms per token")
-    parts = decode_parts(model, random_prompts(HEADLINE_BATCH, args.prompt_len), max_len=HEADLINE_MAX_LEN,
-                         new_tokens=args.new_tokens, rounds=3 * args.repeats)
-    say("\nwhere a decode step goes (the two compiled programs take turns):\n" + format_table(parts, PARTS_COLUMNS))
+    parts = decode_parts({"1 device": (model, contextlib.nullcontext)}, random_prompts(HEADLINE_BATCH, args.prompt_len),
+                         max_len=HEADLINE_MAX_LEN, new_tokens=args.new_tokens, rounds=3 * args.repeats)
+    say("\nwhere a decode step goes (the compiled programs take turns):\n" + format_table(parts, PARTS_COLUMNS))
     memory = decode_step_memory(model, HEADLINE_BATCH, sorted({*args.max_lens, HEADLINE_MAX_LEN}))
     say(f"\ncompiled decode step, batch {HEADLINE_BATCH} (XLA memory_analysis / cost_analysis):\n"
         + format_table(memory, MEMORY_COLUMNS))
