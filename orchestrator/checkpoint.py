@@ -74,7 +74,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from orbax.checkpoint import multihost
 
-from orchestrator.config import CheckpointConfig, Config, ConfigError, to_yaml
+from orchestrator.config import CheckpointConfig, Config, ConfigError, flatten_keys, to_yaml
 from sharding.mesh import describe_mesh
 
 logger = logging.getLogger(__name__)
@@ -133,17 +133,6 @@ RUNTIME_MODEL_KEYS = frozenset({"dtype", "remat", "scan_layers", "initializer_ra
                                 "moe.capacity_factor"})
 
 
-def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as one level of dotted keys ({"moe": {"top_k": 8}} -> {"moe.top_k": 8})."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:
     """How the model keys a step was saved with (its `meta["config_yaml"]`) differ from `model` (a
     `ModelConfig`), apart from `RUNTIME_MODEL_KEYS`: the first `shown`, then how many more; "" when
@@ -151,7 +140,7 @@ def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:
     saved = (yaml.safe_load(meta.get("config_yaml", "")) or {}).get("model")
     if saved is None:
         return ""
-    saved, current = _flat(saved), _flat(dataclasses.asdict(model))
+    saved, current = flatten_keys(saved), flatten_keys(dataclasses.asdict(model))
     differences = [f"model.{key}: checkpoint has {saved.get(key)!r}, config has {current.get(key)!r}"
                    for key in sorted((set(saved) | set(current)) - RUNTIME_MODEL_KEYS)
                    if saved.get(key) != current.get(key)]

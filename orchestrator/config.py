@@ -365,12 +365,16 @@ def _check_key(key: str, keys: dict[str, Any], where: str, hint_keys: Iterable[s
     raise ConfigError(f"{where}: unknown key {key!r}{hint}")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level of dotted keys ({"moe": {"top_k": 8}} -> {"moe.top_k": 8}).
+
+    An empty dict stays a value, and so does `sharding.rules` (its keys are logical axis
+    names, not config keys)."""
     out = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v and not key.startswith("sharding.rules"):
-            out.update(_flatten(v, key + "."))
+            out.update(flatten_keys(v, key + "."))
         else:
             out[key] = v
     return out
@@ -381,7 +385,7 @@ def _type_name(tp) -> str:
 
 
 def _merge(base, layer: dict, keys: dict[str, Any], where: str, hint_keys: Iterable[str] = ()):
-    for key, value in _flatten(layer).items():
+    for key, value in flatten_keys(layer).items():
         _check_key(key, keys, where, hint_keys)
         tp = keys.get(key)
         if (dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict) and not isinstance(value, dict):
@@ -429,7 +433,7 @@ def parse_overrides(overrides: list[str]) -> dict:
 def override_keys(overrides: list[str]) -> list[str]:
     """The dotted keys `overrides` set, as `load_config` applies them (`model={dtype: bfloat16}`
     sets `model.dtype`, `cluster=tpu` sets `cluster.kind`)."""
-    return list(_flatten(parse_overrides(list(overrides))))
+    return list(flatten_keys(parse_overrides(list(overrides))))
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
