@@ -15,7 +15,7 @@ from flax import nnx
 from hf_fixtures import save_hf_model
 
 from models import Llama, ModelConfig
-from models.generate import Sampling, auto_layer_weights, generate, sample
+from models.generate import Sampling, auto_layer_weights, generate, greedy, sample
 from models.hf import from_hf
 from models.runner import split_stack
 from sharding import DEFAULT_RULES, build_mesh, use_rules
@@ -110,6 +110,20 @@ def test_sample_follows_temperature_top_k_and_top_p():
     rows = jnp.asarray(np.random.default_rng(0).normal(size=(64, 50)), jnp.float32)
     for sampling in (Sampling(), Sampling(temperature=3.0, top_k=1), Sampling(temperature=3.0, top_p=1e-6)):
         np.testing.assert_array_equal(sample(rows, jax.random.key(1), sampling), np.argmax(rows, axis=-1))
+
+
+def test_greedy_picks_the_first_maximum_as_argmax_does():
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(16, 300)).astype(np.float32)
+    rows[1, [7, 40, 299]] = 9.0          # ties: the first one
+    rows[2, -1] = 9.0                    # the last index
+    rows[3] = 0.0                        # all equal
+    rows[4, [5, 9]] = np.nan             # NaN counts as the maximum, as in numpy
+    rows[5, 0], rows[5, 10] = np.inf, np.nan
+    rows[6, :] = -np.inf
+    rows[7, 3] = np.inf
+    np.testing.assert_array_equal(greedy(jnp.asarray(rows)), np.argmax(rows, axis=-1))
+    assert greedy(jnp.asarray(rows)).dtype == jnp.int32
 
 
 @pytest.mark.parametrize("bad, message", [
