@@ -344,11 +344,12 @@ def _left_out(queries, new_keys, new_values, key_caches, value_cache, *, layer, 
 
 
 def _blocks_read(queries, new_keys, new_values, key_caches, value_cache, *, layer, block=128, **_):
-    """The layer's first key and value blocks copied out of the stacked cache (behind an optimization
-    barrier, so that XLA materialises them), one slot of each used, nothing else computed from them."""
-    keys, values = jax.lax.optimization_barrier(_first_blocks(key_caches, value_cache, layer, block))
-    row = (keys[:, 0] + values[:, 0]).mean(axis=1)  # (B, D)
-    return queries[0] + _new_token_values(queries, new_values) + row[:, None, None, :]
+    """The layer's first key and value blocks read whole (summed over their slots and kv heads: one
+    pass over each), nothing else computed from them. (Using a single slot would not do: XLA
+    narrows the block's slice to what is used, even behind an optimization barrier.)"""
+    keys, values = _first_blocks(key_caches, value_cache, layer, block)
+    total = keys.sum(axis=(1, 2)) + values.sum(axis=(1, 2))  # (B, D)
+    return queries[0] + _new_token_values(queries, new_values) + total[:, None, None, :]
 
 
 def _blocks_products(queries, new_keys, new_values, key_caches, value_cache, *, layer, block=128, **_):
