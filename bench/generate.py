@@ -1,6 +1,7 @@
 """Greedy decoding benchmark: podtrain's `generate` against a per-layer Python-loop baseline.
 
     PYTHONPATH=. .venv/bin/python bench/generate.py [--quick] [--json] [--batches 1,8,32] [--max-lens 512,4096]
+        [--reads-shapes 4x128,32x4096]
 
 The issue's model (Llama, vocab 4096, hidden 256, ffn 1024, 8 layers, 8 query / 4 KV heads of
 32, float32), 64-token prompts, no stop tokens, so every run makes exactly `--new-tokens` tokens.
@@ -21,7 +22,8 @@ pass `--cell-budget-s` stops early (the baseline at batch 32 x 4096 takes 40-60 
 the `runs` column says how many runs its medians come from.
 After the tables: floors for one decode step on this machine (`decode_floors`), where podtrain's
 decode step goes (`decode_parts`: the step as is, with its attention reduced to reading the cache
-blocks and the two products, to the block reads alone, and left out), and
+blocks and the two products, to the block reads alone, and left out), with `--reads-shapes`
+decode steps reading the cache with `cache_reads=filled` and `=all` (`reads_stand_in`), and
 the compiled decode step's memory figures.
 """
 
@@ -50,7 +52,8 @@ if __package__ in (None, ""):
 from bench.common import format_table, machine_description, time_calls  # noqa: E402
 from models import Llama, ModelConfig  # noqa: E402
 from models import layers as model_layers  # noqa: E402
-from models.generate import Sampling, auto_layer_weights, generate  # noqa: E402
+from models.generate import Sampling, auto_cache_reads, auto_layer_weights, generate  # noqa: E402
+from models.kv_cache import CACHE_READS  # noqa: E402
 from models.layers import NEG_INF, apply_rope, dense, rope_inv_freq  # noqa: E402
 from models.runner import split_stack  # noqa: E402
 
@@ -217,6 +220,14 @@ def parse_sizes(text: str) -> list[int]:
     return [int(size) for size in text.split(",") if size]
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"4x128,32x4096" -> [(4, 128), (32, 4096)] (batch x max_len)."""
+    shapes = [shape.split("x") for shape in text.split(",") if shape]
+    if not all(len(shape) == 2 and all(n.isdigit() for n in shape) for shape in shapes):
+        raise argparse.ArgumentTypeError(f"expected batch x max_len pairs such as 4x128,32x4096, found {text!r}")
+    return [(int(batch), int(max_len)) for batch, max_len in shapes]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="only the headline (batch 4, max_len 128)")
@@ -230,12 +241,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "--repeats runs (shown in `runs`); the headline always makes --repeats (default 45)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
     parser.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run (default 64)")
+    parser.add_argument("--reads-shapes", type=parse_shapes, default=[],
+                        help="also time decode steps with cache_reads=filled and =all at these batch x max_len "
+                             "shapes (e.g. 4x128,16x4096,32x4096)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 2 or args.prompt_len < 1:
         parser.error(f"expected --repeats >= 1, --new-tokens >= 2 and --prompt-len >= 1, found {args.repeats}, "
                      f"{args.new_tokens} and {args.prompt_len}")
     needed = args.prompt_len + args.new_tokens - 1
-    if min(args.max_lens + [HEADLINE_MAX_LEN]) < needed:
+    if min(args.max_lens + [HEADLINE_MAX_LEN] + [m for _, m in args.reads_shapes]) < needed:
         parser.error(f"--max-lens: every cache (and the headline's {HEADLINE_MAX_LEN}) must hold --prompt-len + "
                      f"--new-tokens - 1 = {needed} tokens; found {args.max_lens}")
     return args
@@ -385,6 +399,16 @@ def attention_stand_in(replacement: Callable | None) -> Callable[[], contextlib.
     return context
 
 
+_CACHED_ATTENTION = model_layers.cached_attention
+
+
+def reads_stand_in(reads: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context in which decode steps read the cache as `reads` says (`cached_attention(reads=)`),
+    whatever the cache was made with."""
+    return attention_stand_in(lambda queries, *args, **kwargs: _CACHED_ATTENTION(queries, *args,
+                                                                                 **{**kwargs, "reads": reads}))
+
+
 # Variants of the decode step, from the full step down to no attention to the cache at all.
 PART_VARIANTS = {
     "decode step": attention_stand_in(None),
@@ -415,13 +439,15 @@ def decode_parts(models: dict[str, tuple[Llama, Callable[[], contextlib.Abstract
     for model_name, (model, model_context) in models.items():
         graphdef, state = nnx.split(model)
         split = auto_layer_weights(model) == "split"
+        reads = auto_cache_reads(model, batch, max_len)
         for variant, variant_context in variants.items():
             compiled = []
             with model_context(), variant_context():
                 for n in (1, new_tokens):
                     jax.clear_caches()
                     compiled.append(program.lower(graphdef, state, *inputs, max_new_tokens=n, max_len=max_len,
-                                                  sampling=Sampling(), pad_id=0, split_layers=split).compile())
+                                                  sampling=Sampling(), pad_id=0, split_layers=split,
+                                                  cache_reads=reads).compile())
             programs[model_name, variant] = (state, *compiled)
     jax.clear_caches()
 
@@ -509,13 +535,24 @@ def main(argv: list[str] | None = None) -> int:
     parts = decode_parts({"1 device": (model, contextlib.nullcontext)}, random_prompts(HEADLINE_BATCH, args.prompt_len),
                          max_len=HEADLINE_MAX_LEN, new_tokens=args.new_tokens, rounds=3 * args.repeats)
     say("\nwhere a decode step goes (the compiled programs take turns):\n" + format_table(parts, PARTS_COLUMNS))
+    reads_parts = []
+    for batch, max_len in args.reads_shapes:
+        variants = {f"cache_reads={reads}": reads_stand_in(reads) for reads in CACHE_READS}
+        variants["attention to the cache left out"] = PART_VARIANTS["attention to the cache left out"]
+        rows = decode_parts({f"{batch} x {max_len}": (model, contextlib.nullcontext)},
+                            random_prompts(batch, args.prompt_len), max_len=max_len, new_tokens=args.new_tokens,
+                            rounds=3 * args.repeats, variants=variants)
+        reads_parts += rows
+        say(("\ncache reads of a decode step (`auto` picks "
+             f"{auto_cache_reads(model, batch, max_len)} here):\n") + format_table(rows, PARTS_COLUMNS))
     memory = decode_step_memory(model, HEADLINE_BATCH, sorted({*args.max_lens, HEADLINE_MAX_LEN}))
     say(f"\ncompiled decode step, batch {HEADLINE_BATCH} (XLA memory_analysis / cost_analysis):\n"
         + format_table(memory, MEMORY_COLUMNS))
     if args.json:
         strip = [{k: v for k, v in row.items() if k != "tokens"} for row in headline + rows]
         print(json.dumps({"machine": machine_description(), "rows": strip, "ratios": ratios, "targets": targets,
-                          "floors": floors, "decode_parts": parts, "decode_step_memory": memory},
+                          "floors": floors, "decode_parts": parts, "cache_reads_parts": reads_parts,
+                          "decode_step_memory": memory},
                          indent=1))
     return 0
 

@@ -6,7 +6,8 @@ through one batched `models.generate.generate` call, BOS first when `data.add_bo
 an HF directory, when its tokenizer.json puts BOS first (as Llama 3's does) or its
 tokenizer_config.json's `add_bos_token` is true. Generation stops at the EOS ids unless
 `stop=<id,id>` names others (`stop=` alone: none); greedy unless `temperature=` > 0.
-`layer_weights=stacked` keeps decode from making per-layer copies of the weights on CPU (see
+`layer_weights=stacked` keeps decode from making per-layer copies of the weights on CPU;
+`cache_reads=filled|all` says how decode steps read the cache (default `auto`: see
 `models.generate.generate`).
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from models.generate import LAYER_WEIGHTS, Sampling, generate
+from models.generate import CACHE_READS_CHOICES, LAYER_WEIGHTS, Sampling, generate
 from orchestrator.config import ConfigError, load_config, override_keys
 from orchestrator.load import load_checkpoint_tokenizer, load_model
 from orchestrator.tokenizers import check_vocab
@@ -26,7 +27,7 @@ from sharding.rules import use_rules
 
 USAGE = ("podtrain generate -c <preset> checkpoint=<dir> prompt=<text> [prompt=...] [prompts_file=<path>] "
          "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P] [seed=S] [stop=<id,id>] [step=N] "
-         "[layer_weights=auto|split|stacked]")
+         "[layer_weights=auto|split|stacked] [cache_reads=auto|filled|all]")
 # key -> (parse, valid, what it expects); `prompt` may be given more than once.
 NUMBERS = {
     "max_new_tokens": (int, lambda v: v >= 1, "a positive integer"),
@@ -36,7 +37,9 @@ NUMBERS = {
     "seed": (int, lambda v: True, "an integer"),
     "step": (int, lambda v: v >= 0, "a non-negative integer"),
 }
-GENERATE_KEYS = {"checkpoint", "prompt", "prompts_file", "stop", "layer_weights", *NUMBERS}
+# key -> the values it takes (its default first)
+CHOICES = {"layer_weights": LAYER_WEIGHTS, "cache_reads": CACHE_READS_CHOICES}
+GENERATE_KEYS = {"checkpoint", "prompt", "prompts_file", "stop", *CHOICES, *NUMBERS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Request:
     seed: int = 0
     stop: tuple[int, ...] | None = None
     layer_weights: str = "auto"
+    cache_reads: str = "auto"
 
 
 def _parse(key: str, raw: str):
@@ -96,11 +100,11 @@ def split_generate_args(overrides: list[str]) -> tuple[Request, list[str]]:
         if not all(part.isdigit() for part in ids):
             raise ConfigError(f"stop= expects comma-separated token ids (e.g. stop=2,7), found {found['stop']!r}")
         stop = tuple(int(part) for part in ids)
-    layer_weights = found.get("layer_weights", "auto")
-    if layer_weights not in LAYER_WEIGHTS:
-        raise ConfigError(f"layer_weights= expects one of {', '.join(LAYER_WEIGHTS)}, found {layer_weights!r}")
-    return Request(found["checkpoint"], prompts, sampling=sampling, stop=stop, layer_weights=layer_weights,
-                   **numbers), rest
+    choices = {key: found.get(key, values[0]) for key, values in CHOICES.items()}
+    for key, value in choices.items():
+        if value not in CHOICES[key]:
+            raise ConfigError(f"{key}= expects one of {', '.join(CHOICES[key])}, found {value!r}")
+    return Request(found["checkpoint"], prompts, sampling=sampling, stop=stop, **choices, **numbers), rest
 
 
 def run_command(args) -> int:
@@ -124,7 +128,7 @@ def run_command(args) -> int:
     with jax.set_mesh(mesh), use_rules(config.sharding.rules):
         outputs = generate(model, prompts, max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                            stop_tokens=stop, pad_id=tokenizer.pad_id, seed=request.seed,
-                           layer_weights=request.layer_weights)
+                           layer_weights=request.layer_weights, cache_reads=request.cache_reads)
     seconds = time.perf_counter() - start
     for i, (text, tokens) in enumerate(zip(request.prompts, outputs, strict=True), 1):
         ended = "stopped" if tokens and tokens[-1] in stop else "max_new_tokens"

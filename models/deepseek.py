@@ -40,11 +40,11 @@ class DeepseekV3(Llama):
         bias = self.moe_layers.mlp.router_bias
         bias.set_value(balance_router_bias(bias[...], load_LE, rate))
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    def init_cache(self, batch: int, max_len: int, dtype=None, reads: str = "filled") -> KVCache:
         """A cache of the MLA latent and rotary key per token (not per-head keys and values)."""
         c = self.config
         return KVCache.init(
             stack_layers=[n for n in (c.num_dense_layers, c.num_moe_layers) if n], batch=batch, max_len=max_len,
             kv_heads=1, key_dim=c.mla.kv_lora_rank, value_dim=c.mla.qk_rope_head_dim,
-            dtype=dtype or dtype_of(c.dtype),
+            dtype=dtype or dtype_of(c.dtype), reads=reads,
         )

@@ -5,7 +5,9 @@ padding slots hold position -1 in the cache, so no token attends to them, and ea
 continues from its own length. The whole prefill + decode loop is one jitted program.
 
 On CPU the decode steps read each layer's weights from per-layer copies made once per call
-(`layer_weights`; see `models.runner.run_layers`), not from slices of the stacked arrays.
+(`layer_weights`; see `models.runner.run_layers`), not from slices of the stacked arrays. On GPU
+a decode step reads a small cache whole in one pass (`cache_reads`; see
+`models.layers.cached_attention`) rather than looping over its filled blocks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.kv_cache import CACHE_READS
 from models.runner import split_stack
 
 
@@ -93,11 +96,17 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8
 
 
 LAYER_WEIGHTS = ("auto", "split", "stacked")
+CACHE_READS_CHOICES = ("auto", *CACHE_READS)
+# On an H200 (f32, the benchmark's model) one pass over every slot beat the filled-block loop up to
+# 64 MiB of slots per layer (1.04 against 1.26 ms per decode step) and lost at 128 MiB (1.51 against
+# 1.28): bench/RESULTS.md.
+ONE_PASS_MAX_LAYER_BYTES = 64 * 2**20
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id", "split_layers"))
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id", "split_layers",
+                                   "cache_reads"))
 def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens, max_len, sampling, pad_id,
-              split_layers):
+              split_layers, cache_reads):
     model = nnx.merge(graphdef, state)
     # Made here, before the loop: one copy of the layer weights per call, read by every decode step.
     layer_states = [split_stack(stack) for stack in model.stacks()] if split_layers else None
@@ -110,7 +119,7 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
         token = jnp.where(done, pad_id, token)
         return token, done | jnp.isin(token, stop)
 
-    cache = model.init_cache(batch, max_len)
+    cache = model.init_cache(batch, max_len, reads=cache_reads)
     real = jnp.arange(prompt_len)[None] < lengths[:, None]
     # Always the scanned runner: unrolled layers would each hand the cache to their own block loop,
     # and XLA copies it for every one of them.
@@ -138,12 +147,18 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
     return tokens, step
 
 
-def _on_cpu(state: nnx.State) -> bool:
-    """Whether the params live on CPU devices (numpy leaves go to the default backend)."""
+def _platform(state: nnx.State) -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices the params live on (numpy leaves go to the
+    default backend's)."""
     for leaf in jax.tree.leaves(state):
         if isinstance(leaf, jax.Array):
-            return all(device.platform == "cpu" for device in leaf.devices())
-    return jax.default_backend() == "cpu"
+            return next(iter(leaf.devices())).platform
+    return jax.default_backend()
+
+
+def _on_cpu(state: nnx.State) -> bool:
+    """Whether the params live on CPU devices."""
+    return _platform(state) == "cpu"
 
 
 def _available_host_bytes() -> int | None:
@@ -168,6 +183,16 @@ def auto_layer_weights(model: nnx.Module) -> str:
     return "stacked" if available is not None and layer_bytes > available // 2 else "split"
 
 
+def auto_cache_reads(model: nnx.Module, batch: int, max_len: int) -> str:
+    """What `cache_reads="auto"` picks: "all" when the params are on GPU devices and one layer's
+    slots (keys and values of the whole batch) take at most `ONE_PASS_MAX_LAYER_BYTES`, else
+    "filled" (CPU, TPU, and big caches on GPU)."""
+    if _platform(nnx.state(model)) != "gpu":
+        return "filled"
+    cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
+    return "all" if cache.layer_bytes() <= ONE_PASS_MAX_LAYER_BYTES else "filled"
+
+
 def generate(
     model: nnx.Module,
     prompts: Sequence[Sequence[int]] | np.ndarray,
@@ -180,6 +205,7 @@ def generate(
     seed: int = 0,
     max_len: int | None = None,
     layer_weights: str = "auto",
+    cache_reads: str = "auto",
 ) -> list[list[int]]:
     """Generates up to `max_new_tokens` tokens after each prompt; returns each sequence's new tokens.
 
@@ -196,10 +222,17 @@ def generate(
             every matmul; holds a second copy of the layer weights while generating), "stacked"
             from the stacked arrays, "auto" (default) "split" when the params are on CPU devices
             and the copy fits in half of the host's available memory (`auto_layer_weights`).
+        cache_reads: how a decode step reads a layer's cache slots: "filled" loops over the filled
+            blocks only (the cost follows the tokens so far, not `max_len`; the loop's trip count
+            depends on the data, which costs a device-to-host read per layer and token on GPU),
+            "all" reads every slot in one pass, "auto" (default) "all" on GPU for a cache of at
+            most 64 MiB per layer, else "filled" (`auto_cache_reads`).
     """
     sampling.validate()
     if layer_weights not in LAYER_WEIGHTS:
         raise ValueError(f"layer_weights: expected one of {', '.join(LAYER_WEIGHTS)}, found {layer_weights!r}")
+    if cache_reads not in CACHE_READS_CHOICES:
+        raise ValueError(f"cache_reads: expected one of {', '.join(CACHE_READS_CHOICES)}, found {cache_reads!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected >= 1, found {max_new_tokens}")
     if lengths is None:
@@ -225,10 +258,12 @@ def generate(
     graphdef, state = nnx.split(model)
     if layer_weights == "auto":
         layer_weights = auto_layer_weights(model)
+    if cache_reads == "auto":
+        cache_reads = auto_cache_reads(model, ids.shape[0], max_len)
     tokens, steps = _generate(
         graphdef, state, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop), jax.random.key(seed),
         max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling, pad_id=int(pad_id),
-        split_layers=layer_weights == "split",
+        split_layers=layer_weights == "split", cache_reads=cache_reads,
     )
     tokens = np.asarray(tokens)[:, : int(steps)]
     stops = set(int(t) for t in stop_tokens)

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig, RopeConfig
+from models.kv_cache import CACHE_READS
 from sharding.rules import constrain
 
 NEG_INF = float(np.finfo(np.float32).min)
@@ -101,7 +102,8 @@ def attention(q_BTHD, k_BSKD, v_BSKE, mask_BTS, *, scale: float) -> jax.Array:
 
 
 def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
-                     key_positions_BT, cache_positions_BS, cache_used, block: int = 128) -> jax.Array:
+                     key_positions_BT, cache_positions_BS, cache_used, block: int = 128,
+                     reads: str = "filled") -> jax.Array:
     """Attention of T new tokens to themselves and to the filled slots of one layer of a stacked cache.
 
     Args:
@@ -113,37 +115,60 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
         layer: the layer (traced or static) whose slots are read.
         positions_BT: the new tokens' positions; `key_positions_BT` the same with -1 at padding.
         cache_positions_BS: the position held in each slot (-1: empty or padding).
-        cache_used: slots filled before these tokens (a traced scalar); only those are read.
+        cache_used: slots filled before these tokens (a traced scalar).
         block: slots per step of the running softmax.
+        reads: how a one-token step (T = 1, decoding) reads the cache: "filled" as any step, "all"
+            every slot in one pass, the empty ones masked (see below).
 
     The new tokens are attended first (causally, by position); then the cache's slots below
-    `cache_used`, `block` at a time, straight from the stacked cache with a running softmax. A
-    token's cost grows with the filled length, not with `max_len`, and no cache is ever copied.
+    `cache_used`, `block` at a time, straight from the stacked cache with a running softmax: a
+    token's cost grows with the filled length, not with `max_len`. That loop's trip count depends
+    on `cache_used`, and on GPU XLA reads each trip's condition back to the host, about 0.1 ms per
+    layer and token on an H200 (bench/RESULTS.md). There a one-token step of a small cache is
+    better off reading every slot at once (`reads="all"`), with element-wise products summed in
+    place of the batched matmuls: the same arithmetic, which XLA:GPU fuses with the cache reads,
+    where for the matmuls it transposes the whole stacked cache entering a compiled step. (On CPU
+    the loop and the matmuls are what decoding uses: no cache copy, and a few percent faster.)
     Every product is batched over (batch, kv head), prefill and decode alike: with the kv heads
     sharded (tensor parallelism) each device reads only its own heads' slots and nothing crosses
     devices. Returns (B, T, H, E) in the values' dtype.
     """
+    if reads not in CACHE_READS:
+        raise ValueError(f"reads: expected one of {', '.join(CACHE_READS)}, found {reads!r}")
     b, t, heads, _ = queries[0].shape
     length, kv_heads, e = value_cache.shape[2], value_cache.shape[3], value_cache.shape[4]
-    block = min(block, length)
+    one_pass = reads == "all" and t == 1
+    block = length if one_pass else min(block, length)
     layer = jnp.asarray(layer, jnp.int32)
     group = heads // kv_heads
     dtype = new_values.dtype
     queries = [q.reshape(b, t, kv_heads, group, q.shape[-1]) for q in queries]
 
     def scores_of(keys, valid_BTS):
-        scores = sum(jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-                     for q, k in zip(queries, keys, strict=True))
+        if one_pass:  # (B, S, K, G) from (B, 1, K, G, D) x (B, S, K, 1, D), summed over D
+            scores = sum(jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[:, :, :, None], axis=-1)
+                         for q, k in zip(queries, keys, strict=True))
+            scores = scores.transpose(0, 2, 3, 1)[:, :, :, None]
+        else:
+            scores = sum(jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+                         for q, k in zip(queries, keys, strict=True))
         valid = valid_BTS[:, None, None]
         return jnp.where(valid, scores, NEG_INF), valid
+
+    def weighted_values(probs, values):
+        if one_pass:  # (B, K, G, E) from (B, S, K, G, 1) x (B, S, K, 1, E), summed over S
+            probs_BSKG = probs[:, :, :, 0].transpose(0, 3, 1, 2)
+            weighted = jnp.sum(probs_BSKG[..., None] * values.astype(jnp.float32)[:, :, :, None], axis=1)
+            return weighted[:, :, :, None]
+        return jnp.einsum("bkgts,bske->bkgte", probs.astype(dtype), values.astype(dtype),
+                          preferred_element_type=jnp.float32)
 
     def accumulate(carry, scores, valid, values):
         row_max, row_sum, acc = carry
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1, keepdims=True))
         probs = jnp.where(valid, jnp.exp(scores - new_max), 0.0)
         correction = jnp.exp(row_max - new_max)
-        weighted = jnp.einsum("bkgts,bske->bkgte", probs.astype(dtype), values.astype(dtype),
-                              preferred_element_type=jnp.float32)
+        weighted = weighted_values(probs, values)
         return new_max, row_sum * correction + jnp.sum(probs, axis=-1, keepdims=True), acc * correction + weighted
 
     def step(j, carry):
@@ -159,7 +184,8 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     )
     scores, valid = scores_of(new_keys, make_attention_mask(positions_BT, key_positions_BT))
     carry = accumulate(init, scores, valid, new_values)
-    _, row_sum, acc = jax.lax.fori_loop(0, (cache_used + block - 1) // block, step, carry)
+    filled_blocks = (cache_used + block - 1) // block
+    _, row_sum, acc = step(0, carry) if one_pass else jax.lax.fori_loop(0, filled_blocks, step, carry)
     out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e).astype(dtype)
 
@@ -322,7 +348,7 @@ class Attention(nnx.Module):
 
         With a cache, `kv = (k, v)` are the whole stacks (L, B, S, K, D), read only; this is layer
         `layer`, and `cache_kwargs` are `cached_attention`'s `key_positions_BT`,
-        `cache_positions_BS` and `cache_used`.
+        `cache_positions_BS`, `cache_used` and `reads`.
 
         Returns:
             (out_BTD, new_kv): new_kv is the new tokens' (k, v), each (B, T, K, D), to be written

@@ -96,7 +96,7 @@ class Llama(nnx.Module):
         else:
             pairs, remat = kv_cache.split(), "none"
             kwargs = {"key_positions_BT": key_positions, "cache_positions_BS": kv_cache.positions,
-                      "cache_used": kv_cache.index}
+                      "cache_used": kv_cache.index, "reads": kv_cache.reads}
         stats, new_pairs = {}, []
         per_stack = [None] * len(stacks) if layer_states is None else layer_states
         for stack, pair, states in zip(stacks, pairs, per_stack, strict=True):
@@ -125,10 +125,11 @@ class Llama(nnx.Module):
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return head.astype(dtype_of(self.config.dtype)) if compute_dtype else head
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    def init_cache(self, batch: int, max_len: int, dtype=None, reads: str = "filled") -> KVCache:
+        """An empty cache; `reads` as in `KVCache` (how one-token steps read it)."""
         c = self.config
         return KVCache.init(
             stack_layers=[c.num_layers], batch=batch, max_len=max_len, kv_heads=c.num_kv_heads,
-            key_dim=c.head_dim, dtype=dtype or dtype_of(c.dtype),
+            key_dim=c.head_dim, dtype=dtype or dtype_of(c.dtype), reads=reads,
         )
 

@@ -15,7 +15,15 @@ from flax import nnx
 from hf_fixtures import save_hf_model
 
 from models import Llama, ModelConfig
-from models.generate import Sampling, auto_layer_weights, generate, greedy, sample
+from models.generate import (
+    ONE_PASS_MAX_LAYER_BYTES,
+    Sampling,
+    auto_cache_reads,
+    auto_layer_weights,
+    generate,
+    greedy,
+    sample,
+)
 from models.hf import from_hf
 from models.runner import split_stack
 from sharding import DEFAULT_RULES, build_mesh, use_rules
@@ -132,6 +140,7 @@ def test_greedy_picks_the_first_maximum_as_argmax_does():
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_len=8), "max_len"),
     (dict(layer_weights="flat"), "layer_weights: expected one of auto, split, stacked, found 'flat'"),
+    (dict(cache_reads="some"), "cache_reads: expected one of auto, filled, all, found 'some'"),
 ])
 def test_generate_rejects_bad_arguments(bad, message):
     model = Llama(TINY, rngs=nnx.Rngs(0))
@@ -153,6 +162,39 @@ def test_auto_layer_weights_copies_the_layers_only_where_the_copy_fits(monkeypat
     assert auto_layer_weights(model) == "split"
 
 
+def test_auto_cache_reads_reads_every_slot_only_on_gpu_and_for_small_caches(monkeypatch):
+    """`auto` keeps the filled-block loop on CPU (and TPU); on GPU it reads every slot in one pass
+    while a layer's slots take at most ONE_PASS_MAX_LAYER_BYTES (TINY: 256 bytes per batch row and slot)."""
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    fits = ONE_PASS_MAX_LAYER_BYTES // (2 * TINY.num_kv_heads * TINY.head_dim * 4 * 4)  # slots at batch 4
+    assert auto_cache_reads(model, 4, 128) == "filled"  # this machine: CPU
+    module = sys.modules["models.generate"]  # `models.generate` is also the function's name
+    for platform in ("tpu", "gpu"):
+        monkeypatch.setattr(module, "_platform", lambda state, platform=platform: platform)
+        assert auto_cache_reads(model, 4, 128) == ("all" if platform == "gpu" else "filled")
+        assert auto_cache_reads(model, 4, fits) == ("all" if platform == "gpu" else "filled")
+        assert auto_cache_reads(model, 4, fits + 1) == "filled"
+
+
+def test_one_pass_decode_step_has_no_data_dependent_loop():
+    """With `reads="all"` a compiled decode step holds one loop, the layer scan (whose trip count
+    XLA knows), and no loop over the cache blocks (whose trip count comes from the data: a
+    device-to-host read per trip on GPU); its logits equal the block loop's, and prompts (more
+    than one token) still loop over the filled blocks."""
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    step = jax.jit(lambda m, ids, cache: m(ids, kv_cache=cache))
+    prompt, token = jnp.asarray([[5, 7, 9], [3, 4, 1]]), jnp.asarray([[8], [2]])
+    loops, logits = {}, {}
+    for reads in ("filled", "all"):
+        _, cache = step(model, prompt, model.init_cache(2, 64, reads=reads))
+        assert len(re.findall(r" while\(", step.lower(model, prompt, cache).compile().as_text())) == 2
+        compiled = step.lower(model, token, cache).compile()
+        loops[reads] = len(re.findall(r" while\(", compiled.as_text()))
+        logits[reads] = compiled(model, token, cache)[0]
+    assert loops == {"filled": 2, "all": 1}
+    np.testing.assert_allclose(logits["all"], logits["filled"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
 def test_sharded_decode_equals_single_device(kind, tmp_path):
     """Greedy tokens with params and cache sharded over (fsdp=2, tp=2) equal one device's, with
@@ -169,6 +211,7 @@ def test_sharded_decode_equals_single_device(kind, tmp_path):
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
         assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS) == expected
         assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS, layer_weights="stacked") == expected
+        assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS, cache_reads="all") == expected
     if kind == "deepseek_v3":  # one prompt over fsdp x ep: a batch the token axes do not divide
         expected = generate(single, prompts[:1], max_new_tokens=NEW_TOKENS)
         mesh = build_mesh(dict(fsdp=2, ep=2), jax.devices()[:4])
@@ -177,11 +220,13 @@ def test_sharded_decode_equals_single_device(kind, tmp_path):
             assert generate(sharded, prompts[:1], max_new_tokens=NEW_TOKENS) == expected
 
 
+@pytest.mark.parametrize("reads", ["filled", "all"])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_tensor_parallel_cached_attention_needs_no_collective(tokens):
+def test_tensor_parallel_cached_attention_needs_no_collective(tokens, reads):
     """With the query and kv heads sharded over tp=2, cached attention (a decode step's one token,
-    and a prefill chunk) compiles to a program without any collective: each device reads only its
-    own kv heads' cache slots, never another device's."""
+    and a prefill chunk; the filled blocks looped over or every slot in one pass) compiles to a
+    program without any collective: each device reads only its own kv heads' cache slots, never
+    another device's."""
     from models.layers import cached_attention
 
     mesh = build_mesh(dict(tp=2), jax.devices()[:2])
@@ -199,7 +244,7 @@ def test_tensor_parallel_cached_attention_needs_no_collective(tokens):
     def attend(q, k, v, k_cache, v_cache, layer):
         return cached_attention([q], [k], v, [k_cache], v_cache, layer=layer, positions_BT=positions,
                                 key_positions_BT=positions, cache_positions_BS=cache_positions,
-                                cache_used=jnp.int32(40), block=16)
+                                cache_used=jnp.int32(40), block=16, reads=reads)
 
     arrays = (queries, new_keys, new_values, key_cache, value_cache)
     shardings = tuple(heads_on_tp(a.ndim) for a in arrays)

@@ -82,10 +82,12 @@ def test_generate_from_an_hf_directory_batches_prompts_with_its_tokenizer(tmp_pa
     (tmp_path / "prompts.txt").write_text("\n".join(prompts[1:]) + "\n")
     capsys.readouterr()
     assert main(["generate", "-c", "llama3-tiny", f"checkpoint={tmp_path}", f"prompt={prompts[0]}",
-                 f"prompts_file={tmp_path / 'prompts.txt'}", "max_new_tokens=5", "layer_weights=stacked"]) == 0
+                 f"prompts_file={tmp_path / 'prompts.txt'}", "max_new_tokens=5", "layer_weights=stacked",
+                 "cache_reads=all"]) == 0
     out = capsys.readouterr().out
     # As the command does: the weights on the preset's mesh (fsdp over all devices), BOS first, EOS
-    # stops (the command read the stacked weights, this reads per-layer copies: the same tokens).
+    # stops (the command read the stacked weights and every cache slot in one pass, this reads
+    # per-layer copies and the filled cache blocks: the same tokens).
     mesh = build_mesh(resolve_axis_sizes({"fsdp": -1}, jax.device_count()))
     _, model = from_hf(tmp_path, mesh=mesh)
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
@@ -162,6 +164,7 @@ def test_generate_names_a_damaged_tokenizer_json(tmp_path, capsys):
     (["checkpoint=.", "prompts_file=missing.txt"], "prompts_file=missing.txt: no such file"),
     (["checkpoint=.", "prompt=hi", "layer_weights=flat"],
      "layer_weights= expects one of auto, split, stacked, found 'flat'"),
+    (["checkpoint=.", "prompt=hi", "cache_reads=some"], "cache_reads= expects one of auto, filled, all, found 'some'"),
     (["checkpoint=no/such/dir", "prompt=hi"], "checkpoint=no/such/dir: no such directory"),
     (["checkpoint=.", "prompt=hi", "max_new_token=3"], "unknown key 'max_new_token'; did you mean 'max_new_tokens'?"),
 ])
