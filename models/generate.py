@@ -156,11 +156,6 @@ def _platform(state: nnx.State) -> str:
     return jax.default_backend()
 
 
-def _on_cpu(state: nnx.State) -> bool:
-    """Whether the params live on CPU devices."""
-    return _platform(state) == "cpu"
-
-
 def _available_host_bytes() -> int | None:
     """The host's available memory (`MemAvailable` in /proc/meminfo), None where it cannot be read."""
     try:
@@ -176,7 +171,7 @@ def _available_host_bytes() -> int | None:
 def auto_layer_weights(model: nnx.Module) -> str:
     """What `layer_weights="auto"` picks: "split" when the params are on CPU devices and a second
     copy of the layer weights fits in half of the host's available memory, else "stacked"."""
-    if not _on_cpu(nnx.state(model)):
+    if _platform(nnx.state(model)) != "cpu":
         return "stacked"
     layer_bytes = sum(leaf.nbytes for stack in model.stacks() for leaf in jax.tree.leaves(nnx.state(stack)))
     available = _available_host_bytes()
