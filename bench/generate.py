@@ -7,7 +7,11 @@ The issue's model (Llama, vocab 4096, hidden 256, ffn 1024, 8 layers, 8 query / 
 32, float32), 64-token prompts, no stop tokens, so every run makes exactly `--new-tokens` tokens.
 
 - `podtrain`: `models.generate.generate`, prefill and a `lax.while_loop` decode in one jitted
-  program over the stacked cache; attention reads only the filled cache blocks.
+  program over the stacked cache; attention reads only the filled cache slots (on CPU its decode
+  steps do so in the C++ kernel, `cache_reads=kernel`, the default there).
+- `filled`: the same with the decode steps' attention in XLA (`cache_reads=filled`: a loop over
+  the filled blocks); `stacked`: that, with each layer's weights sliced from the stacked arrays
+  (`layer_weights=stacked`, as on TPU) instead of per-layer copies.
 - `baseline`: written here, the naive scheme a public JAX project fell back to: per-layer weights
   in a Python list, one (k, v) cache pair per layer, a jitted step that loops over the layers in
   Python (unrolled in the trace) and attends to all `max_len` slots under a mask, called once per
@@ -23,7 +27,7 @@ the `runs` column says how many runs its medians come from.
 After the tables: floors for one decode step on this machine (`decode_floors`), where podtrain's
 decode step goes (`decode_parts`: the step as is, with its attention reduced to reading the cache
 blocks and the two products, to the block reads alone, and left out), with `--reads-shapes`
-decode steps reading the cache with `cache_reads=filled` and `=all` (`reads_stand_in`), and
+decode steps reading the cache with each `cache_reads` (`reads_stand_in`), and
 the compiled decode step's memory figures.
 """
 
@@ -145,18 +149,21 @@ def baseline_run(model: Llama, max_len: int) -> Run:
     return run
 
 
-def podtrain_run(model: Llama, max_len: int, layer_weights: str = "auto") -> Run:
+def podtrain_run(model: Llama, max_len: int, layer_weights: str = "auto", cache_reads: str = "auto") -> Run:
     def run(prompts: np.ndarray, max_new_tokens: int) -> np.ndarray:
         lengths = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
         return np.asarray(generate(model, prompts, lengths=lengths, max_new_tokens=max_new_tokens, max_len=max_len,
-                                   layer_weights=layer_weights))
+                                   layer_weights=layer_weights, cache_reads=cache_reads))
 
     return run
 
 
-# "podtrain" is `generate` as called (on CPU its decode steps read per-layer weight copies);
-# "stacked" is the same with `layer_weights="stacked"` (weights sliced from the stacks, as on TPU/GPU).
-IMPLEMENTATIONS = {"podtrain": podtrain_run, "stacked": partial(podtrain_run, layer_weights="stacked"),
+# "podtrain" is `generate` as called (on CPU its decode steps read per-layer weight copies and
+# attend to the cache in the C++ kernel); "filled" the same with the attention in XLA
+# (`cache_reads="filled"`, the block loop, as on TPU); "stacked" that with the weights sliced from
+# the stacks as well (`layer_weights="stacked"`, as on TPU).
+IMPLEMENTATIONS = {"podtrain": podtrain_run, "filled": partial(podtrain_run, cache_reads="filled"),
+                   "stacked": partial(podtrain_run, layer_weights="stacked", cache_reads="filled"),
                    "baseline": baseline_run}
 
 
@@ -264,19 +271,20 @@ def ratio_rows(rows: list[dict], short: int, long: int) -> list[dict]:
 
 
 def decode_step_memory(model: Llama, batch: int, max_lens: list[int]) -> list[dict]:
-    """XLA's figures for one compiled decode step (one token, cache donated) per cache size and
-    layer weights (sliced from the stacks, or the per-layer copies `generate` makes on CPU, passed
-    in): the cache is updated in place (aliased) and the temporaries do not hold a copy of it."""
+    """XLA's figures for one compiled decode step (one token, cache donated) per cache size, layer
+    weights (sliced from the stacks, or the per-layer copies `generate` makes on CPU, passed in)
+    and cache reads (the block loop, or the C++ kernel): the cache is updated in place (aliased)
+    and the temporaries do not hold a copy of it."""
     step = jax.jit(lambda m, token, cache, states: m(token, kv_cache=cache, layer_states=states), donate_argnums=2)
     rows = []
-    for weights in ("stacked", "split"):
+    for weights, reads in (("stacked", "filled"), ("split", "filled"), ("split", "kernel")):
         states = [split_stack(stack) for stack in model.stacks()] if weights == "split" else None
         for max_len in max_lens:
-            cache = model.init_cache(batch, max_len)
+            cache = model.init_cache(batch, max_len, reads=reads)
             compiled = step.lower(model, jnp.zeros((batch, 1), jnp.int32), cache, states).compile()
             memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list) else cost
-            rows.append({"weights": weights, "max_len": max_len,
+            rows.append({"weights": weights, "reads": reads, "max_len": max_len,
                          "cache_mib": sum(a.nbytes for a in (*cache.k, *cache.v)) / 2**20,
                          "alias_mib": memory.alias_size_in_bytes / 2**20,
                          "temp_mib": memory.temp_size_in_bytes / 2**20, "bytes_mib": cost["bytes accessed"] / 2**20})
@@ -412,6 +420,7 @@ def reads_stand_in(reads: str) -> Callable[[], contextlib.AbstractContextManager
 # Variants of the decode step, from the full step down to no attention to the cache at all.
 PART_VARIANTS = {
     "decode step": attention_stand_in(None),
+    "decode step, cache_reads=filled": reads_stand_in("filled"),
     "blocks + the two products, no softmax": attention_stand_in(_blocks_products),
     "cache blocks read, nothing computed": attention_stand_in(_blocks_read),
     "attention to the cache left out": attention_stand_in(_left_out),
@@ -473,7 +482,8 @@ PARTS_COLUMNS = (("model", "podtrain", "<8"), ("variant", "at the headline shape
 FLOOR_COLUMNS = (("floor", "per decode step", "<44"), ("ms_per_step", "ms", ".3f"), ("gb_per_s", "GB/s", "<6"))
 
 
-MEMORY_COLUMNS = (("weights", "layer weights", "<7"), ("max_len", "max_len", "d"), ("cache_mib", "KV cache MiB", ".1f"),
+MEMORY_COLUMNS = (("weights", "layer weights", "<7"), ("reads", "cache reads", "<6"),
+                  ("max_len", "max_len", "d"), ("cache_mib", "KV cache MiB", ".1f"),
                   ("alias_mib", "updated in place (alias) MiB", ".1f"), ("temp_mib", "temporaries MiB", ".2f"),
                   ("bytes_mib", "bytes accessed MiB (scan body once)", ".1f"))
 ROW_COLUMNS = (("implementation", "implementation", "<9"), ("batch", "batch", "d"), ("max_len", "max_len", "d"),

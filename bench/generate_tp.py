@@ -7,6 +7,8 @@ a time. Split into `--tp` CPU devices (`--xla_force_host_platform_device_count`,
 JAX starts) with the model sharded over `tp`, each device reads only its share of the weights
 and of the kv heads' cache, on its own core, at the price of two all-reduces per layer. This is
 what a CPU user gets from `XLA_FLAGS=--xla_force_host_platform_device_count=N` and `mesh.tp=N`.
+On several devices `generate` attends to the cache in XLA (`cache_reads=filled`); one device uses
+the C++ kernel (`cache_reads=kernel`, which spreads the attention over the cores itself).
 
 The model, prompts and timing are `bench/generate.py`'s (batch 4, max_len 128, 64-token prompts,
 64 new tokens; decode ms per step = (time(64 new) - time(1 new)) / 63, medians, the two

@@ -7,7 +7,7 @@ an HF directory, when its tokenizer.json puts BOS first (as Llama 3's does) or i
 tokenizer_config.json's `add_bos_token` is true. Generation stops at the EOS ids unless
 `stop=<id,id>` names others (`stop=` alone: none); greedy unless `temperature=` > 0.
 `layer_weights=stacked` keeps decode from making per-layer copies of the weights on CPU;
-`cache_reads=filled|all` says how decode steps read the cache (default `auto`: see
+`cache_reads=filled|all|kernel` says how decode steps read the cache (default `auto`: see
 `models.generate.generate`).
 """
 
@@ -27,7 +27,7 @@ from sharding.rules import use_rules
 
 USAGE = ("podtrain generate -c <preset> checkpoint=<dir> prompt=<text> [prompt=...] [prompts_file=<path>] "
          "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P] [seed=S] [stop=<id,id>] [step=N] "
-         "[layer_weights=auto|split|stacked] [cache_reads=auto|filled|all]")
+         "[layer_weights=auto|split|stacked] [cache_reads=auto|filled|all|kernel]")
 # key -> (parse, valid, what it expects); `prompt` may be given more than once.
 NUMBERS = {
     "max_new_tokens": (int, lambda v: v >= 1, "a positive integer"),
@@ -126,9 +126,12 @@ def run_command(args) -> int:
         raise ConfigError(f"prompt={empty[0]!r}: expected text that tokenises to at least one token, found none")
     start = time.perf_counter()
     with jax.set_mesh(mesh), use_rules(config.sharding.rules):
-        outputs = generate(model, prompts, max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-                           stop_tokens=stop, pad_id=tokenizer.pad_id, seed=request.seed,
-                           layer_weights=request.layer_weights, cache_reads=request.cache_reads)
+        try:
+            outputs = generate(model, prompts, max_new_tokens=request.max_new_tokens, sampling=request.sampling,
+                               stop_tokens=stop, pad_id=tokenizer.pad_id, seed=request.seed,
+                               layer_weights=request.layer_weights, cache_reads=request.cache_reads)
+        except ValueError as e:  # arguments this model cannot take here (e.g. cache_reads=kernel on bfloat16)
+            raise ConfigError(str(e)) from None
     seconds = time.perf_counter() - start
     for i, (text, tokens) in enumerate(zip(request.prompts, outputs, strict=True), 1):
         ended = "stopped" if tokens and tokens[-1] in stop else "max_new_tokens"

@@ -5,14 +5,16 @@ padding slots hold position -1 in the cache, so no token attends to them, and ea
 continues from its own length. The whole prefill + decode loop is one jitted program.
 
 On CPU the decode steps read each layer's weights from per-layer copies made once per call
-(`layer_weights`; see `models.runner.run_layers`), not from slices of the stacked arrays. On GPU
-a decode step reads a small cache whole in one pass (`cache_reads`; see
-`models.layers.cached_attention`) rather than looping over its filled blocks.
+(`layer_weights`; see `models.runner.run_layers`), not from slices of the stacked arrays, and
+attend to the cache in a C++ kernel (`cache_reads`; `models.kernels`). On GPU a decode step reads
+a small cache whole in one pass (see `models.layers.cached_attention`) rather than looping over
+its filled blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Sequence
 from functools import partial
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import kernels
 from models.kv_cache import CACHE_READS
 from models.runner import split_stack
 
@@ -85,7 +88,7 @@ def sample(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """(ids (B, P) right-padded with `pad_id`, lengths (B,)), P rounded up to `multiple` so that
     prompts of similar lengths share one compiled program."""
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: expected at least one prompt, each of at least one token")
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = -(-int(lengths.max()) // multiple) * multiple
@@ -179,13 +182,49 @@ def auto_layer_weights(model: nnx.Module) -> str:
 
 
 def auto_cache_reads(model: nnx.Module, batch: int, max_len: int) -> str:
-    """What `cache_reads="auto"` picks: "all" when the params are on GPU devices and one layer's
-    slots (keys and values of the whole batch) take at most `ONE_PASS_MAX_LAYER_BYTES`, else
-    "filled" (CPU, TPU, and big caches on GPU)."""
-    if _platform(nnx.state(model)) != "gpu":
-        return "filled"
+    """What `cache_reads="auto"` picks: on one CPU device with a float32 cache "kernel" (when the
+    kernel builds on this machine; else "filled", with a warning saying why); on GPU "all" while
+    one layer's slots (keys and values of the whole batch) take at most `ONE_PASS_MAX_LAYER_BYTES`;
+    otherwise "filled" (TPU, several devices, big caches on GPU, other dtypes)."""
+    platform = _platform(nnx.state(model))
     cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
-    return "all" if cache.layer_bytes() <= ONE_PASS_MAX_LAYER_BYTES else "filled"
+    if platform == "cpu":
+        if _devices(nnx.state(model)) > 1 or any(k.dtype != jnp.float32 for k in (*cache.k, *cache.v)):
+            return "filled"
+        return "filled" if _kernel_missing() else "kernel"
+    if platform == "gpu":
+        return "all" if cache.layer_bytes() <= ONE_PASS_MAX_LAYER_BYTES else "filled"
+    return "filled"
+
+
+@functools.cache
+def _kernel_missing() -> bool:
+    """True (with one warning per process) when the CPU decode-attention kernel cannot be built."""
+    error = kernels.kernel_error()
+    if error is not None:
+        warnings.warn(f"cache_reads=auto: decoding on CPU without the C++ decode-attention kernel ({error}); "
+                      "decode steps fall back to cache_reads=filled, slower", stacklevel=3)
+    return error is not None
+
+
+def _devices(state: nnx.State) -> int:
+    """How many devices the params span (the largest set any one param is on)."""
+    return max((len(leaf.devices()) for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)), default=1)
+
+
+def _check_kernel_reads(model: nnx.Module, batch: int, max_len: int) -> None:
+    """Raises ValueError when `cache_reads="kernel"` cannot run this model here."""
+    platform = _platform(nnx.state(model))
+    if platform != "cpu":
+        raise ValueError(f"cache_reads=kernel: the decode-attention kernel runs on CPU; the params are on {platform}")
+    dtypes = sorted({str(a.dtype) for a in jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(batch, max_len)))
+                     if a.dtype != jnp.int32})
+    if dtypes != ["float32"]:
+        raise ValueError(f"cache_reads=kernel: the kernel reads a float32 cache; this model's cache is {dtypes} "
+                         "(model.dtype); use cache_reads=filled")
+    error = kernels.kernel_error()
+    if error is not None:
+        raise ValueError(f"cache_reads=kernel: the CPU decode-attention kernel is not available: {error}")
 
 
 def generate(
@@ -220,8 +259,10 @@ def generate(
         cache_reads: how a decode step reads a layer's cache slots: "filled" loops over the filled
             blocks only (the cost follows the tokens so far, not `max_len`; the loop's trip count
             depends on the data, which costs a device-to-host read per layer and token on GPU),
-            "all" reads every slot in one pass, "auto" (default) "all" on GPU for a cache of at
-            most 64 MiB per layer, else "filled" (`auto_cache_reads`).
+            "all" reads every slot in one pass, "kernel" reads the filled slots in one call of a
+            C++ kernel (CPU, float32 cache; `models.kernels`), "auto" (default) "kernel" on one CPU
+            device, "all" on GPU for a cache of at most 64 MiB per layer, else "filled"
+            (`auto_cache_reads`).
     """
     sampling.validate()
     if layer_weights not in LAYER_WEIGHTS:
@@ -255,6 +296,8 @@ def generate(
         layer_weights = auto_layer_weights(model)
     if cache_reads == "auto":
         cache_reads = auto_cache_reads(model, ids.shape[0], max_len)
+    elif cache_reads == "kernel":
+        _check_kernel_reads(model, ids.shape[0], max_len)
     tokens, steps = _generate(
         graphdef, state, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop), jax.random.key(seed),
         max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling, pad_id=int(pad_id),

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 # How one-token (decode) steps read a layer's slots; see `models.layers.cached_attention`.
-CACHE_READS = ("filled", "all")
+CACHE_READS = ("filled", "all", "kernel")
 
 
 @struct.dataclass
@@ -29,7 +29,8 @@ class KVCache:
         index: int32 scalar, the next slot to write.
         reads: how a one-token step reads a layer's slots (static, part of the tree's structure):
             "filled" loops over the filled blocks only (its trip count depends on the data);
-            "all" reads every slot in one pass, the empty ones masked. See `cached_attention`.
+            "all" reads every slot in one pass, the empty ones masked; "kernel" reads the filled
+            slots in one call of a C++ kernel (CPU, float32). See `cached_attention`.
     """
 
     k: tuple[jax.Array, ...]

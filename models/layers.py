@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig, RopeConfig
+from models.kernels import decode_attention
 from models.kv_cache import CACHE_READS
 from sharding.rules import constrain
 
@@ -118,7 +119,8 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
         cache_used: slots filled before these tokens (a traced scalar).
         block: slots per step of the running softmax.
         reads: how a one-token step (T = 1, decoding) reads the cache: "filled" as any step, "all"
-            every slot in one pass, the empty ones masked (see below).
+            every slot in one pass, the empty ones masked, "kernel" the filled slots in one call of
+            a C++ kernel (CPU, float32; `models.kernels.decode_attention`). See below.
 
     The new tokens are attended first (causally, by position); then the cache's slots below
     `cache_used`, `block` at a time, straight from the stacked cache with a running softmax: a
@@ -128,7 +130,10 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     better off reading every slot at once (`reads="all"`), with element-wise products summed in
     place of the batched matmuls: the same arithmetic, which XLA:GPU fuses with the cache reads,
     where for the matmuls it transposes the whole stacked cache entering a compiled step. (On CPU
-    the loop and the matmuls are what decoding uses: no cache copy, and a few percent faster.)
+    the block loop and its matmuls cost more than the rest of a small model's decode step: XLA:CPU
+    copies each block out of the stacked cache and runs a dozen small library calls per layer; the
+    kernel, `reads="kernel"`, reads each slot where it lies, once, and does the whole attention in
+    one call, on the CPU's cores.)
     Every product is batched over (batch, kv head), prefill and decode alike: with the kv heads
     sharded (tensor parallelism) each device reads only its own heads' slots and nothing crosses
     devices. Returns (B, T, H, E) in the values' dtype.
@@ -143,6 +148,13 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     group = heads // kv_heads
     dtype = new_values.dtype
     queries = [q.reshape(b, t, kv_heads, group, q.shape[-1]) for q in queries]
+    if reads == "kernel" and t == 1:
+        # The whole step in one kernel call: the new token itself and the layer's filled slots.
+        attended = make_attention_mask(positions_BT, key_positions_BT)[:, 0, 0]
+        out = decode_attention([q[:, 0] for q in queries], [k[:, 0] for k in new_keys], new_values[:, 0], key_caches,
+                               value_cache, layer=layer, positions_B=positions_BT[:, 0], attended_B=attended,
+                               cache_positions_BS=cache_positions_BS, cache_used=cache_used)
+        return out.reshape(b, 1, heads, e).astype(dtype)
 
     def scores_of(keys, valid_BTS):
         if one_pass:  # (B, S, K, G) from (B, 1, K, G, D) x (B, S, K, 1, D), summed over D
@@ -184,8 +196,10 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     )
     scores, valid = scores_of(new_keys, make_attention_mask(positions_BT, key_positions_BT))
     carry = accumulate(init, scores, valid, new_values)
-    filled_blocks = (cache_used + block - 1) // block
-    _, row_sum, acc = step(0, carry) if one_pass else jax.lax.fori_loop(0, filled_blocks, step, carry)
+    if one_pass:
+        _, row_sum, acc = step(0, carry)
+    else:
+        _, row_sum, acc = jax.lax.fori_loop(0, (cache_used + block - 1) // block, step, carry)
     out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e).astype(dtype)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import warnings
@@ -14,7 +15,7 @@ import torch
 from flax import nnx
 from hf_fixtures import save_hf_model
 
-from models import Llama, ModelConfig
+from models import Llama, ModelConfig, kernels
 from models.generate import (
     ONE_PASS_MAX_LAYER_BYTES,
     Sampling,
@@ -140,7 +141,7 @@ def test_greedy_picks_the_first_maximum_as_argmax_does():
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_len=8), "max_len"),
     (dict(layer_weights="flat"), "layer_weights: expected one of auto, split, stacked, found 'flat'"),
-    (dict(cache_reads="some"), "cache_reads: expected one of auto, filled, all, found 'some'"),
+    (dict(cache_reads="some"), "cache_reads: expected one of auto, filled, all, kernel, found 'some'"),
 ])
 def test_generate_rejects_bad_arguments(bad, message):
     model = Llama(TINY, rngs=nnx.Rngs(0))
@@ -162,18 +163,56 @@ def test_auto_layer_weights_copies_the_layers_only_where_the_copy_fits(monkeypat
     assert auto_layer_weights(model) == "split"
 
 
-def test_auto_cache_reads_reads_every_slot_only_on_gpu_and_for_small_caches(monkeypatch):
-    """`auto` keeps the filled-block loop on CPU (and TPU); on GPU it reads every slot in one pass
-    while a layer's slots take at most ONE_PASS_MAX_LAYER_BYTES (TINY: 256 bytes per batch row and slot)."""
+def test_auto_cache_reads_picks_the_kernel_on_one_cpu_device_and_one_pass_on_small_gpu_caches(monkeypatch):
+    """`auto` reads with the C++ kernel on one CPU device with a float32 cache (else the
+    filled-block loop: several devices, bfloat16, no kernel, TPU); on GPU it reads every slot in
+    one pass while a layer's slots take at most ONE_PASS_MAX_LAYER_BYTES (TINY: 256 bytes per
+    batch row and slot)."""
     model = Llama(TINY, rngs=nnx.Rngs(0))
     fits = ONE_PASS_MAX_LAYER_BYTES // (2 * TINY.num_kv_heads * TINY.head_dim * 4 * 4)  # slots at batch 4
-    assert auto_cache_reads(model, 4, 128) == "filled"  # this machine: CPU
+    assert auto_cache_reads(model, 4, 128) == "kernel"  # this machine: CPU, one device
+    half = Llama(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    assert auto_cache_reads(half, 4, 128) == "filled"
     module = sys.modules["models.generate"]  # `models.generate` is also the function's name
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_devices", lambda state: 2)
+        assert auto_cache_reads(model, 4, 128) == "filled"
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_kernel_missing", lambda: True)
+        assert auto_cache_reads(model, 4, 128) == "filled"
     for platform in ("tpu", "gpu"):
         monkeypatch.setattr(module, "_platform", lambda state, platform=platform: platform)
         assert auto_cache_reads(model, 4, 128) == ("all" if platform == "gpu" else "filled")
         assert auto_cache_reads(model, 4, fits) == ("all" if platform == "gpu" else "filled")
         assert auto_cache_reads(model, 4, fits + 1) == "filled"
+
+
+def test_kernel_reads_say_why_they_cannot_run(monkeypatch):
+    """`cache_reads=kernel` where the kernel cannot run is an error naming the reason; `auto`
+    falls back to the block loop with one warning that says why."""
+    module = sys.modules["models.generate"]
+    prompts = _prompts(TINY.vocab_size)
+    half = Llama(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"cache_reads=kernel: the kernel reads a float32 cache; .*\['bfloat16'\]"):
+        generate(half, prompts, max_new_tokens=2, cache_reads="kernel")
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    monkeypatch.setattr(kernels, "kernel_error", lambda: "no working C++ compiler ('c++')")
+    with pytest.raises(ValueError, match=r"kernel is not available: no working C\+\+ compiler"):
+        generate(model, prompts, max_new_tokens=2, cache_reads="kernel")
+    with pytest.warns(UserWarning, match=r"without the C\+\+ decode-attention kernel \(no working C\+\+ compiler"):
+        assert module._kernel_missing.__wrapped__() is True
+    monkeypatch.setattr(module, "_platform", lambda state: "gpu")
+    with pytest.raises(ValueError, match="the decode-attention kernel runs on CPU; the params are on gpu"):
+        generate(model, prompts, max_new_tokens=2, cache_reads="kernel")
+
+
+def test_kernel_reads_give_the_block_loops_tokens():
+    """Greedy and sampled tokens with the kernel's decode steps equal the block loop's."""
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    prompts = _prompts(TINY.vocab_size)
+    for sampling in (Sampling(), Sampling(temperature=0.8, top_k=20)):
+        expected = generate(model, prompts, max_new_tokens=NEW_TOKENS, sampling=sampling, cache_reads="filled")
+        assert generate(model, prompts, max_new_tokens=NEW_TOKENS, sampling=sampling, cache_reads="kernel") == expected
 
 
 def test_one_pass_decode_step_has_no_data_dependent_loop():
@@ -212,6 +251,8 @@ def test_sharded_decode_equals_single_device(kind, tmp_path):
         assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS) == expected
         assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS, layer_weights="stacked") == expected
         assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS, cache_reads="all") == expected
+        # The kernel has no sharding rule: XLA gives it whole operands (correct, not fast).
+        assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS, cache_reads="kernel") == expected
     if kind == "deepseek_v3":  # one prompt over fsdp x ep: a batch the token axes do not divide
         expected = generate(single, prompts[:1], max_new_tokens=NEW_TOKENS)
         mesh = build_mesh(dict(fsdp=2, ep=2), jax.devices()[:4])
@@ -256,19 +297,21 @@ def test_tensor_parallel_cached_attention_needs_no_collective(tokens, reads):
     np.testing.assert_allclose(sharded(*arrays, jnp.int32(1)), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("layer_weights", ["stacked", "split"])
-def test_decode_step_updates_the_stacked_cache_in_place(layer_weights):
+@pytest.mark.parametrize("layer_weights, reads", [("stacked", "filled"), ("split", "filled"), ("split", "kernel")])
+def test_decode_step_updates_the_stacked_cache_in_place(layer_weights, reads):
     """A compiled decode step at max_len 4096: no copy of a whole stacked cache (the output cache
     aliases the donated input), and temporaries far below one layer's share of it; with the
-    weights read from the stacks or (CPU's default) from per-layer copies picked by `lax.switch`."""
+    weights read from the stacks or (CPU's default) from per-layer copies picked by `lax.switch`,
+    and the cache read by the block loop or (CPU's default) the C++ kernel."""
     config = TINY.replace(num_layers=4)
     model = Llama(config, rngs=nnx.Rngs(0))
-    cache = model.init_cache(2, 4096)
+    cache = model.init_cache(2, 4096, reads=reads)
     states = [split_stack(stack) for stack in model.stacks()] if layer_weights == "split" else None
     step = jax.jit(lambda m, token, cache, states: m(token, kv_cache=cache, layer_states=states), donate_argnums=2)
     compiled = step.lower(model, jnp.zeros((2, 1), jnp.int32), cache, states).compile()
     if layer_weights == "split":
         assert "conditional(" in compiled.as_text()
+    assert (reads == "kernel") == ("podtrain_decode_attention" in compiled.as_text())
     cache_shape = ",".join(map(str, cache.k[0].shape))
     copies = re.findall(rf"f32\[{cache_shape}\]\S* (?:copy|fusion)\(", compiled.as_text())
     # The only full-cache-shaped results: the in-place writes of k and v (dynamic-update-slice fusions).

@@ -97,6 +97,12 @@ def test_generate_from_an_hf_directory_batches_prompts_with_its_tokenizer(tmp_pa
         assert f"--- prompt {i} ---\n{prompt}\n--- completion {i} ({len(tokens)} tokens" in out
         assert f" ---\n{tokenizer.decode(tokens)}\n" in out
     assert f"generated {sum(map(len, want))} tokens for 3 prompts" in out
+    # The C++ kernel reads float32 caches only: asked for on bfloat16, one line naming why.
+    assert main(["generate", "-c", "llama3-tiny", f"checkpoint={tmp_path}", "prompt=w5", "max_new_tokens=2",
+                 "cache_reads=kernel", "model.dtype=bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert "cache_reads=kernel: the kernel reads a float32 cache; this model's cache is ['bfloat16']" in err, err
+    assert err.count("\n") == 1
 
 
 def test_generate_on_an_hf_directory_takes_runtime_model_keys_only(tmp_path, capsys):
@@ -164,7 +170,8 @@ def test_generate_names_a_damaged_tokenizer_json(tmp_path, capsys):
     (["checkpoint=.", "prompts_file=missing.txt"], "prompts_file=missing.txt: no such file"),
     (["checkpoint=.", "prompt=hi", "layer_weights=flat"],
      "layer_weights= expects one of auto, split, stacked, found 'flat'"),
-    (["checkpoint=.", "prompt=hi", "cache_reads=some"], "cache_reads= expects one of auto, filled, all, found 'some'"),
+    (["checkpoint=.", "prompt=hi", "cache_reads=some"],
+     "cache_reads= expects one of auto, filled, all, kernel, found 'some'"),
     (["checkpoint=no/such/dir", "prompt=hi"], "checkpoint=no/such/dir: no such directory"),
     (["checkpoint=.", "prompt=hi", "max_new_token=3"], "unknown key 'max_new_token'; did you mean 'max_new_tokens'?"),
 ])

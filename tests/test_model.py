@@ -75,7 +75,7 @@ def test_scan_equals_plain_layer_loop(remat):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("reads", ["filled", "all"])
+@pytest.mark.parametrize("reads", ["filled", "all", "kernel"])
 def test_cached_decode_equals_full_forward(reads):
     """Right-padded prompts of different lengths prefilled together, then one token at a time from
     each row's own position: every step's logits equal the full forward over that row's sequence,
@@ -103,18 +103,19 @@ def test_cached_decode_equals_full_forward(reads):
     assert int(cache.index) == 10 and cache.reads == reads
 
 
-@pytest.mark.parametrize("reads", ["filled", "all"])
+@pytest.mark.parametrize("reads", ["filled", "all", "kernel"])
 @pytest.mark.parametrize("kv_heads, group, dims, length, block, used", [
     (2, 4, (16,), 40, 16, 37),  # three blocks, the last one overlapping the second
     (4, 2, (32,), 128, 128, 64),  # one block (the benchmark's layout)
     (1, 8, (24, 8), 24, 8, 24),  # MLA: one latent "head", two key parts, every slot filled
+    (1, 4, (32, 16), 48, 16, 45),  # MLA with dims of whole 16-float vectors (the kernel's fast path)
     (2, 2, (8,), 16, 8, 0),  # an empty cache: only the token itself
 ])
 def test_one_token_cached_attention_equals_a_dense_softmax(kv_heads, group, dims, length, block, used, reads):
     """`cached_attention` of one new token (a decode step) against a plain masked softmax over
     the layer's filled slots and the token itself: rows of different lengths, a padding token
     (key position -1, which still attends but is not attended to), GQA and MLA's two key parts;
-    the filled blocks looped over or every slot read in one pass."""
+    the filled blocks looped over, every slot read in one pass, or the C++ kernel."""
     from models.layers import cached_attention
 
     rng = np.random.default_rng(7)
