@@ -48,6 +48,7 @@ def _expected(queries, new_keys, new_values, key_caches, value_cache, cache_posi
 @pytest.mark.parametrize("kv_heads, group, dims, value_dim, length, used", [
     (4, 2, (32,), 32, 128, 100),  # the benchmark's GQA layout, 16-float vectors throughout
     (2, 3, (16,), 16, 40, 37),  # the last chunk of 16 slots would pass the cache's end
+    (2, 2, (16,), 16, 40, 37),  # the same with queries taken in pairs (an even group)
     (1, 8, (32, 16), 32, 48, 45),  # MLA: two key parts, the latent also the value
     (2, 2, (24,), 12, 20, 20),  # dims that are not whole vectors
     (2, 2, (16,), 16, 32, 0),  # nothing filled: only the new tokens themselves

@@ -164,6 +164,31 @@ inline Floats ChunkScores(const Problem& pr, const float* const* keys, const flo
   return SumEachLanes(sums);
 }
 
+// Scores of two queries at once against 16 slots: each key row is loaded once for both.
+inline void ChunkScores2(const Problem& pr, const float* const* keys, const float* const* q0s,
+                         const float* const* q1s, int64_t s0, int64_t stride_rows, Floats& out0, Floats& out1) {
+  Floats sums0[kLanes], sums1[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) sums0[j] = sums1[j] = Floats{};
+  for (int p = 0; p < pr.num_parts; ++p) {
+    const int64_t dim = pr.parts[p].dim;
+    const float* q0 = q0s[p];
+    const float* q1 = q1s[p];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const float* key = keys[p] + (s0 + j) * stride_rows * dim;
+      Floats a0 = sums0[j], a1 = sums1[j];
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        const Floats kv = Load(key + d);
+        a0 += Load(q0 + d) * kv;
+        a1 += Load(q1 + d) * kv;
+      }
+      sums0[j] = a0;
+      sums1[j] = a1;
+    }
+  }
+  out0 = SumEachLanes(sums0);
+  out1 = SumEachLanes(sums1);
+}
+
 void AttendRows(Shared& shared) {
   const Problem& pr = shared.problem;
   const int64_t S = pr.slots, K = pr.kv_heads, G = pr.group, E = pr.value_dim, used = pr.used;
@@ -173,6 +198,7 @@ void AttendRows(Shared& shared) {
   for (int p = 0; p < pr.num_parts; ++p) vector_dims = vector_dims && pr.parts[p].dim % kLanes == 0;
   std::vector<float> scores(G * std::max<int64_t>(padded, kLanes));
   std::vector<unsigned char> valid(std::max<int64_t>(padded, 1));
+  std::vector<float> bias(std::max<int64_t>(padded, 1));
   std::vector<float> own_weights(G), norms(G);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t row; (row = shared.next.fetch_add(1, std::memory_order_relaxed)) < rows;
@@ -186,29 +212,49 @@ void AttendRows(Shared& shared) {
     int64_t any = new_attended;
     for (int64_t s = 0; s < padded; ++s) {
       valid[s] = s < used && slot_pos[s] >= 0 && slot_pos[s] <= position;
+      bias[s] = valid[s] ? 0.0f : kNegInf;
       any += valid[s];
     }
     if (any == 0) continue;  // nothing to attend to: zeros (the loop's increment counts the row done)
-    // Scores, 16 slots at a time per query; masked slots -inf.
+    // Scores, 16 slots at a time per query, plus the mask's bias (0, or -inf for a masked slot).
     const float* keys[kMaxParts];
     for (int p = 0; p < pr.num_parts; ++p) keys[p] = pr.parts[p].cache + (b * S * K + k) * pr.parts[p].dim;
+    int64_t paired = 0;
+    if (vector_dims && G % 2 == 0) {
+      for (int64_t s0 = 0; s0 + kLanes <= std::min(padded, S); s0 += kLanes) {
+        for (int64_t g = 0; g < G; g += 2) {
+          const float* q0s[kMaxParts];
+          const float* q1s[kMaxParts];
+          for (int p = 0; p < pr.num_parts; ++p) {
+            q0s[p] = pr.parts[p].query + (row * G + g) * pr.parts[p].dim;
+            q1s[p] = q0s[p] + pr.parts[p].dim;
+          }
+          Floats a, c;
+          ChunkScores2(pr, keys, q0s, q1s, s0, K, a, c);
+          const Floats bs = Load(bias.data() + s0);
+          Store(scores.data() + g * padded + s0, a + bs);
+          Store(scores.data() + (g + 1) * padded + s0, c + bs);
+        }
+        paired = s0 + kLanes;
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float* queries[kMaxParts];
       for (int p = 0; p < pr.num_parts; ++p) queries[p] = pr.parts[p].query + (row * G + g) * pr.parts[p].dim;
       float* sc = scores.data() + g * padded;
-      for (int64_t s0 = 0; s0 < used; s0 += kLanes) {
+      for (int64_t s0 = paired; s0 < used; s0 += kLanes) {
         if (vector_dims && s0 + kLanes <= S) {
-          Store(sc + s0, ChunkScores(pr, keys, queries, s0, K));
+          Store(sc + s0, ChunkScores(pr, keys, queries, s0, K) + Load(bias.data() + s0));
         } else {
           for (int64_t s = s0; s < std::min(s0 + kLanes, S); ++s) {
             float dot = 0.0f;
             for (int p = 0; p < pr.num_parts; ++p) {
               dot += Dot(queries[p], keys[p] + s * K * pr.parts[p].dim, pr.parts[p].dim);
             }
-            sc[s] = dot;
+            sc[s] = dot + bias[s];
           }
+          for (int64_t s = S; s < s0 + kLanes; ++s) sc[s] = kNegInf;
         }
-        for (int64_t s = s0; s < s0 + kLanes; ++s) sc[s] = valid[s] ? sc[s] : kNegInf;
       }
       // The new token's own score, then softmax numerators exp(score - max), 0 where masked.
       float own = kNegInf;
