@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from models.generate import CACHE_READS_CHOICES, LAYER_WEIGHTS, Sampling, generate
+from models.generate import CACHE_READS_CHOICES, LAYER_WEIGHTS, Sampling, check_kernel_reads, generate
 from orchestrator.config import ConfigError, load_config, override_keys
 from orchestrator.load import load_checkpoint_tokenizer, load_model
 from orchestrator.tokenizers import check_vocab
@@ -125,13 +125,15 @@ def run_command(args) -> int:
     if empty:
         raise ConfigError(f"prompt={empty[0]!r}: expected text that tokenises to at least one token, found none")
     start = time.perf_counter()
-    with jax.set_mesh(mesh), use_rules(config.sharding.rules):
+    if request.cache_reads == "kernel":
         try:
-            outputs = generate(model, prompts, max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-                               stop_tokens=stop, pad_id=tokenizer.pad_id, seed=request.seed,
-                               layer_weights=request.layer_weights, cache_reads=request.cache_reads)
-        except ValueError as e:  # arguments this model cannot take here (e.g. cache_reads=kernel on bfloat16)
+            check_kernel_reads(model)
+        except ValueError as e:
             raise ConfigError(str(e)) from None
+    with jax.set_mesh(mesh), use_rules(config.sharding.rules):
+        outputs = generate(model, prompts, max_new_tokens=request.max_new_tokens, sampling=request.sampling,
+                           stop_tokens=stop, pad_id=tokenizer.pad_id, seed=request.seed,
+                           layer_weights=request.layer_weights, cache_reads=request.cache_reads)
     seconds = time.perf_counter() - start
     for i, (text, tokens) in enumerate(zip(request.prompts, outputs, strict=True), 1):
         ended = "stopped" if tokens and tokens[-1] in stop else "max_new_tokens"

@@ -212,12 +212,12 @@ def _devices(state: nnx.State) -> int:
     return max((len(leaf.devices()) for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)), default=1)
 
 
-def _check_kernel_reads(model: nnx.Module, batch: int, max_len: int) -> None:
-    """Raises ValueError when `cache_reads="kernel"` cannot run this model here."""
+def check_kernel_reads(model: nnx.Module) -> None:
+    """Raises ValueError saying why when `cache_reads="kernel"` cannot run this model here."""
     platform = _platform(nnx.state(model))
     if platform != "cpu":
         raise ValueError(f"cache_reads=kernel: the decode-attention kernel runs on CPU; the params are on {platform}")
-    dtypes = sorted({str(a.dtype) for a in jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(batch, max_len)))
+    dtypes = sorted({str(a.dtype) for a in jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(1, 1)))
                      if a.dtype != jnp.int32})
     if dtypes != ["float32"]:
         raise ValueError(f"cache_reads=kernel: the kernel reads a float32 cache; this model's cache is {dtypes} "
@@ -297,7 +297,7 @@ def generate(
     if cache_reads == "auto":
         cache_reads = auto_cache_reads(model, ids.shape[0], max_len)
     elif cache_reads == "kernel":
-        _check_kernel_reads(model, ids.shape[0], max_len)
+        check_kernel_reads(model)
     tokens, steps = _generate(
         graphdef, state, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop), jax.random.key(seed),
         max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling, pad_id=int(pad_id),

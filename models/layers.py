@@ -196,10 +196,8 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     )
     scores, valid = scores_of(new_keys, make_attention_mask(positions_BT, key_positions_BT))
     carry = accumulate(init, scores, valid, new_values)
-    if one_pass:
-        _, row_sum, acc = step(0, carry)
-    else:
-        _, row_sum, acc = jax.lax.fori_loop(0, (cache_used + block - 1) // block, step, carry)
+    filled_blocks = (cache_used + block - 1) // block
+    _, row_sum, acc = step(0, carry) if one_pass else jax.lax.fori_loop(0, filled_blocks, step, carry)
     out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e).astype(dtype)
 
