@@ -8,10 +8,11 @@ The issue's model (Llama, vocab 4096, hidden 256, ffn 1024, 8 layers, 8 query / 
 
 - `podtrain`: `models.generate.generate`, prefill and a `lax.while_loop` decode in one jitted
   program over the stacked cache; attention reads only the filled cache slots (on CPU its decode
-  steps do so in the C++ kernel, `cache_reads=kernel`, the default there).
-- `filled`: the same with the decode steps' attention in XLA (`cache_reads=filled`: a loop over
-  the filled blocks); `stacked`: that, with each layer's weights sliced from the stacked arrays
-  (`layer_weights=stacked`, as on TPU) instead of per-layer copies.
+  steps do so in a C++ kernel, `cache_reads=kernel`, and multiply by the weights in another,
+  `decode_matmuls=kernel`, the defaults there).
+- `xla`: the same with the decode steps' attention and matmuls in XLA (`cache_reads=filled`: a
+  loop over the filled blocks; `decode_matmuls=xla`); `stacked`: that, with each layer's weights
+  sliced from the stacked arrays (`layer_weights=stacked`, as on TPU) instead of per-layer copies.
 - `baseline`: written here, the naive scheme a public JAX project fell back to: per-layer weights
   in a Python list, one (k, v) cache pair per layer, a jitted step that loops over the layers in
   Python (unrolled in the trace) and attends to all `max_len` slots under a mask, called once per
@@ -54,9 +55,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import format_table, machine_description, time_calls  # noqa: E402
-from models import Llama, ModelConfig  # noqa: E402
+from models import Llama, ModelConfig, kernels  # noqa: E402
 from models import layers as model_layers  # noqa: E402
-from models.generate import Sampling, auto_cache_reads, auto_layer_weights, generate  # noqa: E402
+from models.generate import (  # noqa: E402
+    Sampling,
+    auto_cache_reads,
+    auto_decode_matmuls,
+    auto_layer_weights,
+    generate,
+)
 from models.kv_cache import CACHE_READS  # noqa: E402
 from models.layers import NEG_INF, apply_rope, dense, rope_inv_freq  # noqa: E402
 from models.runner import split_stack  # noqa: E402
@@ -149,21 +156,26 @@ def baseline_run(model: Llama, max_len: int) -> Run:
     return run
 
 
-def podtrain_run(model: Llama, max_len: int, layer_weights: str = "auto", cache_reads: str = "auto") -> Run:
+def podtrain_run(model: Llama, max_len: int, layer_weights: str = "auto", cache_reads: str = "auto",
+                 decode_matmuls: str = "auto") -> Run:
     def run(prompts: np.ndarray, max_new_tokens: int) -> np.ndarray:
         lengths = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
         return np.asarray(generate(model, prompts, lengths=lengths, max_new_tokens=max_new_tokens, max_len=max_len,
-                                   layer_weights=layer_weights, cache_reads=cache_reads))
+                                   layer_weights=layer_weights, cache_reads=cache_reads,
+                                   decode_matmuls=decode_matmuls))
 
     return run
 
 
-# "podtrain" is `generate` as called (on CPU its decode steps read per-layer weight copies and
-# attend to the cache in the C++ kernel); "filled" the same with the attention in XLA
-# (`cache_reads="filled"`, the block loop, as on TPU); "stacked" that with the weights sliced from
-# the stacks as well (`layer_weights="stacked"`, as on TPU).
-IMPLEMENTATIONS = {"podtrain": podtrain_run, "filled": partial(podtrain_run, cache_reads="filled"),
-                   "stacked": partial(podtrain_run, layer_weights="stacked", cache_reads="filled"),
+# "podtrain" is `generate` as called (on CPU its decode steps read per-layer weight copies, and
+# attend to the cache and multiply by the weights in the C++ kernels); "xla" the same with the
+# attention and the matmuls in XLA (`cache_reads="filled"`, the block loop, `decode_matmuls="xla"`,
+# as on TPU); "stacked" that with the weights sliced from the stacks as well
+# (`layer_weights="stacked"`, as on TPU).
+IMPLEMENTATIONS = {"podtrain": podtrain_run,
+                   "xla": partial(podtrain_run, cache_reads="filled", decode_matmuls="xla"),
+                   "stacked": partial(podtrain_run, layer_weights="stacked", cache_reads="filled",
+                                      decode_matmuls="xla"),
                    "baseline": baseline_run}
 
 
@@ -417,10 +429,23 @@ def reads_stand_in(reads: str) -> Callable[[], contextlib.AbstractContextManager
                                                                                  **{**kwargs, "reads": reads}))
 
 
+@contextlib.contextmanager
+def xla_matmuls():
+    """A context in which decode steps multiply by the weights with XLA's dots whatever
+    `decode_matmuls` says (`models.kernels.use_matmul` answers no)."""
+    real = kernels.use_matmul
+    kernels.use_matmul = lambda x, w: False
+    try:
+        yield
+    finally:
+        kernels.use_matmul = real
+
+
 # Variants of the decode step, from the full step down to no attention to the cache at all.
 PART_VARIANTS = {
     "decode step": attention_stand_in(None),
     "decode step, cache_reads=filled": reads_stand_in("filled"),
+    "decode step, decode_matmuls=xla": xla_matmuls,
     "blocks + the two products, no softmax": attention_stand_in(_blocks_products),
     "cache blocks read, nothing computed": attention_stand_in(_blocks_read),
     "attention to the cache left out": attention_stand_in(_left_out),
@@ -449,6 +474,7 @@ def decode_parts(models: dict[str, tuple[Llama, Callable[[], contextlib.Abstract
         graphdef, state = nnx.split(model)
         split = auto_layer_weights(model) == "split"
         reads = auto_cache_reads(model, batch, max_len)
+        matmuls = auto_decode_matmuls(model)
         for variant, variant_context in variants.items():
             compiled = []
             with model_context(), variant_context():
@@ -456,7 +482,7 @@ def decode_parts(models: dict[str, tuple[Llama, Callable[[], contextlib.Abstract
                     jax.clear_caches()
                     compiled.append(program.lower(graphdef, state, *inputs, max_new_tokens=n, max_len=max_len,
                                                   sampling=Sampling(), pad_id=0, split_layers=split,
-                                                  cache_reads=reads).compile())
+                                                  cache_reads=reads, decode_matmuls=matmuls).compile())
             programs[model_name, variant] = (state, *compiled)
     jax.clear_caches()
 

@@ -7,7 +7,8 @@ an HF directory, when its tokenizer.json puts BOS first (as Llama 3's does) or i
 tokenizer_config.json's `add_bos_token` is true. Generation stops at the EOS ids unless
 `stop=<id,id>` names others (`stop=` alone: none); greedy unless `temperature=` > 0.
 `layer_weights=stacked` keeps decode from making per-layer copies of the weights on CPU;
-`cache_reads=filled|all|kernel` says how decode steps read the cache (default `auto`: see
+`cache_reads=filled|all|kernel` says how decode steps read the cache and
+`decode_matmuls=xla|kernel` how they multiply by the weights (default `auto` for both: see
 `models.generate.generate`).
 """
 
@@ -19,7 +20,15 @@ from pathlib import Path
 
 import jax
 
-from models.generate import CACHE_READS_CHOICES, LAYER_WEIGHTS, Sampling, check_kernel_reads, generate
+from models.generate import (
+    CACHE_READS_CHOICES,
+    DECODE_MATMULS,
+    LAYER_WEIGHTS,
+    Sampling,
+    check_kernel_matmuls,
+    check_kernel_reads,
+    generate,
+)
 from orchestrator.config import ConfigError, load_config, override_keys
 from orchestrator.load import load_checkpoint_tokenizer, load_model
 from orchestrator.tokenizers import check_vocab
@@ -27,7 +36,7 @@ from sharding.rules import use_rules
 
 USAGE = ("podtrain generate -c <preset> checkpoint=<dir> prompt=<text> [prompt=...] [prompts_file=<path>] "
          "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P] [seed=S] [stop=<id,id>] [step=N] "
-         "[layer_weights=auto|split|stacked] [cache_reads=auto|filled|all|kernel]")
+         "[layer_weights=auto|split|stacked] [cache_reads=auto|filled|all|kernel] [decode_matmuls=auto|xla|kernel]")
 # key -> (parse, valid, what it expects); `prompt` may be given more than once.
 NUMBERS = {
     "max_new_tokens": (int, lambda v: v >= 1, "a positive integer"),
@@ -38,7 +47,7 @@ NUMBERS = {
     "step": (int, lambda v: v >= 0, "a non-negative integer"),
 }
 # key -> the values it takes (its default first)
-CHOICES = {"layer_weights": LAYER_WEIGHTS, "cache_reads": CACHE_READS_CHOICES}
+CHOICES = {"layer_weights": LAYER_WEIGHTS, "cache_reads": CACHE_READS_CHOICES, "decode_matmuls": DECODE_MATMULS}
 GENERATE_KEYS = {"checkpoint", "prompt", "prompts_file", "stop", *CHOICES, *NUMBERS}
 
 
@@ -55,6 +64,7 @@ class Request:
     stop: tuple[int, ...] | None = None
     layer_weights: str = "auto"
     cache_reads: str = "auto"
+    decode_matmuls: str = "auto"
 
 
 def _parse(key: str, raw: str):
@@ -125,15 +135,18 @@ def run_command(args) -> int:
     if empty:
         raise ConfigError(f"prompt={empty[0]!r}: expected text that tokenises to at least one token, found none")
     start = time.perf_counter()
-    if request.cache_reads == "kernel":
-        try:
-            check_kernel_reads(model)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    checks = {"cache_reads": check_kernel_reads, "decode_matmuls": check_kernel_matmuls}
+    for key, check in checks.items():
+        if getattr(request, key) == "kernel":
+            try:
+                check(model)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     with jax.set_mesh(mesh), use_rules(config.sharding.rules):
         outputs = generate(model, prompts, max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                            stop_tokens=stop, pad_id=tokenizer.pad_id, seed=request.seed,
-                           layer_weights=request.layer_weights, cache_reads=request.cache_reads)
+                           layer_weights=request.layer_weights, cache_reads=request.cache_reads,
+                           decode_matmuls=request.decode_matmuls)
     seconds = time.perf_counter() - start
     for i, (text, tokens) in enumerate(zip(request.prompts, outputs, strict=True), 1):
         ended = "stopped" if tokens and tokens[-1] in stop else "max_new_tokens"

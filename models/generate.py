@@ -13,6 +13,7 @@ its filled blocks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -26,6 +27,7 @@ from flax import nnx
 
 from models import kernels
 from models.kv_cache import CACHE_READS
+from models.layers import dense
 from models.runner import split_stack
 
 
@@ -100,6 +102,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8
 
 LAYER_WEIGHTS = ("auto", "split", "stacked")
 CACHE_READS_CHOICES = ("auto", *CACHE_READS)
+DECODE_MATMULS = ("auto", "xla", "kernel")
 # On an H200 (f32, the benchmark's model) one pass over every slot beat the filled-block loop up to
 # 64 MiB of slots per layer (1.04 against 1.26 ms per decode step) and lost at 128 MiB (1.51 against
 # 1.28): bench/RESULTS.md.
@@ -107,9 +110,9 @@ ONE_PASS_MAX_LAYER_BYTES = 64 * 2**20
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id", "split_layers",
-                                   "cache_reads"))
+                                   "cache_reads", "decode_matmuls"))
 def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens, max_len, sampling, pad_id,
-              split_layers, cache_reads):
+              split_layers, cache_reads, decode_matmuls="xla"):
     model = nnx.merge(graphdef, state)
     # Made here, before the loop: one copy of the layer weights per call, read by every decode step.
     layer_states = [split_stack(stack) for stack in model.stacks()] if split_layers else None
@@ -117,7 +120,7 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
     head = model.head()
 
     def next_token(hidden_BD, key, done):
-        logits = (hidden_BD @ head).astype(jnp.float32)
+        logits = dense(hidden_BD, head).astype(jnp.float32)
         token = sample(logits, key, sampling)
         token = jnp.where(done, pad_id, token)
         return token, done | jnp.isin(token, stop)
@@ -138,10 +141,12 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
     def body(carry):
         step, cache, token, tokens, done, key = carry
         positions = (lengths + step - 1)[:, None]
-        hidden, cache = model(token[:, None], positions=positions, kv_cache=cache, return_hidden=True,
-                              scan=True, layer_states=layer_states)
-        key, step_key = jax.random.split(key)
-        token, done = next_token(hidden[:, 0], step_key, done)
+        matmuls = kernels.small_matmuls() if decode_matmuls == "kernel" else contextlib.nullcontext()
+        with matmuls:
+            hidden, cache = model(token[:, None], positions=positions, kv_cache=cache, return_hidden=True,
+                                  scan=True, layer_states=layer_states)
+            key, step_key = jax.random.split(key)
+            token, done = next_token(hidden[:, 0], step_key, done)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
         return step + 1, cache, token, tokens, done, key
 
@@ -207,6 +212,21 @@ def _kernel_missing() -> bool:
     return error is not None
 
 
+def auto_decode_matmuls(model: nnx.Module) -> str:
+    """What `decode_matmuls="auto"` picks: "kernel" on one CPU device with float32 params and
+    compute (when the kernels build here; else a warning and "xla"), else "xla"."""
+    state = nnx.state(model)
+    if _platform(state) != "cpu" or _devices(state) > 1 or not _float32(model):
+        return "xla"
+    return "xla" if _kernel_missing() else "kernel"
+
+
+def _float32(model: nnx.Module) -> bool:
+    """Whether the model computes in float32 with float32 params."""
+    config = model.config
+    return config.dtype == "float32" and config.param_dtype == "float32"
+
+
 def _devices(state: nnx.State) -> int:
     """How many devices the params span (the largest set any one param is on)."""
     return max((len(leaf.devices()) for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)), default=1)
@@ -227,6 +247,19 @@ def check_kernel_reads(model: nnx.Module) -> None:
         raise ValueError(f"cache_reads=kernel: the CPU decode-attention kernel is not available: {error}")
 
 
+def check_kernel_matmuls(model: nnx.Module) -> None:
+    """Raises ValueError saying why when `decode_matmuls="kernel"` cannot run this model here."""
+    platform = _platform(nnx.state(model))
+    if platform != "cpu":
+        raise ValueError(f"decode_matmuls=kernel: the matmul kernel runs on CPU; the params are on {platform}")
+    if not _float32(model):
+        raise ValueError(f"decode_matmuls=kernel: the kernel multiplies float32; this model has dtype "
+                         f"{model.config.dtype} and param_dtype {model.config.param_dtype}; use decode_matmuls=xla")
+    error = kernels.kernel_error()
+    if error is not None:
+        raise ValueError(f"decode_matmuls=kernel: the CPU matmul kernel is not available: {error}")
+
+
 def generate(
     model: nnx.Module,
     prompts: Sequence[Sequence[int]] | np.ndarray,
@@ -240,6 +273,7 @@ def generate(
     max_len: int | None = None,
     layer_weights: str = "auto",
     cache_reads: str = "auto",
+    decode_matmuls: str = "auto",
 ) -> list[list[int]]:
     """Generates up to `max_new_tokens` tokens after each prompt; returns each sequence's new tokens.
 
@@ -263,12 +297,18 @@ def generate(
             C++ kernel (CPU, float32 cache; `models.kernels`), "auto" (default) "kernel" on one CPU
             device, "all" on GPU for a cache of at most 64 MiB per layer, else "filled"
             (`auto_cache_reads`).
+        decode_matmuls: how a decode step multiplies its few rows by each weight: "xla" (XLA's
+            dot, one core on CPU), "kernel" (a C++ kernel sharing the columns out over the CPU's
+            cores; float32 only; `models.kernels.matmul`), "auto" (default) "kernel" on one CPU
+            device with a float32 model, else "xla" (`auto_decode_matmuls`).
     """
     sampling.validate()
     if layer_weights not in LAYER_WEIGHTS:
         raise ValueError(f"layer_weights: expected one of {', '.join(LAYER_WEIGHTS)}, found {layer_weights!r}")
     if cache_reads not in CACHE_READS_CHOICES:
         raise ValueError(f"cache_reads: expected one of {', '.join(CACHE_READS_CHOICES)}, found {cache_reads!r}")
+    if decode_matmuls not in DECODE_MATMULS:
+        raise ValueError(f"decode_matmuls: expected one of {', '.join(DECODE_MATMULS)}, found {decode_matmuls!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected >= 1, found {max_new_tokens}")
     if lengths is None:
@@ -298,10 +338,14 @@ def generate(
         cache_reads = auto_cache_reads(model, ids.shape[0], max_len)
     elif cache_reads == "kernel":
         check_kernel_reads(model)
+    if decode_matmuls == "auto":
+        decode_matmuls = auto_decode_matmuls(model)
+    elif decode_matmuls == "kernel":
+        check_kernel_matmuls(model)
     tokens, steps = _generate(
         graphdef, state, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop), jax.random.key(seed),
         max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling, pad_id=int(pad_id),
-        split_layers=layer_weights == "split", cache_reads=cache_reads,
+        split_layers=layer_weights == "split", cache_reads=cache_reads, decode_matmuls=decode_matmuls,
     )
     tokens = np.asarray(tokens)[:, : int(steps)]
     stops = set(int(t) for t in stop_tokens)

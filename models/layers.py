@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models import kernels
 from models.config import ModelConfig, RopeConfig
 from models.kernels import decode_attention
 from models.kv_cache import CACHE_READS
@@ -31,10 +32,13 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
 
     XLA:CPU turns the weight gradient of a 3-D einsum (contracting batch and sequence together)
     into a transposed copy of the (tokens, features) cotangent fused with element-wise work; a
-    2-D matmul keeps every operand in a layout its dot kernels take as is.
+    2-D matmul keeps every operand in a layout its dot kernels take as is. Inside
+    `models.kernels.small_matmuls()` (decode steps on CPU) a float32 product of a few rows runs
+    in the C++ kernel `models.kernels.matmul` on the CPU's cores.
     """
     in_size = math.prod(w.shape[:n_in])
-    y = x.reshape(-1, in_size) @ w.reshape(in_size, -1)
+    x2, w2 = x.reshape(-1, in_size), w.reshape(in_size, -1)
+    y = kernels.matmul(x2, w2) if kernels.use_matmul(x2, w2) else x2 @ w2
     return y.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:])
 
 

@@ -142,6 +142,7 @@ def test_greedy_picks_the_first_maximum_as_argmax_does():
     (dict(max_len=8), "max_len"),
     (dict(layer_weights="flat"), "layer_weights: expected one of auto, split, stacked, found 'flat'"),
     (dict(cache_reads="some"), "cache_reads: expected one of auto, filled, all, kernel, found 'some'"),
+    (dict(decode_matmuls="eigen"), "decode_matmuls: expected one of auto, xla, kernel, found 'eigen'"),
 ])
 def test_generate_rejects_bad_arguments(bad, message):
     model = Llama(TINY, rngs=nnx.Rngs(0))
@@ -206,13 +207,39 @@ def test_kernel_reads_say_why_they_cannot_run(monkeypatch):
         generate(model, prompts, max_new_tokens=2, cache_reads="kernel")
 
 
-def test_kernel_reads_give_the_block_loops_tokens():
-    """Greedy and sampled tokens with the kernel's decode steps equal the block loop's."""
+def test_kernel_reads_and_matmuls_give_xlas_tokens():
+    """Greedy and sampled tokens with the kernels' decode steps (attention, matmuls, both) equal
+    those of XLA's block loop and dots."""
     model = Llama(TINY, rngs=nnx.Rngs(0))
     prompts = _prompts(TINY.vocab_size)
+    def run(reads, matmuls, sampling):
+        return generate(model, prompts, max_new_tokens=NEW_TOKENS, sampling=sampling, cache_reads=reads,
+                        decode_matmuls=matmuls)
+
     for sampling in (Sampling(), Sampling(temperature=0.8, top_k=20)):
-        expected = generate(model, prompts, max_new_tokens=NEW_TOKENS, sampling=sampling, cache_reads="filled")
-        assert generate(model, prompts, max_new_tokens=NEW_TOKENS, sampling=sampling, cache_reads="kernel") == expected
+        expected = run("filled", "xla", sampling)
+        assert run("kernel", "xla", sampling) == run("filled", "kernel", sampling) == expected
+        assert run("kernel", "kernel", sampling) == expected
+
+
+def test_auto_decode_matmuls_and_their_refusals(monkeypatch):
+    """`auto` multiplies in the kernel on one CPU device with a float32 model, else in XLA;
+    `decode_matmuls=kernel` where it cannot run says why."""
+    module = sys.modules["models.generate"]
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    half = Llama(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    assert module.auto_decode_matmuls(model) == "kernel"
+    assert module.auto_decode_matmuls(half) == "xla"
+    with pytest.raises(ValueError, match="decode_matmuls=kernel: the kernel multiplies float32; this model has dtype "
+                                         "bfloat16 and param_dtype float32"):
+        generate(half, _prompts(TINY.vocab_size), max_new_tokens=2, decode_matmuls="kernel")
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_devices", lambda state: 4)
+        assert module.auto_decode_matmuls(model) == "xla"
+    monkeypatch.setattr(module, "_platform", lambda state: "tpu")
+    assert module.auto_decode_matmuls(model) == "xla"
+    with pytest.raises(ValueError, match="the matmul kernel runs on CPU; the params are on tpu"):
+        generate(model, _prompts(TINY.vocab_size), max_new_tokens=2, decode_matmuls="kernel")
 
 
 def test_one_pass_decode_step_has_no_data_dependent_loop():

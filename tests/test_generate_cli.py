@@ -172,6 +172,8 @@ def test_generate_names_a_damaged_tokenizer_json(tmp_path, capsys):
      "layer_weights= expects one of auto, split, stacked, found 'flat'"),
     (["checkpoint=.", "prompt=hi", "cache_reads=some"],
      "cache_reads= expects one of auto, filled, all, kernel, found 'some'"),
+    (["checkpoint=.", "prompt=hi", "decode_matmuls=some"],
+     "decode_matmuls= expects one of auto, xla, kernel, found 'some'"),
     (["checkpoint=no/such/dir", "prompt=hi"], "checkpoint=no/such/dir: no such directory"),
     (["checkpoint=.", "prompt=hi", "max_new_token=3"], "unknown key 'max_new_token'; did you mean 'max_new_tokens'?"),
 ])

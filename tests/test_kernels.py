@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +92,51 @@ def test_decode_attention_rejects_other_dtypes_and_part_counts():
         kernels.decode_attention([query, query], [new], new, [cache], cache, **args)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, depth, width", [
+    (4, 256, 1024), (1, 256, 100), (7, 1024, 256), (3, 32, 200), (8, 64, 64),
+])
+def test_matmul_matches_numpy(threads, rows, depth, width):
+    """A few rows times a weight: groups of 4 rows and fewer, widths with and without a partial
+    64-column tile and task, one and two threads."""
+    rng = np.random.default_rng(rows + width)
+    x = rng.standard_normal((rows, depth)).astype(np.float32)
+    w = rng.standard_normal((depth, width)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, w: kernels.matmul(x, w, threads=threads))(x, w))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_matmul_rejects_other_dtypes_and_shapes():
+    with pytest.raises(ValueError, match=r"expected float32 x \(M, K\) and w \(K, N\), found bfloat16\[2, 8\]"):
+        kernels.matmul(jnp.zeros((2, 8), jnp.bfloat16), jnp.zeros((8, 4), jnp.float32))
+    with pytest.raises(ValueError, match=r"found float32\[2, 8\] and float32\[9, 4\]"):
+        kernels.matmul(jnp.zeros((2, 8)), jnp.zeros((9, 4)))
+
+
+def test_dense_uses_the_matmul_kernel_only_for_a_few_float32_rows_inside_small_matmuls():
+    """`models.layers.dense` sends a product to the kernel inside `small_matmuls()` when it has at
+    most SMALL_MATMUL_ROWS rows and is float32; the result equals XLA's."""
+    from models.layers import dense
+
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((16, 4, 8)).astype(np.float32))
+
+    def program(x, w, inside, n_in=1):
+        with kernels.small_matmuls() if inside else contextlib.nullcontext():
+            return jax.jit(lambda x, w: dense(x, w, n_in)).lower(x, w).compile().as_text()
+
+    few = jnp.asarray(rng.standard_normal((2, 1, 16)).astype(np.float32))
+    many = jnp.asarray(rng.standard_normal((3, 3, 16)).astype(np.float32))  # 9 rows
+    assert "podtrain_decode_matmul" in program(few, w, inside=True)
+    assert "podtrain_decode_matmul" not in program(few, w, inside=False)
+    assert "podtrain_decode_matmul" not in program(many, w, inside=True)
+    assert "podtrain_decode_matmul" not in program(few.astype(jnp.bfloat16), w.astype(jnp.bfloat16), inside=True)
+    with kernels.small_matmuls():
+        got = jax.jit(dense)(few, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dense(few, w)), rtol=1e-5, atol=1e-5)
+    assert got.shape == (2, 1, 4, 8)
+
+
 def test_build_is_cached_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
     """The library is built once per (source, flags, compiler, jaxlib, CPU) into the cache
     directory and reused; a source that does not compile raises an error naming the file and the
@@ -101,7 +148,7 @@ def test_build_is_cached_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch
     assert kernels._build() == library and library.stat().st_mtime_ns == built_at
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++;\n")
-    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setattr(kernels, "SOURCES", (broken,))
     with pytest.raises(RuntimeError, match=r"(?s)building broken\.cc failed .*error"):
         kernels._build()
     assert sorted(p.name for p in (tmp_path / "built").iterdir()) == [library.name]

@@ -376,6 +376,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> value
   // Helpers from XLA's intra-op pool take rows alongside this thread. This thread waits only for
   // the rows, not for the helpers: one that starts late finds no row left and drops its share of
   // `shared`.
+  if (B * K == 0) return ffi::Error::Success();  // nothing to write
   const int64_t helpers = std::clamp<int64_t>(std::min(threads - 1, pool.num_threads()), 0, B * K - 1);
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([shared] { AttendRows(*shared); });
   AttendRows(*shared);
