@@ -5,8 +5,9 @@ padding slots hold position -1 in the cache, so no token attends to them, and ea
 continues from its own length. The whole prefill + decode loop is one jitted program.
 
 On CPU the decode steps read each layer's weights from per-layer copies made once per call
-(`layer_weights`; see `models.runner.run_layers`), not from slices of the stacked arrays, and
-attend to the cache in a C++ kernel (`cache_reads`; `models.kernels`). On GPU a decode step reads
+(`layer_weights`; see `models.runner.run_layers`), not from slices of the stacked arrays, attend
+to the cache in a C++ kernel (`cache_reads`) and multiply by the weights in another
+(`decode_matmuls`; both in `models.kernels`). On GPU a decode step reads
 a small cache whole in one pass (see `models.layers.cached_attention`) rather than looping over
 its filled blocks.
 """
