@@ -113,7 +113,7 @@ ONE_PASS_MAX_LAYER_BYTES = 64 * 2**20
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id", "split_layers",
                                    "cache_reads", "decode_matmuls"))
 def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens, max_len, sampling, pad_id,
-              split_layers, cache_reads, decode_matmuls="xla"):
+              split_layers, cache_reads, decode_matmuls):
     model = nnx.merge(graphdef, state)
     # Made here, before the loop: one copy of the layer weights per call, read by every decode step.
     layer_states = [split_stack(stack) for stack in model.stacks()] if split_layers else None
@@ -205,11 +205,11 @@ def auto_cache_reads(model: nnx.Module, batch: int, max_len: int) -> str:
 
 @functools.cache
 def _kernel_missing() -> bool:
-    """True (with one warning per process) when the CPU decode-attention kernel cannot be built."""
+    """True (with one warning per process) when the CPU decode kernels cannot be built."""
     error = kernels.kernel_error()
     if error is not None:
-        warnings.warn(f"cache_reads=auto: decoding on CPU without the C++ decode-attention kernel ({error}); "
-                      "decode steps fall back to cache_reads=filled, slower", stacklevel=3)
+        warnings.warn(f"decoding on CPU without the C++ decode-attention kernel ({error}) and matmul kernel: "
+                      "cache_reads=auto and decode_matmuls=auto fall back to XLA (filled, xla), slower", stacklevel=3)
     return error is not None
 
 
@@ -235,30 +235,30 @@ def _devices(state: nnx.State) -> int:
 
 def check_kernel_reads(model: nnx.Module) -> None:
     """Raises ValueError saying why when `cache_reads="kernel"` cannot run this model here."""
-    platform = _platform(nnx.state(model))
-    if platform != "cpu":
-        raise ValueError(f"cache_reads=kernel: the decode-attention kernel runs on CPU; the params are on {platform}")
+    _check_kernel(model, "cache_reads", "decode-attention")
     dtypes = sorted({str(a.dtype) for a in jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(1, 1)))
                      if a.dtype != jnp.int32})
     if dtypes != ["float32"]:
         raise ValueError(f"cache_reads=kernel: the kernel reads a float32 cache; this model's cache is {dtypes} "
                          "(model.dtype); use cache_reads=filled")
-    error = kernels.kernel_error()
-    if error is not None:
-        raise ValueError(f"cache_reads=kernel: the CPU decode-attention kernel is not available: {error}")
 
 
 def check_kernel_matmuls(model: nnx.Module) -> None:
     """Raises ValueError saying why when `decode_matmuls="kernel"` cannot run this model here."""
-    platform = _platform(nnx.state(model))
-    if platform != "cpu":
-        raise ValueError(f"decode_matmuls=kernel: the matmul kernel runs on CPU; the params are on {platform}")
+    _check_kernel(model, "decode_matmuls", "matmul")
     if not _float32(model):
         raise ValueError(f"decode_matmuls=kernel: the kernel multiplies float32; this model has dtype "
                          f"{model.config.dtype} and param_dtype {model.config.param_dtype}; use decode_matmuls=xla")
+
+
+def _check_kernel(model: nnx.Module, key: str, kernel: str) -> None:
+    """What both kernels need: params on CPU and the kernels built (raises ValueError naming `key`)."""
+    platform = _platform(nnx.state(model))
+    if platform != "cpu":
+        raise ValueError(f"{key}=kernel: the {kernel} kernel runs on CPU; the params are on {platform}")
     error = kernels.kernel_error()
     if error is not None:
-        raise ValueError(f"decode_matmuls=kernel: the CPU matmul kernel is not available: {error}")
+        raise ValueError(f"{key}=kernel: the CPU {kernel} kernel is not available: {error}")
 
 
 def generate(

@@ -145,27 +145,9 @@ struct Shared {
   std::atomic<int64_t> done{0};
 };
 
-// The scores of query `query` (dim floats per part, `parts` parts) against slots [s0, s0 + 16) of
-// one kv head: key rows `stride` floats apart.
-inline Floats ChunkScores(const Problem& pr, const float* const* keys, const float* const* queries, int64_t s0,
-                          int64_t stride_rows) {
-  Floats sums[kLanes];
-  for (int64_t j = 0; j < kLanes; ++j) sums[j] = Floats{};
-  for (int p = 0; p < pr.num_parts; ++p) {
-    const int64_t dim = pr.parts[p].dim;
-    const float* q = queries[p];
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const float* key = keys[p] + (s0 + j) * stride_rows * dim;
-      Floats acc = sums[j];
-      for (int64_t d = 0; d < dim; d += kLanes) acc += Load(q + d) * Load(key + d);
-      sums[j] = acc;
-    }
-  }
-  return SumEachLanes(sums);
-}
-
-// Scores of two queries at once against 16 slots: each key row is loaded once for both.
-inline void ChunkScores2(const Problem& pr, const float* const* keys, const float* const* q0s,
+// The scores of two queries (dim floats per part) against slots [s0, s0 + 16) of one kv head, key
+// rows `stride_rows` rows apart: each key row is loaded once for both.
+inline void ChunkScores(const Problem& pr, const float* const* keys, const float* const* q0s,
                          const float* const* q1s, int64_t s0, int64_t stride_rows, Floats& out0, Floats& out1) {
   Floats sums0[kLanes], sums1[kLanes];
   for (int64_t j = 0; j < kLanes; ++j) sums0[j] = sums1[j] = Floats{};
@@ -219,42 +201,41 @@ void AttendRows(Shared& shared) {
     // Scores, 16 slots at a time per query, plus the mask's bias (0, or -inf for a masked slot).
     const float* keys[kMaxParts];
     for (int p = 0; p < pr.num_parts; ++p) keys[p] = pr.parts[p].cache + (b * S * K + k) * pr.parts[p].dim;
-    int64_t paired = 0;
-    if (vector_dims && G % 2 == 0) {
+    // Whole 16-slot chunks with vector dims two queries at a time (an odd group's last query
+    // paired with itself); what remains (a chunk past the cache's end, other dims) slot by slot.
+    int64_t vectored = 0;
+    if (vector_dims) {
       for (int64_t s0 = 0; s0 + kLanes <= std::min(padded, S); s0 += kLanes) {
         for (int64_t g = 0; g < G; g += 2) {
+          const int64_t g1 = std::min(g + 1, G - 1);
           const float* q0s[kMaxParts];
           const float* q1s[kMaxParts];
           for (int p = 0; p < pr.num_parts; ++p) {
             q0s[p] = pr.parts[p].query + (row * G + g) * pr.parts[p].dim;
-            q1s[p] = q0s[p] + pr.parts[p].dim;
+            q1s[p] = pr.parts[p].query + (row * G + g1) * pr.parts[p].dim;
           }
           Floats a, c;
-          ChunkScores2(pr, keys, q0s, q1s, s0, K, a, c);
+          ChunkScores(pr, keys, q0s, q1s, s0, K, a, c);
           const Floats bs = Load(bias.data() + s0);
           Store(scores.data() + g * padded + s0, a + bs);
-          Store(scores.data() + (g + 1) * padded + s0, c + bs);
+          if (g1 != g) Store(scores.data() + g1 * padded + s0, c + bs);
         }
-        paired = s0 + kLanes;
+        vectored = s0 + kLanes;
       }
     }
     for (int64_t g = 0; g < G; ++g) {
       const float* queries[kMaxParts];
       for (int p = 0; p < pr.num_parts; ++p) queries[p] = pr.parts[p].query + (row * G + g) * pr.parts[p].dim;
       float* sc = scores.data() + g * padded;
-      for (int64_t s0 = paired; s0 < used; s0 += kLanes) {
-        if (vector_dims && s0 + kLanes <= S) {
-          Store(sc + s0, ChunkScores(pr, keys, queries, s0, K) + Load(bias.data() + s0));
-        } else {
-          for (int64_t s = s0; s < std::min(s0 + kLanes, S); ++s) {
-            float dot = 0.0f;
-            for (int p = 0; p < pr.num_parts; ++p) {
-              dot += Dot(queries[p], keys[p] + s * K * pr.parts[p].dim, pr.parts[p].dim);
-            }
-            sc[s] = dot + bias[s];
+      for (int64_t s0 = vectored; s0 < used; s0 += kLanes) {
+        for (int64_t s = s0; s < std::min(s0 + kLanes, S); ++s) {
+          float dot = 0.0f;
+          for (int p = 0; p < pr.num_parts; ++p) {
+            dot += Dot(queries[p], keys[p] + s * K * pr.parts[p].dim, pr.parts[p].dim);
           }
-          for (int64_t s = S; s < s0 + kLanes; ++s) sc[s] = kNegInf;
+          sc[s] = dot + bias[s];
         }
+        for (int64_t s = S; s < s0 + kLanes; ++s) sc[s] = kNegInf;
       }
       // The new token's own score, then softmax numerators exp(score - max), 0 where masked.
       float own = kNegInf;
