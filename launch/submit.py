@@ -1,6 +1,8 @@
 """`podtrain submit --address http://HEAD:8265 -c <preset> [key=value ...]`: `ray job submit` of `podtrain train`.
 
-The config is loaded and validated here first (a mistake costs no cluster time). The job gets the
+The config is loaded and validated here first (a mistake costs no cluster time), and a relative
+`run.dir` is made absolute here (the job itself runs in Ray's temporary copy of the working
+directory, where the run would be lost at the next Ray restart or code change). The job gets the
 working directory (without virtualenvs, run outputs and caches), `RAY_JOB_STOP_WAIT_TIME_S` set
 from `cluster.stop_grace_s` so that `ray job stop` leaves the workers time to checkpoint, and the
 run name as its job id. With `--follow` (the default) the job's logs are streamed until it ends.
@@ -38,6 +40,16 @@ def entrypoint(preset: str, overrides: list[str], working_dir: Path) -> str:
     return shlex.join(["podtrain", "train", "-c", preset, *overrides])
 
 
+def absolute_run_dir(config, overrides: list[str]) -> list[str]:
+    """`overrides` with `run.dir` made absolute here, where the user named it: the job runs in Ray's
+    temporary copy of the working directory, where a relative one would put the run."""
+    base = Path(config.run.dir).expanduser()
+    if base.is_absolute():
+        return list(overrides)
+    kept = [item for item in overrides if item.partition("=")[0].strip() != "run.dir"]
+    return [*kept, f"run.dir={base.absolute()}"]
+
+
 def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -69,12 +81,14 @@ def run_command(args) -> int:
     for name in ("RAY_AUTH_MODE",):
         if os.environ.get(name):
             env_vars[name] = os.environ[name]
-    command = entrypoint(args.config, args.overrides, working_dir)
+    overrides = absolute_run_dir(config, args.overrides)
+    command = entrypoint(args.config, overrides, working_dir)
     client.submit_job(
         entrypoint=command, submission_id=job_id,
         runtime_env={"working_dir": str(working_dir), "excludes": EXCLUDES, "env_vars": env_vars},
     )
     print(f"submitted job {job_id} to {address}: {command}")
+    print(f"  run directory: {Path(config.run.dir).expanduser().absolute() / job_id}")
     print(f"  logs: ray job logs --address {address} -f {job_id}   stop: ray job stop --address {address} {job_id}")
     if args.no_follow:
         return 0

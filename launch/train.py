@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 from orchestrator.config import load_config, resolve_preset
+from orchestrator.preflight import check_inputs
+from orchestrator.rundir import RunLock, resolve_run_dir
 from orchestrator.train import EXIT_PREEMPTED, run
 
 
@@ -20,11 +21,13 @@ def run_command(args) -> int:
     ours.addHandler(handler)
     ours.propagate = False
     config = load_config(args.config, args.overrides)
-    run_dir = Path(config.run.dir) / (config.run.name or resolve_preset(args.config).stem)
+    run_dir = resolve_run_dir(config, resolve_preset(args.config).stem)
     if config.cluster.kind != "none":
         from orchestrator.cluster.driver import run_job
 
         return run_job(config, run_dir).exit_code
-    result = run(config, run_dir)
+    inputs = check_inputs(config, run_dir)  # before the lock creates the run directory
+    with RunLock(run_dir, "podtrain train cluster=none"):
+        result = run(config, run_dir, inputs=inputs)
     print("\n" + result.summary())
     return EXIT_PREEMPTED if result.preempted else 0

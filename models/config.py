@@ -133,6 +133,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"{prefix}.head_dim: RoPE needs an even head_dim, found {self.head_dim}")
+        for name in ("rms_norm_eps", "initializer_range"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{prefix}.{name}: expected a number > 0, found {getattr(self, name)}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{prefix}.{name}: expected one of {list(DTYPES)}, found {getattr(self, name)!r}")
@@ -140,12 +143,31 @@ class ModelConfig:
             raise ValueError(
                 f"{prefix}.remat: unknown remat policy {self.remat!r}; valid policies: {', '.join(REMAT_POLICIES)}"
             )
-        if self.rope.rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"{prefix}.rope.rope_type: expected one of {list(ROPE_TYPES)}, found {self.rope.rope_type!r}"
-            )
+        self._validate_rope(f"{prefix}.rope")
         if self.model_type == "deepseek_v3":
             self._validate_deepseek(prefix)
+
+    def _validate_rope(self, prefix: str) -> None:
+        rope = self.rope
+        if rope.rope_type not in ROPE_TYPES:
+            raise ValueError(f"{prefix}.rope_type: expected one of {list(ROPE_TYPES)}, found {rope.rope_type!r}")
+        if not rope.theta > 1:
+            raise ValueError(f"{prefix}.theta: expected a base > 1 (such as 10000.0), found {rope.theta}")
+        if not rope.factor > 0:
+            raise ValueError(f"{prefix}.factor: expected a number > 0, found {rope.factor}")
+        if rope.original_max_position_embeddings <= 0:
+            raise ValueError(f"{prefix}.original_max_position_embeddings: expected a positive integer, "
+                             f"found {rope.original_max_position_embeddings}")
+        if rope.rope_type == "llama3" and not 0 < rope.low_freq_factor < rope.high_freq_factor:
+            raise ValueError(f"{prefix}.low_freq_factor={rope.low_freq_factor}, {prefix}.high_freq_factor="
+                             f"{rope.high_freq_factor}: expected 0 < low_freq_factor < high_freq_factor")
+        if rope.rope_type == "yarn":
+            if not 0 < rope.beta_slow <= rope.beta_fast:
+                raise ValueError(f"{prefix}.beta_fast={rope.beta_fast}, {prefix}.beta_slow={rope.beta_slow}: "
+                                 "expected 0 < beta_slow <= beta_fast (rotations; 1 and 32 in DeepSeek-V3)")
+            for name in ("mscale", "mscale_all_dim"):
+                if not getattr(rope, name) >= 0:
+                    raise ValueError(f"{prefix}.{name}: expected a number >= 0 (0: unset), found {getattr(rope, name)}")
 
     def _validate_deepseek(self, prefix: str) -> None:
         mla, moe = self.mla, self.moe
@@ -190,6 +212,9 @@ class ModelConfig:
                 f"{prefix}.moe.num_experts_per_tok={moe.num_experts_per_tok} exceeds the {routable} experts "
                 f"in the best {prefix}.moe.topk_group={moe.topk_group} groups"
             )
+        if not moe.routed_scaling_factor > 0:
+            raise ValueError(f"{prefix}.moe.routed_scaling_factor: expected a number > 0, "
+                             f"found {moe.routed_scaling_factor}")
         for name in ("capacity_factor", "bias_update_rate"):
             if getattr(moe, name) < 0:
                 raise ValueError(f"{prefix}.moe.{name}: expected a number >= 0, found {getattr(moe, name)}")

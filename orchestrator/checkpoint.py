@@ -23,18 +23,20 @@ once every process has finished, so a folder named by a bare integer is a commit
       <step>.orbax-checkpoint-tmp/      a save in flight or interrupted: never listed, never restored
 
 Resuming (`checkpoint.resume`): `auto` restores the newest step that restores; a step that fails
-(a truncated or missing array file, broken metadata, or a state that no longer matches the model)
-is logged and the step before it is tried. Nothing is ever deleted by a restore; once an older step
-restored, the damaged newer ones are renamed `<step>.damaged` (Orbax then ignores them, so the run
-checkpoints those step numbers again instead of skipping every save up to them). With no checkpoint
-the run starts fresh; when checkpoints exist but none restores, `NoRestorableCheckpointError` lists
-every step with its error, because silently starting over would throw away a run. `none` starts
-fresh and refuses a directory that already holds checkpoints (Orbax would silently skip saving any
-step not newer than the ones there); a step number restores exactly that step and, once every
-process restored it, renames the newer steps `<step>.superseded` (kept, never deleted): the run
-writes its own steps under those numbers, and a later `auto` continues the new run, not the one it
-replaced. A `.damaged` or `.superseded` name already taken gets `.2`, `.3`... Both mistakes (`none`
-on checkpoints, a step that is not there) are `ConfigError`s.
+(a truncated, garbled or missing array file, broken metadata, or a state that no longer matches the
+model) is logged and the step before it is tried. Every process reads its own shards of a step, then
+the processes share their outcomes and decide together: a step whose read failed on any process is
+damaged for all of them, so they fall back to the same step. Nothing is ever deleted by a restore;
+once an older step restored, process 0 renames the damaged newer ones `<step>.damaged` (Orbax then
+ignores them, so the run checkpoints those step numbers again instead of skipping every save up to
+them). With no checkpoint the run starts fresh; when checkpoints exist but none restores,
+`NoRestorableCheckpointError` lists every step with its error, because silently starting over would
+throw away a run. `none` starts fresh and refuses a directory that already holds checkpoints (Orbax
+would silently skip saving any step not newer than the ones there); a step number restores exactly
+that step and, once every process restored it, renames the newer steps `<step>.superseded` (kept,
+never deleted): the run writes its own steps under those numbers, and a later `auto` continues the
+new run, not the one it replaced. A `.damaged` or `.superseded` name already taken gets `.2`,
+`.3`... Both mistakes (`none` on checkpoints, a step that is not there) are `ConfigError`s.
 
 With several processes the directory must be one that every process sees (a shared filesystem
 or a URL such as gs://): each process writes its own shards into it. A `Checkpointer` checks this
@@ -48,17 +50,12 @@ rather than at the first save. A save that fails anyway (a full disk) raises `Ch
 naming the step, the directory and the cause in one line; the steps committed before it are kept
 (Orbax deletes old steps only after a new one commits). Orbax's threads still log their own
 tracebacks of the failure first.
-
-Every process tries the same steps, newest first, and a damaged step normally fails on all of them
-(the files under a step are shared). Damage that only some processes read would let them restore
-different steps; the processes compare the step they restored and raise rather than train on a mix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import os
 import uuid
@@ -66,29 +63,35 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 import yaml
 from etils import epath
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from orbax.checkpoint import multihost
 
 from orchestrator.config import CheckpointConfig, Config, ConfigError, flatten_keys, to_yaml
+from orchestrator.integrity import (
+    DAMAGE_ERRORS,
+    DamagedStepError,
+    changed_leaves,
+    describe,
+    fingerprints,
+    gather_json,
+    raise_if_failed,
+    verdict,
+)
 from sharding.mesh import describe_mesh
 
 logger = logging.getLogger(__name__)
 
-# What a damaged step raises: tensorstore reports DATA_LOSS, OUT_OF_RANGE and NOT_FOUND as
-# ValueError, a broken JSON file is a ValueError, a missing file an OSError, a missing item a KeyError.
-_DAMAGED_STEP_ERRORS = (ValueError, OSError, KeyError)
 # What a save raises when writing fails: tensorstore reports RESOURCE_EXHAUSTED (a full disk) and
 # OUT_OF_RANGE (past a file size limit) as ValueError; files written by Python raise OSError.
 _WRITE_ERRORS = (ValueError, OSError)
 
 
-class NoRestorableCheckpointError(RuntimeError):
-    """Checkpoints exist but none of them restores.
+class NoRestorableCheckpointError(ConfigError):
+    """Checkpoints exist but none of them restores: a restart would not help, the user must choose
+    (the CLI prints it as one line, exit code 2).
 
     Attributes:
         failures: each step tried (newest first) and the error its restore raised.
@@ -96,7 +99,8 @@ class NoRestorableCheckpointError(RuntimeError):
 
     def __init__(self, directory: str, failures: Mapping[int, Exception]):
         self.failures = dict(failures)
-        listed = "; ".join(f"step {step}: {_describe(error)}" for step, error in self.failures.items())
+        listed = "; ".join(f"step {step}: {getattr(error, 'reason', None) or describe(error)}"
+                           for step, error in self.failures.items())
         super().__init__(
             f"no checkpoint in {directory} can be restored ({listed}). Nothing was deleted: move the "
             "broken step folders away to resume from an older one, or start over with a new checkpoint.dir"
@@ -114,16 +118,13 @@ class CheckpointWriteError(RuntimeError):
     def __init__(self, step: int | None, directory: str, error: Exception):
         self.step = step
         which = "a checkpoint step" if step is None else f"checkpoint step {step}"
-        super().__init__(f"{which} could not be written to {directory} ({_describe(error, max_chars=1000)}); the "
+        super().__init__(f"{which} could not be written to {directory} ({describe(error, max_chars=1000)}); the "
                          "steps committed before it are kept: free space or fix the storage, then resume")
 
 
-def _describe(error: Exception, max_chars: int = 300) -> str:
-    """The error's type and first line, cut short (tensorstore appends its whole spec as JSON)."""
-    text = (str(error).splitlines() or [""])[0]
-    if len(text) > max_chars:
-        text = text[:max_chars] + "..."
-    return f"{type(error).__name__}: {text}"
+def _read_json(item: epath.Path) -> dict:
+    """A JSON item of a step (`meta`, `data_position`), as Orbax's JsonSave wrote it."""
+    return dict(ocp.JsonCheckpointHandler().restore(item))
 
 
 # Model keys that change how the model runs, is initialised or is trained, not what its weights
@@ -146,6 +147,54 @@ def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:
                    if saved.get(key) != current.get(key)]
     more = f"; and {len(differences) - shown} more" if len(differences) > shown else ""
     return "; ".join(differences[:shown]) + more
+
+
+def committed_steps(directory: str) -> list[int]:
+    """The committed steps in a checkpoint directory (folders named by a bare integer), oldest first;
+    read without Orbax, so the driver can look before anything starts."""
+    path = epath.Path(directory)
+    if not path.is_dir():
+        return []
+    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def resume_step(resume: str, directory: str, steps: list[int]) -> int | None:
+    """The step `checkpoint.resume` starts from (for `auto`, the newest: older ones are fallbacks),
+    or None for a fresh start.
+
+    Raises:
+        ConfigError: `none` but `steps` is not empty, or a step number that is not in `steps`.
+    """
+    if resume == "none":
+        if steps:
+            raise ConfigError(f"checkpoint.resume=none, but {directory} already holds steps {steps}: use "
+                              "resume=auto to continue that run, or a new checkpoint.dir to start over")
+        return None
+    if resume == "auto":
+        return steps[-1] if steps else None
+    if int(resume) not in steps:
+        raise ConfigError(f"checkpoint.resume={resume}: no such step in {directory} (steps: {steps})")
+    return int(resume)
+
+
+def check_resume_matches(directory: str, step: int, config: Config) -> None:
+    """Raises ConfigError when `step` was saved with other model keys or another `train.batch_size`
+    than `config`: restoring it would fail on every step, each reported as damaged. A step whose
+    metadata cannot be read is left to the restore, which falls back past it."""
+    folder = epath.Path(directory) / str(step)
+    try:
+        differences = model_differences(_read_json(folder / "meta"), config.model)
+        positions = _read_json(folder / "data_position") if (folder / "data_position").exists() else None
+    except DAMAGE_ERRORS:
+        return
+    if differences:
+        raise ConfigError(f"checkpoint step {step} in {directory} was trained with a different model: "
+                          f"{differences}. Resume with the model it was trained with, or start a new run "
+                          "(run.name or checkpoint.dir)")
+    if positions is not None and len(positions) != config.train.batch_size:
+        raise ConfigError(f"checkpoint step {step} in {directory}: the saved data position has {len(positions)} "
+                          f"rows, but this run has train.batch_size={config.train.batch_size}: resume with the "
+                          f"train.batch_size it was saved with ({len(positions)})")
 
 
 def run_metadata(config: Config, mesh: Mesh) -> dict[str, Any]:
@@ -239,10 +288,11 @@ class Checkpointer:
         items = {
             "state": ocp.args.StandardSave(state),
             "meta": ocp.args.JsonSave({**self._run_meta, **(meta or {}), "step": step}),
+            "fingerprints": ocp.args.JsonSave(fingerprints(state)),
         }
         if data_position is not None:
             merged = {}
-            for part in _gather_json(dict(data_position())):
+            for part in gather_json(dict(data_position())):
                 merged.update(part)
             items["data_position"] = ocp.args.JsonSave(merged)
         try:
@@ -275,6 +325,9 @@ class Checkpointer:
     def restore(self, abstract_state: Any, *, step: int | None = None) -> tuple[Any, dict, int]:
         """Restores one step onto the shardings `abstract_state` asks for (any mesh).
 
+        Every process reads its own shards, then the processes agree on the outcome: when the read
+        failed anywhere, it raises on every process (never some training and some not).
+
         Args:
             abstract_state: the state's tree of `jax.ShapeDtypeStruct`s with concrete NamedShardings
                 (`Training.abstract_state()`); arrays are read shard by shard onto that layout.
@@ -286,23 +339,54 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: the step (or, with `step=None`, any step) is not in the directory.
-            ValueError, OSError, KeyError: the step is damaged or does not match `abstract_state`.
+            DamagedStepError: the step's files are damaged (on this process or another one), or the
+                step does not match `abstract_state`.
         """
         step = self._committed_step(step)
-        items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
-        has_position = (epath.Path(self.directory) / str(step) / "data_position").exists()
-        if has_position:
-            items["data_position"] = ocp.args.JsonRestore()
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        meta = dict(restored.meta)
-        if has_position:
-            meta["data_position"] = dict(restored.data_position)
-        return restored.state, meta, step
+        restored, error = self._read_step(step, abstract_state)
+        raise_if_failed(step, self.directory, error, gather_json(verdict(error)))
+        self._check_fingerprints(step, restored[0])
+        return restored
+
+    def _read_step(self, step: int, abstract_state: Any) -> tuple[tuple[Any, dict, int] | None, Exception | None]:
+        """(restored, None) or (None, the error) for one step, read by this process alone.
+
+        Orbax's own restore ends in a barrier that a process whose read failed never reaches; its
+        peers would then pair that barrier with whatever collective the failed process runs next.
+        Reading with the item handlers directly has no collective, so the processes stay in step
+        and can agree on the outcome afterwards."""
+        folder = epath.Path(self.directory) / str(step)
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            state = handler.restore(folder / "state", args=ocp.args.StandardRestore(abstract_state))
+            meta = _read_json(folder / "meta")
+            if (folder / "data_position").exists():
+                meta["data_position"] = _read_json(folder / "data_position")
+        except Exception as error:  # judged with every process's outcome in `_raise_if_failed`
+            return None, error
+        finally:
+            handler.close()
+        return (state, meta, step), None
+
+    def _check_fingerprints(self, step: int, state: Any) -> None:
+        """Raises DamagedStepError (on every process: the sums are global) when an array restored
+        differs from the one saved; steps saved without fingerprints are taken as read."""
+        folder = epath.Path(self.directory) / str(step) / "fingerprints"
+        if not folder.exists():
+            return
+        try:
+            saved = _read_json(folder)
+        except DAMAGE_ERRORS as error:
+            raise DamagedStepError(step, self.directory, f"its fingerprints cannot be read: {describe(error)}"
+                                   ) from error
+        changed = changed_leaves(saved, state)
+        if changed:
+            raise DamagedStepError(step, self.directory, f"arrays read differ from the ones saved: {changed}")
 
     def meta(self, step: int) -> dict:
         """The JSON metadata of one step (its `config_yaml`, mesh, seed...), without reading any array."""
         self._committed_step(step)
-        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+        return _read_json(epath.Path(self.directory) / str(step) / "meta")
 
     def restore_params(self, abstract_state: Any, *, step: int | None = None) -> tuple[Any, dict, int]:
         """Restores only `params` (and the step counter) of one step; the optimizer state is never read.
@@ -322,28 +406,34 @@ class Checkpointer:
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         items = {"state": ocp.args.PyTreeRestore(target, restore_args=restore_args), "meta": ocp.args.JsonRestore()}
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        self._check_fingerprints(step, restored.state)
         return restored.state.params, dict(restored.meta), step
 
     def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, int] | None:
-        """Restores the newest step that restores, falling back past damaged ones (logged, kept on disk).
+        """Restores the newest step that restores, falling back past damaged ones (logged, then renamed
+        `<step>.damaged` once an older step restored; kept on disk).
+
+        A step counts as damaged when its read fails on any process: the processes decide together,
+        step by step, so they fall back to the same step.
 
         Returns:
             (state, meta, step), or None when the directory holds no checkpoint.
 
         Raises:
-            NoRestorableCheckpointError: checkpoints exist but every one of them fails.
-            RuntimeError: the processes restored different steps (damage only some of them read).
+            NoRestorableCheckpointError: checkpoints exist but every one of them is damaged.
+            RuntimeError: a read failed for another reason than damage (raised on every process).
         """
         failures = {}
         for step in reversed(self.all_steps()):
+            restored, error = self._read_step(step, abstract_state)
             try:
-                restored = self.restore(abstract_state, step=step)
-            except _DAMAGED_STEP_ERRORS as error:
-                failures[step] = error
+                raise_if_failed(step, self.directory, error, gather_json(verdict(error)))
+                self._check_fingerprints(step, restored[0])
+            except DamagedStepError as damaged:
+                failures[step] = damaged
                 _warn("checkpoint step %d in %s cannot be restored (%s); falling back to an older step",
-                      step, self.directory, _describe(error))
+                      step, self.directory, damaged.reason)
                 continue
-            _check_same_step_everywhere(step, self.directory, failures)
             self._set_aside(failures, "damaged", "they cannot be restored; kept for inspection")
             return restored
         if failures:
@@ -371,24 +461,6 @@ class Checkpointer:
             multihost.sync_global_processes(f"podtrain_steps_set_aside_{suffix}_{steps[-1]}")
         self._manager.reload()
 
-    def check_model(self, model: Any) -> None:
-        """Raises ConfigError when the step `resume` would start from was saved with other model keys
-        than `model` (a `ModelConfig`): restoring it would fail on every step, each reported as damaged."""
-        steps = self.all_steps()
-        if self.config.resume == "none" or not steps:
-            return
-        step = steps[-1] if self.config.resume == "auto" else int(self.config.resume)
-        if step not in steps:
-            return  # `resume` names the missing step
-        try:
-            differences = model_differences(self.meta(step), model)
-        except _DAMAGED_STEP_ERRORS:
-            return  # a damaged step: `resume` falls back past it
-        if differences:
-            raise ConfigError(f"checkpoint step {step} in {self.directory} was trained with a different model: "
-                              f"{differences}. Resume with the model it was trained with, or start a new run "
-                              "(run.name or checkpoint.dir)")
-
     def resume(self, abstract_state: Any) -> tuple[Any, dict, int] | None:
         """Restores what `config.resume` asks for.
 
@@ -407,18 +479,11 @@ class Checkpointer:
         """
         if self._is_local:
             _check_writable(self.directory, probe=True)
+        step = resume_step(self.config.resume, self.directory, self.all_steps())
+        if step is None:
+            return None
         if self.config.resume == "auto":
             return self.restore_latest(abstract_state)
-        if self.config.resume == "none":
-            if self.all_steps():
-                raise ConfigError(
-                    f"checkpoint.resume=none, but {self.directory} already holds steps {self.all_steps()}: "
-                    "use resume=auto to continue that run, or a new checkpoint.dir to start over"
-                )
-            return None
-        step = int(self.config.resume)
-        if step not in self.all_steps():
-            raise ConfigError(f"checkpoint.resume={step}: no such step in {self.directory} (steps: {self.all_steps()})")
         restored = self.restore(abstract_state, step=step)
         newer = [s for s in self.all_steps() if s > step]
         if newer and jax.process_count() > 1:
@@ -437,18 +502,6 @@ class Checkpointer:
             self.wait()
         finally:
             self._manager.close()
-
-
-def _gather_json(value: Any) -> list:
-    """`value` (JSON-able) of every process, in process order, through two allgathers of bytes."""
-    if jax.process_count() == 1:
-        return [value]
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = multihost_utils.process_allgather(np.int32(data.size)).tolist()
-    padded = np.zeros(max(sizes), np.uint8)
-    padded[: data.size] = data
-    rows = multihost_utils.process_allgather(padded)
-    return [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes, strict=True)]
 
 
 def _check_writable(directory: str, *, probe: bool) -> None:
@@ -476,7 +529,7 @@ def _check_shared(directory: str) -> None:
 
     When process 0 cannot write there, nothing is checked (a reader such as `export` may read a
     read-only directory; a training run's `resume` then reports the directory as unwritable)."""
-    token = _gather_json(uuid.uuid4().hex if jax.process_index() == 0 else "")[0]
+    token = gather_json(uuid.uuid4().hex if jax.process_index() == 0 else "")[0]
     probe = epath.Path(directory) / f".podtrain-shared-{token}"
     written = True
     if jax.process_index() == 0:
@@ -485,28 +538,15 @@ def _check_shared(directory: str) -> None:
             probe.write_text("written by process 0 to check that every process sees this directory\n")
         except OSError:
             written = False
-    if not _gather_json(written)[0]:  # a collective: every process learns it and none waits alone
+    if not gather_json(written)[0]:  # a collective: every process learns it and none waits alone
         return
-    seen = _gather_json(probe.exists())  # a collective: every process has looked once it returns
+    seen = gather_json(probe.exists())  # a collective: every process has looked once it returns
     if jax.process_index() == 0:
         probe.unlink()
     blind = [i for i, ok in enumerate(seen) if not ok]
     if blind:
         raise ConfigError(f"checkpoint.dir={directory}: processes {blind} do not see the file process 0 wrote "
                           f"there; with several hosts it must be a shared filesystem or a URL such as gs://")
-
-
-def _check_same_step_everywhere(step: int, directory: str, failures: Mapping[int, Exception]) -> None:
-    """Raises unless every process restored `step` (a scalar per process is gathered, never an array)."""
-    if jax.process_count() == 1:
-        return
-    steps = multihost_utils.process_allgather(np.int32(step)).tolist()
-    if len(set(steps)) > 1:
-        failed_here = "; ".join(f"step {s}: {_describe(e)}" for s, e in failures.items()) or "none"
-        raise RuntimeError(
-            f"the processes restored different steps from {directory} (by process: {steps}; failures on this "
-            f"process: {failed_here}): a newer step is damaged where only some processes read it; move it away"
-        )
 
 
 def _warn(msg: str, *args) -> None:

@@ -108,6 +108,7 @@ class TrainConfig:
 
 
 DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "array_record", "tokens")
+DOCUMENT_MODES = ("auto", "file", "paragraphs", "windows")
 
 
 @dataclass(frozen=True)
@@ -116,19 +117,30 @@ class DataConfig:
 
     Attributes:
         source: "stdlib" (the running Python's standard library `*.py` files; needs no path), "text"
-            (one document per file), "jsonl" (one per line), "parquet" (one per row), "array_record"
-            (one UTF-8 document per record) or "tokens" (`.npy` arrays of pre-tokenised ids, 1-D or
-            one stream per row of a 2-D array, cut into rows of seq_len+1 ids; a document ends at
-            each occurrence of the tokeniser's EOS id, `eos_token`).
+            (UTF-8 text files, cut into documents as `documents` says), "jsonl" (one per line),
+            "parquet" (one per row), "array_record" (one UTF-8 document per record) or "tokens"
+            (`.npy` arrays of pre-tokenised ids, 1-D or one stream per row of a 2-D array, cut into
+            rows of seq_len+1 ids; a document ends at each occurrence of the tokeniser's EOS id,
+            `eos_token`). A file that is not UTF-8 text is an error naming it (the "stdlib" source
+            alone reads undecodable bytes as U+FFFD: a few of its test files use other encodings).
         path: a file, a directory (searched recursively for the source's suffix, hidden entries
             skipped; any file for "text") or a glob.
+        documents: how "text" files become documents: "file" (one per file), "paragraphs" (cut at
+            blank lines, i.e. empty or whitespace-only ones), "windows" (pieces of at most
+            `window_bytes` bytes, each ending after its last newline, else at a character boundary)
+            or "auto": a corpus of one file is cut into paragraphs when it has more than one, else
+            into windows; a corpus of several files has one document per file.
+        window_bytes: the longest piece of `documents="windows"`, in bytes (at least 4, the longest
+            UTF-8 character).
         text_field: the JSON key ("jsonl") or column ("parquet") holding the text.
         tokenizer: "byte" (`ByteTokenizer`, vocabulary 259) or a `tokenizer.json` path.
         eos_token: the EOS token of a `tokenizer.json` tokeniser (e.g. "<|end_of_text|>").
         bos_token: its BOS token; required with `add_bos`.
         add_bos: start every text document with BOS.
-        seed: the seed of the per-epoch document shuffle.
-        eval_fraction: the share of documents held out for eval, spread evenly over the corpus order.
+        seed: the seed of the per-epoch document shuffle (>= 0).
+        eval_fraction: the share of documents held out for eval, spread evenly over the corpus order;
+            0 holds none out (no evals). An eval split of fewer documents than `train.batch_size`
+            rows is shared by the rows (row r reads eval document r mod n).
         epochs: passes over the training documents; None repeats forever.
         read_threads: threads reading and tokenising documents in parallel (0: the prefetch thread does it).
         prefetch: batches prepared ahead on a background thread (0: on the caller's thread).
@@ -136,6 +148,8 @@ class DataConfig:
 
     source: str = "stdlib"
     path: str | None = None
+    documents: str = "auto"
+    window_bytes: int = 4096
     text_field: str = "text"
     tokenizer: str = "byte"
     eos_token: str | None = None
@@ -154,6 +168,17 @@ class DataConfig:
         if (self.path is None) != (self.source == "stdlib"):
             need = "no path" if self.source == "stdlib" else "a file, directory or glob"
             raise ValueError(f"{prefix}.path: {prefix}.source={self.source!r} takes {need}, found {self.path!r}")
+        if self.documents not in DOCUMENT_MODES:
+            raise ValueError(f"{prefix}.documents: expected one of {list(DOCUMENT_MODES)}, found {self.documents!r}")
+        for name in ("documents", "window_bytes"):
+            if self.source != "text" and getattr(self, name) != getattr(DataConfig, name):
+                raise ValueError(f"{prefix}.{name}={getattr(self, name)!r}: only {prefix}.source='text' files are cut "
+                                 f"into documents, {prefix}.source={self.source!r} has its own; unset {prefix}.{name}")
+        if self.window_bytes < 4:
+            raise ValueError(f"{prefix}.window_bytes: expected at least 4 bytes (the longest UTF-8 character), "
+                             f"found {self.window_bytes}")
+        if self.seed < 0:
+            raise ValueError(f"{prefix}.seed: expected an integer >= 0, found {self.seed}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"{prefix}.eval_fraction: expected a number in [0, 1), found {self.eval_fraction}")
         if self.epochs is not None and self.epochs <= 0:
@@ -493,9 +518,16 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
                     f"choose mesh.tp dividing {getattr(m, name)}"
                 )
     train = config.train
-    for name in ("batch_size", "seq_len", "steps", "sample_tokens"):
+    for name in ("batch_size", "seq_len", "steps", "sample_tokens", "eval_batches"):
         if getattr(train, name) <= 0:
             raise ConfigError(f"train.{name}: expected a positive integer, found {getattr(train, name)}")
+    if train.eval_every < 0:
+        raise ConfigError(f"train.eval_every: expected a number of steps >= 0 (0: no evals), found {train.eval_every}")
+    if not 0 <= train.seed < 2**63:
+        raise ConfigError(f"train.seed: expected an integer in [0, 2**63), found {train.seed}")
+    if not train.peak_flops_per_device >= 0:
+        raise ConfigError(f"train.peak_flops_per_device: expected FLOP/s > 0, or 0 to look the device kind up, "
+                          f"found {train.peak_flops_per_device}")
     if train.seq_len > m.max_position_embeddings:
         raise ConfigError(f"train.seq_len={train.seq_len} is longer than model.max_position_embeddings="
                           f"{m.max_position_embeddings}, the positions the model is made for; raise "
@@ -509,6 +541,17 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     for name, value, valid in (("name", opt.name, OPTIMIZERS), ("schedule", opt.schedule, SCHEDULES)):
         if value not in valid:
             raise ConfigError(f"optimizer.{name}: expected one of {list(valid)}, found {value!r}")
+    for name in ("learning_rate", "eps"):
+        if not getattr(opt, name) > 0:
+            raise ConfigError(f"optimizer.{name}: expected a number > 0, found {getattr(opt, name)}")
+    if not opt.weight_decay >= 0:
+        raise ConfigError(f"optimizer.weight_decay: expected a number >= 0 (0: no decay), found {opt.weight_decay}")
+    if not 0 <= opt.min_lr_ratio <= 1:
+        raise ConfigError(f"optimizer.min_lr_ratio: expected the final share of optimizer.learning_rate, in [0, 1], "
+                          f"found {opt.min_lr_ratio}")
+    for name in ("b1", "b2", "momentum"):
+        if not 0 <= getattr(opt, name) < 1:
+            raise ConfigError(f"optimizer.{name}: expected a decay rate in [0, 1), found {getattr(opt, name)}")
     if opt.grad_clip < 0:
         raise ConfigError(f"optimizer.grad_clip: expected a global gradient norm > 0, or 0 for no clipping, "
                           f"found {opt.grad_clip}")

@@ -1,8 +1,8 @@
 """The training data pipeline: a corpus, tokenised and packed into fixed-length rows, batched by grain.
 
-A corpus is a random-access sequence of documents (text, or token windows for pre-tokenised data).
-Every row of the global batch has its own stream: row `r` of `train.batch_size` reads every
-`batch_size`-th document of the split from the r-th on, shuffles them per epoch, tokenises each
+The corpus (`orchestrator.corpus`) is a random-access sequence of documents. Every row of the
+global batch has its own stream: row `r` of `train.batch_size` reads every `batch_size`-th
+document of the split from the r-th on, shuffles them per epoch, tokenises each
 (BOS optional, EOS always) and packs them with grain's concat-then-split into rows of `seq_len + 1`
 tokens. A process reads only the streams of its own rows and interleaves them into batches, so
 the global batch of every step is the same whatever the number of processes (a 2-host run sees
@@ -25,12 +25,7 @@ what checkpoints keep, so a run resumes on any number of processes.
 from __future__ import annotations
 
 import functools
-import glob
-import json
-import os
-import sysconfig
 from collections.abc import Sequence
-from pathlib import Path
 
 import grain
 import jax
@@ -38,236 +33,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from orchestrator.config import DataConfig
+from orchestrator.corpus import document_indices, open_corpus
 from orchestrator.tokenizers import Tokenizer
-
-SPLITS = ("train", "eval")
-_SUFFIXES = {"text": "", "jsonl": ".jsonl", "parquet": ".parquet", "array_record": ".array_record", "tokens": ".npy"}
-
-
-class _FileTexts:
-    """One document per file, read as UTF-8 (undecodable bytes become U+FFFD)."""
-
-    def __init__(self, files: list[Path]):
-        self.files = files
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> str:
-        return self.files[i].read_bytes().decode("utf-8", errors="replace")
-
-
-class _JsonlTexts:
-    """One document per non-blank line of JSONL files, found through an index of line offsets."""
-
-    def __init__(self, files: list[Path], field: str):
-        self.files, self.field = files, field
-        self.offsets = [_line_offsets(f) for f in files]
-        self.ends = np.cumsum([len(o) for o in self.offsets])
-        for f, offsets in enumerate(self.offsets):
-            if len(offsets):  # a wrong text_field fails here, not hours into training
-                self._read(f, 0)
-
-    def __len__(self) -> int:
-        return int(self.ends[-1])
-
-    def __getitem__(self, i: int) -> str:
-        return self._read(*_locate(self.ends, i))
-
-    def _read(self, f: int, k: int) -> str:
-        path, offset = self.files[f], int(self.offsets[f][k])
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            line = fh.readline()
-        where = lambda: f"{path}, line {_line_number(path, offset)}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where()}: expected a JSON object, found invalid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or self.field not in record:
-            found = f"keys {sorted(record)}" if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{where()}: data.text_field={self.field!r} not found; the line has {found}")
-        if not isinstance(record[self.field], str):
-            kind = type(record[self.field]).__name__
-            raise ValueError(f"{where()}: data.text_field={self.field!r} should hold a string, found {kind}")
-        return record[self.field]
-
-
-class _ArrowTexts:
-    """One document per row of a string column (all files' columns held in memory by Arrow)."""
-
-    def __init__(self, files: list[Path], column: str):
-        import pyarrow as pa  # only the parquet source needs pyarrow; it is slow to import
-        import pyarrow.parquet as pq
-
-        chunks = []
-        for path in files:
-            schema = pq.read_schema(path)
-            if column not in schema.names:
-                raise ValueError(f"{path}: data.text_field={column!r} is not a column; found columns {schema.names}")
-            kind = schema.field(column).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                raise ValueError(f"{path}: data.text_field={column!r} should be a string column, found {kind}")
-            values = pq.read_table(path, columns=[column]).column(0)
-            if values.null_count:
-                found = f"{values.null_count} nulls"
-                raise ValueError(f"{path}: data.text_field={column!r} should hold a string in every row, found {found}")
-            chunks.extend(values.cast(pa.large_string()).chunks)
-        self.column = pa.chunked_array(chunks, type=pa.large_string())
-
-    def __len__(self) -> int:
-        return len(self.column)
-
-    def __getitem__(self, i: int) -> str:
-        return self.column[i].as_py()
-
-
-class _RecordTexts:
-    """One document per record of ArrayRecord files, read as UTF-8."""
-
-    def __init__(self, files: list[Path]):
-        self.records = grain.sources.ArrayRecordDataSource([str(f) for f in files])
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, i: int) -> str:
-        return self.records[i].decode("utf-8", errors="replace")
-
-
-class _TokenWindows:
-    """Consecutive, non-overlapping windows of `length` ids cut from each token stream (a remainder is dropped)."""
-
-    def __init__(self, files: list[Path], length: int):
-        self.length = length
-        self.arrays = [_load_tokens(f) for f in files]
-        self.ends = np.cumsum([a.shape[0] * (a.shape[1] // length) for a in self.arrays])
-
-    def __len__(self) -> int:
-        return int(self.ends[-1])
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        f, k = _locate(self.ends, i)
-        array = self.arrays[f]
-        row, window = divmod(k, array.shape[1] // self.length)
-        return np.asarray(array[row, window * self.length : (window + 1) * self.length])  # int32 once checked
-
-
-def _locate(ends: np.ndarray, i: int) -> tuple[int, int]:
-    """(file, index within that file) of item `i`, given the running item count `ends` over files."""
-    f = int(np.searchsorted(ends, i, side="right"))
-    return f, int(i - (ends[f - 1] if f else 0))
-
-
-def _line_offsets(path: Path) -> np.ndarray:
-    offsets, position = [], 0
-    with open(path, "rb") as fh:
-        for line in fh:
-            if line.strip():
-                offsets.append(position)
-            position += len(line)
-    return np.asarray(offsets, np.int64)
-
-
-def _line_number(path: Path, offset: int) -> int:
-    return path.read_bytes()[:offset].count(b"\n") + 1
-
-
-def _load_tokens(path: Path) -> np.ndarray:
-    """A memory-mapped (streams, ids) view of a `.npy` token array."""
-    array = np.load(path, mmap_mode="r")
-    if array.ndim not in (1, 2) or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{path}: expected a 1-D or 2-D integer token array, found {array.ndim}-D {array.dtype}")
-    return array.reshape(1, -1) if array.ndim == 1 else array
-
-
-def _walk(root: Path, suffix: str, skip_dirs: tuple[str, ...] = ()) -> list[Path]:
-    """Files under `root` ending in `suffix`, hidden entries skipped, in a deterministic order."""
-    found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in skip_dirs)
-        found += [Path(folder, name) for name in sorted(files) if name.endswith(suffix) and not name.startswith(".")]
-    return found
-
-
-def _resolve_files(source: str, path: str) -> list[Path]:
-    suffix = _SUFFIXES[source]
-    if any(c in path for c in "*?["):
-        files = sorted(p for p in map(Path, glob.glob(path, recursive=True)) if p.is_file())
-        if not files:
-            raise ValueError(f"data.path={path!r}: expected the glob to match {source} files, it matched none")
-    elif Path(path).is_dir():
-        files = _walk(Path(path), suffix)
-        if not files:
-            raise ValueError(f"data.path={path!r}: expected {suffix or 'any'} files in this directory, found none")
-    elif Path(path).is_file():
-        files = [Path(path)]
-    else:
-        raise ValueError(f"data.path={path!r}: expected a file, directory or glob, found no such path")
-    return files
-
-
-def open_corpus(config: DataConfig, *, seq_len: int) -> Sequence:
-    """The documents of `config` in their fixed corpus order, read lazily.
-
-    Args:
-        config: the data config (`source`, `path`, `text_field`).
-        seq_len: the training sequence length; "tokens" corpora are cut into windows of seq_len+1 ids.
-
-    Returns:
-        A sequence of texts, or of int32 token windows for the "tokens" source.
-
-    Raises:
-        ValueError: naming the key and file when the path, a file or the corpus is not as expected.
-    """
-    config.validate()
-    if config.source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return _FileTexts(_walk(root, ".py", skip_dirs=("site-packages", "dist-packages", "__pycache__")))
-    files = _resolve_files(config.source, config.path)
-    corpus = {
-        "text": lambda: _FileTexts(files),
-        "jsonl": lambda: _JsonlTexts(files, config.text_field),
-        "parquet": lambda: _ArrowTexts(files, config.text_field),
-        "array_record": lambda: _RecordTexts(files),
-        "tokens": lambda: _TokenWindows(files, seq_len + 1),
-    }[config.source]()
-    if not len(corpus):
-        unit = f"windows of train.seq_len+1={seq_len + 1} ids" if config.source == "tokens" else "documents"
-        raise ValueError(f"data.path={config.path!r}: expected {unit} in {len(files)} file(s), found none")
-    return corpus
-
-
-def document_indices(
-    num_docs: int, *, eval_fraction: float, split: str, process_index: int = 0, process_count: int = 1,
-    tail: bool = False,
-) -> np.ndarray:
-    """The corpus indices of one share (one batch row's stream) of the train or eval split.
-
-    Document `i` is held out for eval when `floor((i+1) * eval_fraction) > floor(i * eval_fraction)`,
-    which spreads `floor(num_docs * eval_fraction)` eval documents evenly over the corpus order; with
-    `tail`, the last `floor(num_docs * eval_fraction)` are (for token windows, whose documents run
-    across neighbouring windows: a held-out window then borders training ones only once).
-    Share `p` of `n` takes every n-th document of its split from the p-th on.
-
-    Raises:
-        ValueError: when the split is unknown or leaves a share without documents.
-    """
-    if split not in SPLITS:
-        raise ValueError(f"split: expected one of {list(SPLITS)}, found {split!r}")
-    i = np.arange(num_docs)
-    if tail:
-        is_eval = i >= num_docs - int(np.floor(num_docs * eval_fraction))
-    else:
-        is_eval = np.floor((i + 1) * eval_fraction) > np.floor(i * eval_fraction)
-    chosen = i[is_eval] if split == "eval" else i[~is_eval]
-    if len(chosen) < process_count:
-        raise ValueError(
-            f"the {split} split has {len(chosen)} documents ({num_docs} in the corpus, "
-            f"data.eval_fraction={eval_fraction}), fewer than the {process_count} batch rows (train.batch_size) "
-            "that each need one; use a larger corpus, a smaller train.batch_size or change data.eval_fraction"
-        )
-    return chosen[process_index::process_count]
 
 
 def _encode(text: str, tokenizer: Tokenizer, add_bos: bool) -> dict[str, np.ndarray]:
@@ -316,6 +83,7 @@ def make_dataset(
     global_batch: int,
     rows: range | None = None,
     split: str = "train",
+    corpus: Sequence | None = None,
 ) -> grain.IterDataset:
     """This process's batches of the train or eval split; `iter()` of it is a checkpointable iterator.
 
@@ -330,6 +98,7 @@ def make_dataset(
         global_batch: rows per step over all processes (`train.batch_size`).
         rows: the global batch rows this process loads (`process_rows`); all of them if None.
         split: "train" or "eval".
+        corpus: `open_corpus(config, seq_len=seq_len)` when the caller opened it already.
 
     Returns:
         A grain IterDataset of batches (dicts of numpy arrays, `len(rows)` rows).
@@ -340,7 +109,7 @@ def make_dataset(
     rows = range(global_batch) if rows is None else rows
     if not rows or rows.step != 1 or rows.start < 0 or rows.stop > global_batch:
         raise ValueError(f"rows: expected consecutive rows of the {global_batch} of train.batch_size, found {rows}")
-    corpus = open_corpus(config, seq_len=seq_len)
+    corpus = open_corpus(config, seq_len=seq_len) if corpus is None else corpus
     threads = -(-config.read_threads // len(rows)) if config.read_threads else 0
     streams = [_row_stream(corpus, config, tokenizer, seq_len=seq_len, split=split, row=row,
                            rows=global_batch, read_threads=threads) for row in rows]
@@ -394,7 +163,8 @@ def _row_stream(corpus: Sequence, config: DataConfig, tokenizer: Tokenizer, *, s
                 rows: int, read_threads: int) -> grain.IterDataset:
     """The packed rows of global batch row `row` (of `rows`): its own documents, shuffled, tokenised, packed."""
     indices = document_indices(len(corpus), eval_fraction=config.eval_fraction, split=split,
-                               process_index=row, process_count=rows, tail=config.source == "tokens")
+                               process_index=row, process_count=rows, tail=config.source == "tokens",
+                               source=config.source)
     docs = grain.MapDataset.source(indices)
     # Each row shuffles with its own seed: with one seed for all, rows of equal length would read the
     # same positions of their lists, and a batch would be B neighbouring documents of the corpus.
@@ -490,4 +260,3 @@ def _stream_state(state: dict) -> dict:
     if "remainder_slices" not in state:
         return state
     return {**state, "remainder_slices": {k: tuple(v) for k, v in state["remainder_slices"].items()}}
-

@@ -30,8 +30,9 @@ from orchestrator.config import Config, ConfigError, checkpoint_directory, to_ya
 from orchestrator.data import make_dataset, process_rows, row_positions, set_row_positions, to_global_batch
 from orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
 from orchestrator.plan import flops_per_token
+from orchestrator.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
 from orchestrator.step import make_eval_step
-from orchestrator.tokenizers import Tokenizer, check_vocab, load_tokenizer
+from orchestrator.tokenizers import Tokenizer
 from sharding.mesh import describe_mesh
 from sharding.rules import use_rules
 
@@ -107,21 +108,16 @@ class PreemptionNotice:
         return self.received
 
 
-def _datasets(config: Config, rows: range):
+def _datasets(config: Config, inputs: Inputs, rows: range):
+    """This process's train and (when evals are on) eval batches, from the corpus the checks opened."""
+    kwargs = dict(seq_len=config.train.seq_len, global_batch=config.train.batch_size, rows=rows,
+                  corpus=inputs.corpus)
     try:
-        return _make_datasets(config, rows)
-    except ValueError as e:  # bad paths, empty corpora, vocab sizes: the user's input
+        train = make_dataset(config.data, inputs.tokenizer, **kwargs)
+        evals = make_dataset(config.data, inputs.tokenizer, split="eval", **kwargs) if evals_enabled(config) else None
+    except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _make_datasets(config: Config, rows: range):
-    tokenizer = load_tokenizer(config.data.tokenizer, eos_token=config.data.eos_token, bos_token=config.data.bos_token)
-    check_vocab(tokenizer, config.model.vocab_size)
-    kwargs = dict(seq_len=config.train.seq_len, global_batch=config.train.batch_size, rows=rows)
-    train = make_dataset(config.data, tokenizer, **kwargs)
-    # Without evals (train.eval_every=0) the eval split is never built, so it may be empty.
-    evals = make_dataset(config.data, tokenizer, split="eval", **kwargs) if config.train.eval_every else None
-    return train, evals, tokenizer
+    return train, evals
 
 
 def use_compilation_cache(directory: str, run_dir: Path) -> None:
@@ -161,15 +157,6 @@ def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: i
     return total / max(count, 1.0)
 
 
-def sample_prompt_ids(config: Config, tokenizer: Tokenizer) -> list[int]:
-    """`train.sample_prompt` as token ids, with BOS first when the documents start with one."""
-    ids = [tokenizer.bos_id] * config.data.add_bos + tokenizer.encode(config.train.sample_prompt).tolist()
-    if not ids:
-        raise ConfigError(f"train.sample_prompt={config.train.sample_prompt!r}: expected text that tokenises to at "
-                          "least one token, found none")
-    return ids
-
-
 def sample(training: Training, params, tokenizer: Tokenizer, prompt_ids: list[int]) -> str:
     """The greedy continuation of `prompt_ids` by `params` (`train.sample_tokens` at most), as text.
 
@@ -202,34 +189,40 @@ def _restore_data_position(iterator, rows: range, global_batch: int, meta: dict,
         raise ConfigError(f"checkpoint {where}: {e}") from None
 
 
-def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None = None) -> RunResult:
+def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None = None,
+        inputs: Inputs | None = None) -> RunResult:
     """Trains `config` to `train.steps`, resuming from `run_dir`'s checkpoints; see the module doc.
 
     `on_step(step)` is called with each completed step (its loss fetched): the worker's heartbeat.
+    `inputs` are what `preflight.check_inputs` opened, when the caller ran it already. Nothing is
+    written (checkpoint directory, compilation cache, config.yaml) until those checks passed; the
+    resolved config.yaml is written once the run has restored or initialised its state.
     """
     notice = PreemptionNotice()  # first: a notice while the run builds and restores stops it at its first step
     try:
-        return _run(config, Path(run_dir), notice, on_step)
+        return _run(config, Path(run_dir), notice, on_step, inputs)
     finally:
         notice.restore()
 
 
-def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Callable[[int], None] | None) -> RunResult:
+def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Callable[[int], None] | None,
+         inputs: Inputs | None) -> RunResult:
     is_main = jax.process_index() == 0
-    use_compilation_cache(config.train.compilation_cache_dir, run_dir)
+    inputs = inputs or check_inputs(config, run_dir)
     training = build_training(config)
-    checkpointer = Checkpointer(checkpoint_directory(config.checkpoint.dir, run_dir), config.checkpoint,
-                                run_meta=run_metadata(config, training.mesh))
-    checkpointer.check_model(config.model)
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(config))
     try:
         rows = process_rows(training.batch_sharding, config.train.batch_size)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
-    train_data, eval_data, tokenizer = _datasets(config, rows)
+    train_data, eval_data = _datasets(config, inputs, rows)
+    tokenizer = inputs.tokenizer
     prompt_ids = sample_prompt_ids(config, tokenizer) if config.train.sample_prompt else None
+    if config.train.eval_every and not evals_enabled(config) and is_main:
+        logger.warning("data.eval_fraction=0 holds out no documents: no eval losses every train.eval_every=%d steps%s",
+                       config.train.eval_every, " (samples still)" if prompt_ids else "")
+    use_compilation_cache(config.train.compilation_cache_dir, run_dir)
+    checkpointer = Checkpointer(checkpoint_directory(config.checkpoint.dir, run_dir), config.checkpoint,
+                                run_meta=run_metadata(config, training.mesh))
     train_iter = iter(train_data)
     resumed = checkpointer.resume(training.abstract_state())
     if resumed:
@@ -237,8 +230,12 @@ def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Calla
                                f"step {resumed[2]} in {checkpointer.directory}")
     state = resumed[0] if resumed else training.init_state()
     start = int(state.step)
-    logger.info("starting at step %d (%s) on mesh %s", start, f"resumed from step {resumed[2]}" if resumed else "fresh",
-                describe_mesh(training.mesh, config.cluster.num_slices))
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+    logger.info("starting at step %d (%s) on mesh %s; run directory %s", start,
+                f"resumed from step {resumed[2]}" if resumed else "fresh",
+                describe_mesh(training.mesh, config.cluster.num_slices), run_dir)
 
     eval_step = jax.jit(make_eval_step(training.graphdef, loss_chunk=config.train.loss_chunk),
                         in_shardings=(training.state_shardings.params, training.batch_sharding))
@@ -299,7 +296,9 @@ def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Calla
             if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
                 jax.block_until_ready(state)  # the step's own time ends here
                 eval_started = time.perf_counter()
-                record["eval_loss"] = evaluate(training, eval_step, eval_data, state.params, config.train.eval_batches)
+                if eval_data is not None:
+                    record["eval_loss"] = evaluate(training, eval_step, eval_data, state.params,
+                                                   config.train.eval_batches)
                 if prompt_ids is not None:
                     record["sample"] = sample(training, state.params, tokenizer, prompt_ids)
                     if is_main:

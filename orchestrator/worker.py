@@ -102,30 +102,34 @@ def main() -> int:
                         stream=sys.stderr)
     from orchestrator.config import ConfigError, load_config
 
+    error_file = env.get(p.ENV_ERROR_FILE)
     try:
+        config, run_dir = load_config(env[p.ENV_CONFIG]), Path(env[p.ENV_RUN_DIR])
+        from orchestrator.preflight import check_inputs
+
+        # Before joining the JAX world: every rank finds the same mistake and leaves at once, and
+        # none is left waiting in a collective for a peer that left.
+        inputs = check_inputs(config, run_dir)
         _initialize_distributed(env)
         from orchestrator.train import run
 
         _describe_process(env)
-
-        config = load_config(env[p.ENV_CONFIG])
         heartbeat = env.get(p.ENV_HEARTBEAT_FILE)
-        result = run(config, Path(env[p.ENV_RUN_DIR]),
+        result = run(config, run_dir, inputs=inputs,
                      on_step=(lambda step: p.write_heartbeat(heartbeat, step)) if heartbeat else None)
     except SystemExit as stop:
         if stop.code == p.EXIT_COORDINATOR_PORT:
             return p.EXIT_COORDINATOR_PORT
         raise
     except ConfigError as error:
-        message = f"podtrain: error: {error}"
-        if env.get(p.ENV_ERROR_FILE):
-            Path(env[p.ENV_ERROR_FILE]).write_text(message + "\n")
-        print(message, file=sys.stderr, flush=True)
+        if error_file:
+            p.write_error(error_file, "config", str(error))
+        print(f"podtrain: error: {error}", file=sys.stderr, flush=True)
         return p.EXIT_CONFIG
-    except BaseException:
+    except BaseException as error:
         text = traceback.format_exc()
-        if env.get(p.ENV_ERROR_FILE):
-            Path(env[p.ENV_ERROR_FILE]).write_text(text)
+        if error_file:
+            p.write_error(error_file, "exception", p.describe_exception(error), text)
         print(text, file=sys.stderr, flush=True)
         return p.EXIT_EXCEPTION
     if int(env[p.ENV_PROCESS_ID]) == 0:

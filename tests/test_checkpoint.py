@@ -151,12 +151,36 @@ def delete_array_files(step_dir: Path):
         path.unlink()
 
 
+def data_files(step_dir: Path) -> list[Path]:
+    """The files holding the arrays' bytes that each process wrote (the OCDBT index is in state/d)."""
+    return sorted(step_dir.glob("state/ocdbt.process_*/d/*"))
+
+
+def truncate_a_data_file(step_dir: Path):
+    largest = max(data_files(step_dir), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+
+
+def garble_data_files(step_dir: Path):
+    for path in data_files(step_dir):
+        data = bytearray(path.read_bytes())
+        middle = len(data) // 2
+        data[middle : middle + 64] = bytes(255 - b for b in data[middle : middle + 64])
+        path.write_bytes(bytes(data))
+
+
 def break_metadata(step_dir: Path):
     (step_dir / "state" / "_METADATA").write_text('{"tree_metadata": ')
 
 
-@pytest.mark.parametrize("damage", [truncate_array_files, delete_array_files, break_metadata])
-def test_damaged_latest_step_falls_back_to_the_previous_one(training, tmp_path, caplog, damage):
+@pytest.mark.parametrize("damage, reason", [
+    (truncate_array_files, "ValueError"), (delete_array_files, "ValueError"),
+    (truncate_a_data_file, "ValueError: OUT_OF_RANGE"),
+    # Garbled bytes inside a compressed chunk may decode without error: the saved fingerprints tell.
+    (garble_data_files, "arrays read differ from the ones saved: ."),
+    (break_metadata, "JSONDecodeError"),
+])
+def test_damaged_latest_step_falls_back_to_the_previous_one(training, tmp_path, caplog, damage, reason):
     older, newer = random_state(training, seed=2), random_state(training, seed=3)
     with checkpointer(tmp_path) as ckpt:
         ckpt.save(2, older)
@@ -169,7 +193,8 @@ def test_damaged_latest_step_falls_back_to_the_previous_one(training, tmp_path, 
     assert (step, meta["step"]) == (2, 2)
     assert_bit_equal(restored, older)
     failed, renamed = [r.getMessage() for r in caplog.records if r.name == "orchestrator.checkpoint"]
-    assert "checkpoint step 4" in failed and "Error" in failed and "4.damaged" in renamed
+    assert f"checkpoint step 4 in {tmp_path} cannot be restored (" in failed and reason in failed
+    assert "4.damaged" in renamed
     # Nothing is deleted or changed: the damaged step is renamed so that Orbax ignores it, and the
     # run can checkpoint step 4 again (Orbax skips saves of steps not newer than its latest).
     assert files(tmp_path) == {name.replace("4/", "4.damaged/", 1) if name.startswith("4/") else name: data

@@ -4,8 +4,10 @@ Each test runs `podtrain train` (the driver) as a subprocess with the `local` cl
 simulated hosts x 2 CPU devices, each host a Ray actor that starts a fresh JAX process per attempt.
 """
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -147,6 +149,34 @@ def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_pat
     assert "resumed from step" in (preempted / "logs" / "attempt-2" / "rank0.log").read_text()
 
 
+def test_a_data_file_damaged_where_one_host_reads_is_skipped_by_both_and_renamed_once(tmp_path):
+    """Each host reads only its own shards, so the damage fails on host 1 only: the hosts decide
+    together that the step is damaged, fall back to the same older step in the same attempt, and
+    then train the steps of an uninterrupted run."""
+    constant = "optimizer.schedule=constant"  # so that a 6-step run's steps equal an 8-step run's
+    reference = start(train_command(tmp_path / "reference", 8, "cluster=none", constant), tmp_path, "reference",
+                      devices=4)
+    run_dir = tmp_path / "damaged"
+    done = run_train(tmp_path, run_dir, 6, *TWO_HOSTS, constant)
+    assert done.returncode == 0, done.stdout[-4000:]
+    files = sorted((run_dir / "checkpoints" / "6" / "state" / "ocdbt.process_1" / "d").iterdir())
+    largest = max(files, key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    done = run_train(tmp_path, run_dir, 8, *TWO_HOSTS, constant)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert job(run_dir)["attempts"] == 1 and job(run_dir)["restarts"] == {}, job(run_dir)
+    assert "cannot be restored (process 1: ValueError: OUT_OF_RANGE" in done.stdout
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["4", "6", "6.damaged", "8"]
+    for rank in (0, 1):
+        assert "resumed from step 4" in (run_dir / "logs" / "attempt-2" / f"rank{rank}.log").read_text()
+    out = finish(reference)
+    assert reference.returncode == 0, out[-3000:]
+    want, got = losses(tmp_path / "reference"), losses(run_dir)
+    assert got.keys() == want.keys() == set(range(1, 9))
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
+
+
 def test_expert_parallel_across_two_hosts_matches_one_process(tmp_path):
     """DeepSeek-V3 with ep=2 outermost, so each host holds the experts of one EP rank and tokens
     cross the process boundary in the all-to-alls; tp=2 inside each host sums partial outputs."""
@@ -224,26 +254,6 @@ def test_an_exception_in_user_code_fails_the_job_with_its_traceback_without_retr
     assert_no_worker_left(run_dir)
 
 
-def test_a_config_mistake_found_by_the_workers_fails_at_once_and_a_rerun_keeps_the_first_runs_logs(tmp_path):
-    run_dir = tmp_path / "no-data"
-    first_logs = {}
-    for attempt in (1, 2):  # the same run name twice, as when resuming a run
-        done = run_train(tmp_path, run_dir, 4, *TWO_HOSTS, "data.source=jsonl", f"data.path={tmp_path}/missing.jsonl")
-        assert done.returncode == 1, done.stdout[-4000:]
-        assert f"attempt {attempt} ended: config" in done.stdout and job(run_dir)["attempts"] == 1
-        # Only this job's lines are echoed, each rank's error at most once (the rank that fails first
-        # ends the attempt, and the other may be stopped before it reports its own): the first job's
-        # log is neither appended to nor printed again.
-        echoed = [line for line in done.stdout.splitlines() if line.startswith("[rank ") and "missing.jsonl" in line]
-        ranks = [line.split("]")[0] for line in echoed]
-        assert echoed and len(ranks) == len(set(ranks)), done.stdout[-4000:]
-        if attempt == 1:
-            first_logs = {p.name: p.read_text() for p in (run_dir / "logs" / "attempt-1").glob("rank*.log")}
-    assert first_logs == {p.name: p.read_text() for p in (run_dir / "logs" / "attempt-1").glob("rank*.log")}
-    assert sum(log.count("missing.jsonl") for log in first_logs.values()) in (1, 2)
-    assert (run_dir / "logs" / "attempt-2" / "rank0.log").exists()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -259,46 +269,87 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
-def test_ray_job_submit_then_ray_job_stop_checkpoints_and_leaves_nothing_running(tmp_path):
-    e = env(tmp_path)
+def start_ray(e: dict) -> str:
+    """`ray start --head` on loopback with a dashboard; its address."""
     ray = str(Path(sys.executable).parent / "ray")
     dashboard = free_port()
-    start = [ray, "start", "--head", f"--port={free_port()}", "--num-cpus=4", "--include-dashboard=true",
-             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={e['RAY_TMPDIR']}"]
-    subprocess.run(start, env=e, check=True, capture_output=True, timeout=120)
-    address = f"http://127.0.0.1:{dashboard}"
-    run_dir = tmp_path / "submitted"
-    try:
-        submit = [sys.executable, "-m", "launch.cli", "submit", "--address", address, "--no-follow", "-c",
-                  "llama3-tiny", *TINY, "train.steps=1000", "checkpoint.every_steps=500", f"run.dir={tmp_path}",
-                  f"run.name={run_dir.name}", *TWO_HOSTS, "cluster.stop_grace_s=60"]
-        done = subprocess.run(submit, cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    subprocess.run([ray, "start", "--head", f"--port={free_port()}", "--num-cpus=4", "--include-dashboard=true",
+                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={e['RAY_TMPDIR']}"],
+                   env=e, check=True, capture_output=True, timeout=120)
+    return f"http://127.0.0.1:{dashboard}"
+
+
+def stop_ray(e: dict) -> None:
+    subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], env=e, capture_output=True,
+                   timeout=120)
+
+
+def test_ray_job_submit_then_ray_job_stop_checkpoints_then_a_resubmit_after_a_ray_restart_resumes(tmp_path):
+    """`podtrain submit` with the default run.dir: the run lives where it was submitted from, not in
+    Ray's temporary copy of the working directory, so it survives `ray stop` / `ray start`."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    e = env(tmp_path)
+    ray = str(Path(sys.executable).parent / "ray")
+    submitted_from = tmp_path / "project"
+    submitted_from.mkdir()
+    run_dir = submitted_from / "runs" / "submitted"  # the default run.dir, relative to where submit ran
+
+    def submit(address, steps):
+        command = [sys.executable, "-m", "launch.cli", "submit", "--address", address, "--no-follow",
+                   "--working-dir", str(ROOT), "-c", "llama3-tiny", *TINY, f"train.steps={steps}",
+                   "checkpoint.every_steps=500", "run.name=submitted", *TWO_HOSTS, "cluster.stop_grace_s=60"]
+        done = subprocess.run(command, cwd=submitted_from, env=e, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert f"submitted job {run_dir.name}" in done.stdout
+        assert f"run directory: {run_dir}" in done.stdout, done.stdout
+        return JobSubmissionClient(address)
+
+    address = start_ray(e)
+    try:
+        client = submit(address, 1000)
         wait_until(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 3, 300,
                    "step 3 of the submitted job")
-        stop = subprocess.run([ray, "job", "stop", "--address", address, run_dir.name], env=e, capture_output=True,
+        stop = subprocess.run([ray, "job", "stop", "--address", address, "submitted"], env=e, capture_output=True,
                               text=True, timeout=180)
         assert stop.returncode == 0, stop.stdout + stop.stderr
-        from ray.job_submission import JobStatus, JobSubmissionClient
-
-        assert JobSubmissionClient(address).get_job_status(run_dir.name) == JobStatus.STOPPED
+        assert client.get_job_status("submitted") == JobStatus.STOPPED
         wait_until(lambda: (run_dir / "job.json").exists(), 60, "the driver's job.json")
         result = job(run_dir)
         assert result["status"] == "stopped", result
         last = max(losses(run_dir))
         assert result["last_checkpoint"] == last >= 3  # the step it stopped at was checkpointed
+        assert "podtrain: run directory " + str(run_dir) in client.get_job_logs("submitted")
         assert_no_worker_left(run_dir)
     finally:
-        subprocess.run([ray, "stop", "--force"], env=e, capture_output=True, timeout=120)
+        stop_ray(e)
+
+    address = start_ray(e)  # a new cluster: a new copy of the working directory
+    try:
+        client = submit(address, last + 2)
+        wait_until(lambda: client.get_job_status("submitted").is_terminal(), 300, "the resubmitted job")
+        logs = client.get_job_logs("submitted")
+        assert client.get_job_status("submitted") == JobStatus.SUCCEEDED, logs[-3000:]
+        assert f"resumed from step {last}" in logs and job(run_dir)["last_checkpoint"] == last + 2
+
+        # `ray job submit` itself with a relative run.dir would write into Ray's copy: refused in one line.
+        raw = subprocess.run([ray, "job", "submit", "--address", address, "--working-dir", str(ROOT),
+                              "--submission-id", "relative", "--", "podtrain", "train", "-c", "llama3-tiny", *TINY,
+                              "train.steps=2"], env=e, capture_output=True, text=True, timeout=300)
+        assert raw.returncode != 0 and client.get_job_status("relative") == JobStatus.FAILED
+        errors = [line for line in client.get_job_logs("relative").splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0].startswith("podtrain: error: run.dir='runs' is relative, and this "
+                                                         "Ray job runs in Ray's temporary copy"), errors
+    finally:
+        stop_ray(e)
 
 
+RAY_LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+ [DIWE] \d+ \d+\] ")
 TPU_NODE_ENV = {"TPU_NAME": "fake-slice", "TPU_ACCELERATOR_TYPE": "v4-16", "TPU_TOPOLOGY": "2x2x2"}
 
 
-@pytest.mark.parametrize("num_slices", [1, 2])
-def test_fake_tpu_slices_are_reserved_whole_and_train(tmp_path, monkeypatch, num_slices):
-    """v4-16 slices (2 hosts x 4 chips each) made of Ray nodes with TPU resources and labels."""
+@contextlib.contextmanager
+def fake_tpu_slices(tmp_path, monkeypatch, num_slices):
+    """A Ray cluster of v4-16 slices (2 hosts x 4 chips each): Ray nodes with TPU resources and labels."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -317,12 +368,24 @@ def test_fake_tpu_slices_are_reserved_whole_and_train(tmp_path, monkeypatch, num
                           "ray.io/tpu-pod-type": "v4-16", "ray.io/tpu-topology": "2x2x2"}
                 cluster.add_node(num_cpus=1, resources=resources, labels=labels)
         cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def on_tpu(cluster, num_slices=1) -> list[str]:
+    return ["cluster=tpu", "cluster.tpu_type=v4-16", "cluster.reserve_timeout_s=60", f"cluster.num_slices={num_slices}",
+            f"cluster.address={cluster.address}", "cluster.env.JAX_PLATFORMS=cpu", "cluster.init_timeout_s=60",
+            f"cluster.env.XLA_FLAGS={xla_flags(2)}"]
+
+
+@pytest.mark.parametrize("num_slices", [1, 2])
+def test_fake_tpu_slices_are_reserved_whole_and_train(tmp_path, monkeypatch, num_slices):
+    with fake_tpu_slices(tmp_path, monkeypatch, num_slices) as cluster:
         run_dir = tmp_path / f"tpu-{num_slices}"
         mesh = [f"mesh.dp={num_slices}", "mesh.fsdp=1", "mesh.tp=4"] if num_slices > 1 else []
-        done = run_train(tmp_path, run_dir, 2, "cluster=tpu", "cluster.tpu_type=v4-16", "cluster.reserve_timeout_s=60",
-                         f"cluster.num_slices={num_slices}", f"cluster.address={cluster.address}",
-                         "cluster.env.JAX_PLATFORMS=cpu", "cluster.init_timeout_s=60", *mesh,
-                         f"cluster.env.XLA_FLAGS={xla_flags(2)}", devices=2)
+        done = run_train(tmp_path, run_dir, 2, *on_tpu(cluster, num_slices), *mesh, devices=2)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
         assert f"reserved {2 * num_slices} hosts" in done.stdout
         hosts = 2 * num_slices
@@ -338,6 +401,28 @@ def test_fake_tpu_slices_are_reserved_whole_and_train(tmp_path, monkeypatch, num
         if num_slices > 1:  # dp spans the slices; everything else stays inside one
             assert "'slices': 2, 'dp_slices': [[0], [1]]" in logs[0], logs[0][-3000:]
         assert job(run_dir)["status"] == "succeeded"
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+
+
+def test_a_mistake_the_hosts_find_is_one_line_exit_2_and_a_rerun_keeps_the_first_runs_logs(tmp_path, monkeypatch):
+    """The hosts of a pod slice check their data themselves (the driver need not see their files):
+    every worker finds the missing path before joining the JAX world and leaves at once; the driver
+    reports it once. Running the run name again neither overwrites nor re-reads the first job's logs."""
+    with fake_tpu_slices(tmp_path, monkeypatch, 1) as cluster:
+        run_dir = tmp_path / "no-data"
+        first_logs = {}
+        for attempt in (1, 2):
+            done = run_train(tmp_path, run_dir, 4, *on_tpu(cluster), "data.source=jsonl",
+                             f"data.path={tmp_path}/missing.jsonl", devices=2)
+            assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]
+            # Ray's own warning lines ("[<date> W ...] network_util.cc: Failed to determine local IP via
+            # external connectivity"), printed here because this network namespace has no route out.
+            lines = [line for line in done.stderr.splitlines() if not RAY_LOG_LINE.match(line)]
+            assert len(lines) == 1 and lines[0].startswith("podtrain: error: data.path="), done.stderr
+            assert "missing.jsonl" in lines[0]
+            assert "missing.jsonl" not in done.stdout and f"attempt {attempt}: started 2 worker" in done.stdout
+            assert not (run_dir / "job.json").exists() and not (run_dir / "config.yaml").exists()
+            if attempt == 1:
+                first_logs = {p.name: p.read_text() for p in (run_dir / "logs" / "attempt-1").glob("rank*.log")}
+        assert first_logs == {p.name: p.read_text() for p in (run_dir / "logs" / "attempt-1").glob("rank*.log")}
+        assert all("missing.jsonl" in log and "Traceback" not in log for log in first_logs.values())
+        assert (run_dir / "logs" / "attempt-2" / "rank0.log").exists()

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,9 +177,12 @@ def test_a_host_actor_that_does_not_answer_is_a_lost_node_and_a_bad_slice_a_conf
                           "cluster.max_preemptions=1")
     assert job["restarts"] == {"node_lost": 1, "reservation": 1} and job["attempts"] == 2, job
     assert "node_lost (rank None): host actor lost: GetTimeoutError: Get timed out" in out
+    # A mistake in the input ends the job as that one error (the CLI: one line, exit code 2), and
+    # writes no job.json: nothing ran.
     errors = [ConfigError("cluster.tpu_topology='2x2x3': not a slice Ray can reserve")]
-    job, _ = run_driver(tmp_path / "config", monkeypatch, errors)
-    assert job["reason"] == "cluster.tpu_topology='2x2x3': not a slice Ray can reserve" and job["attempts"] == 1
+    with pytest.raises(ConfigError, match=r"^cluster.tpu_topology='2x2x3': not a slice Ray can reserve$"):
+        run_driver(tmp_path / "config", monkeypatch, errors)
+    assert not (tmp_path / "config" / "run" / "job.json").exists()
 
 
 @pytest.mark.parametrize("error, expected, message", [
@@ -211,13 +215,16 @@ def test_jaxs_busy_coordinator_port_errors_are_recognised():
 
 
 def test_a_worker_whose_coordinator_port_is_taken_asks_for_another(tmp_path):
+    from orchestrator.config import to_yaml
+
+    (tmp_path / "config.yaml").write_text(to_yaml(load_config("llama3-tiny")))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **{
             p.ENV_COORDINATOR: f"127.0.0.1:{port}", p.ENV_NUM_PROCESSES: "2", p.ENV_PROCESS_ID: "0",
-            p.ENV_INIT_TIMEOUT: "5", p.ENV_HEARTBEAT_TIMEOUT: "5", p.ENV_CONFIG: str(tmp_path / "unused.yaml"),
+            p.ENV_INIT_TIMEOUT: "5", p.ENV_HEARTBEAT_TIMEOUT: "5", p.ENV_CONFIG: str(tmp_path / "config.yaml"),
             p.ENV_RUN_DIR: str(tmp_path)})
         done = subprocess.run([sys.executable, "-m", "orchestrator.worker"], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=120)
@@ -261,10 +268,71 @@ def test_a_peers_abort_is_not_taken_for_the_cause_of_an_ending(tmp_path):
     """JAX aborts (SIGABRT) the processes whose peer died: next to an exception or a kill, the abort
     is the consequence; alone, it is the crash."""
     d = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2"]), tmp_path / "run", out=io.StringIO())
-    polls = [{"error": None, "error_at": None}, {"error": "Traceback ...\nValueError: bad data\n", "error_at": 5.0}]
+    record = json.dumps({"kind": "exception", "summary": "ValueError: bad data", "traceback": "Traceback ...\n"})
+    polls = [{"error": None, "error_at": None}, {"error": record, "error_at": 5.0}]
     exception = d._classify([(0, -6), (1, p.EXIT_EXCEPTION)], polls)
     assert (exception.kind, exception.rank, exception.detail) == ("exception", 1, "ValueError: bad data")
     killed = d._classify([(0, 134), (1, -9)], polls)
     assert (killed.kind, killed.rank, killed.detail) == ("crash", 1, "killed by SIGKILL")
     aborted = d._classify([(0, -6)], polls)
     assert (aborted.kind, aborted.rank, aborted.detail) == ("crash", 0, "killed by SIGABRT")
+
+
+class DamagedRead(Exception):
+    """Stands in for Orbax's bare Exception around a tensorstore error, whose message runs over many lines."""
+
+
+def test_an_exception_is_reported_by_its_type_and_first_meaningful_line_not_its_last(tmp_path):
+    try:
+        try:
+            raise ValueError("OUT_OF_RANGE: Error reading \"opt_state.nu.lm_head.value/0.0\": Requested byte range")
+        except ValueError as cause:
+            raise DamagedRead("\nEncountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
+                              "details: <bound method spec of TensorStore({\n  'base': {\n  },\n})>.") from cause
+    except DamagedRead as error:
+        summary = p.describe_exception(error)
+    assert summary == ("DamagedRead: Encountered error while reading array index: (slice(0, 2, 1),). See full "
+                       "TensorStore details: <bound method spec of TensorStore({ (caused by ValueError: "
+                       "OUT_OF_RANGE: Error reading \"opt_state.nu.lm_head.value/0.0\": Requested byte range)")
+    assert p.describe_exception(KeyError()) == "KeyError"
+    p.write_error(tmp_path / "error", "exception", summary, "Traceback (most recent call last):\n...\n})>.\n")
+    d = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2"]), tmp_path / "run", out=io.StringIO())
+    polls = [{"error": None, "error_at": None}, {"error": (tmp_path / "error").read_text(), "error_at": 1.0}]
+    outcome = d._classify([(1, p.EXIT_EXCEPTION)], polls)
+    assert (outcome.kind, outcome.rank, outcome.detail) == ("exception", 1, summary)
+    assert outcome.traceback.endswith("})>.\n")
+
+
+def poll(step, state="S", pid=None):
+    return {"returncode": None, "heartbeat": (step, 0.0), "state": state, "pid": pid}
+
+
+def test_a_hang_is_blamed_on_the_stopped_rank_then_the_one_behind():
+    """Every rank of a gang waits for the one that stopped, so their heartbeats read the same step."""
+    assert driver.blame([poll(3), poll(3, "T")], ["", ""], first=0) == (
+        1, "rank 1's process is stopped (state T: SIGSTOP or a debugger)")
+    assert driver.blame([poll(4), poll(4), poll(3)], ["", "", ""], first=0) == (
+        2, "rank 2 is behind (at step 3, others at 4)")
+    assert driver.blame([poll(4), poll(4)], ["", ""], first=0) == (0, "every rank waits")
+
+
+def test_a_hang_is_blamed_on_the_rank_whose_main_thread_runs_while_the_others_wait(tmp_path):
+    """Real py-spy dumps of a process spinning in Python and one waiting in a system call."""
+    from orchestrator.cluster.host import HostActor
+
+    programs = ["import time\nwhile True: time.sleep(60)", "while True: pass"]
+    procs = [subprocess.Popen([sys.executable, "-c", program]) for program in programs]
+    try:
+        time.sleep(2.0)
+        stacks = []
+        for rank, proc in enumerate(procs):
+            actor = HostActor(rank)
+            actor.proc, actor.files = proc, {"stacks": tmp_path / f"rank{rank}.stacks"}
+            stacks.append(actor.dump_stacks(str(tmp_path / f"rank{rank}.txt")))
+        polls = [poll(5, "S", procs[0].pid), poll(5, "R", procs[1].pid)]
+        assert driver.blame(polls, stacks, first=0) == (1, "rank 1's main thread is running while the other ranks "
+                                                           "wait"), stacks
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

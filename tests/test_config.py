@@ -88,6 +88,59 @@ def test_bad_overrides_name_the_key(overrides, needle):
 
 
 @pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("optimizer.learning_rate=-0.001", "optimizer.learning_rate: expected a number > 0, found -0.001"),
+        ("optimizer.learning_rate=0", "optimizer.learning_rate: expected a number > 0, found 0"),
+        ("optimizer.learning_rate=.nan", "optimizer.learning_rate: expected a number > 0, found nan"),
+        ("optimizer.eps=0", "optimizer.eps: expected a number > 0, found 0"),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay: expected a number >= 0 (0: no decay), found -0.1"),
+        ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio: expected the final share of optimizer.learning_rate, "
+                                       "in [0, 1], found 1.5"),
+        ("optimizer.min_lr_ratio=-0.1", "optimizer.min_lr_ratio: expected the final share"),
+        ("optimizer.b1=1", "optimizer.b1: expected a decay rate in [0, 1), found 1"),
+        ("optimizer.b2=-0.5", "optimizer.b2: expected a decay rate in [0, 1), found -0.5"),
+        ("optimizer.momentum=1.5", "optimizer.momentum: expected a decay rate in [0, 1), found 1.5"),
+        ("optimizer.warmup_steps=301", "optimizer.warmup_steps=301 must be in [0, train.steps=300]"),
+        ("train.eval_every=-1", "train.eval_every: expected a number of steps >= 0 (0: no evals), found -1"),
+        ("train.eval_batches=0", "train.eval_batches: expected a positive integer, found 0"),
+        ("train.peak_flops_per_device=-1", "train.peak_flops_per_device: expected FLOP/s > 0, or 0 to look"),
+        ("train.seed=-1", "train.seed: expected an integer in [0, 2**63), found -1"),
+        ("train.seed=9223372036854775808", "train.seed: expected an integer in [0, 2**63)"),
+        ("data.seed=-3", "data.seed: expected an integer >= 0, found -3"),
+        ("data.window_bytes=1024", "data.window_bytes=1024: only data.source='text' files are cut into documents, "
+                                   "data.source='stdlib' has its own; unset data.window_bytes"),
+        ("model.rms_norm_eps=0", "model.rms_norm_eps: expected a number > 0, found 0"),
+        ("model.initializer_range=-0.02", "model.initializer_range: expected a number > 0, found -0.02"),
+        ("model.rope.theta=0", "model.rope.theta: expected a base > 1 (such as 10000.0), found 0"),
+        ("model.rope.factor=0", "model.rope.factor: expected a number > 0, found 0"),
+        ("model.rope.original_max_position_embeddings=0",
+         "model.rope.original_max_position_embeddings: expected a positive integer, found 0"),
+        ("model.rope.low_freq_factor=4", "model.rope.low_freq_factor=4.0, model.rope.high_freq_factor=4.0: expected "
+                                         "0 < low_freq_factor < high_freq_factor"),
+    ],
+)
+def test_values_outside_their_meaning_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config("llama3-tiny", [override])
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["optimizer.name=sgd", "optimizer.momentum=0", "optimizer.weight_decay=0", "optimizer.min_lr_ratio=0"],
+        ["optimizer.b1=0", "optimizer.b2=0.999", "optimizer.min_lr_ratio=1", "optimizer.learning_rate=1e-6"],
+        ["train.eval_every=0", "train.seed=0", "data.seed=0", "data.eval_fraction=0", "train.eval_batches=1"],
+        ["data.source=text", "data.path=book.txt", "data.documents=windows", "data.window_bytes=4"],
+        ["model.rope.rope_type=default", "model.rope.theta=1e6", "train.peak_flops_per_device=0"],
+    ],
+)
+def test_edge_values_with_a_meaning_load(overrides):
+    load_config("llama3-tiny", overrides)
+
+
+@pytest.mark.parametrize(
     "overrides, needle",
     [
         (["model.moe.num_experts_per_tok=5"], "model.moe.num_experts_per_tok=5 exceeds the 4 experts"),
@@ -95,6 +148,11 @@ def test_bad_overrides_name_the_key(overrides, needle):
         (["model.num_kv_heads=2"], "MLA has one key/value per query head"),
         (["model.moe.first_k_dense_replace=9"], "model.moe.first_k_dense_replace: expected 0..model.num_layers"),
         (["model.moe.capacity_factor=-1"], "model.moe.capacity_factor: expected a number >= 0"),
+        (["model.moe.routed_scaling_factor=0"], "model.moe.routed_scaling_factor: expected a number > 0, found 0"),
+        (["model.rope.beta_slow=0"], "model.rope.beta_fast=32.0, model.rope.beta_slow=0.0: expected 0 < beta_slow "
+                                     "<= beta_fast"),
+        (["model.rope.beta_fast=0.5"], "expected 0 < beta_slow <= beta_fast (rotations; 1 and 32 in DeepSeek-V3)"),
+        (["model.rope.mscale=-1"], "model.rope.mscale: expected a number >= 0 (0: unset), found -1.0"),
     ],
 )
 def test_bad_deepseek_settings_name_the_key(overrides, needle):

@@ -14,12 +14,11 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from jax.sharding import NamedSharding, PartitionSpec
 from omegaconf import OmegaConf
 
+from orchestrator.corpus import document_indices, open_corpus
 from orchestrator.data import (
     DataConfig,
     consecutive_rows,
-    document_indices,
     make_dataset,
-    open_corpus,
     process_rows,
     row_positions,
     set_row_positions,
@@ -172,6 +171,118 @@ def test_token_arrays_are_cut_into_rows_with_segments_at_eos(tmp_path, shape):
         np.testing.assert_array_equal(b["positions"][:, 1:], np.where(new_segment, 0, b["positions"][:, :-1] + 1))
 
 
+# Text files: UTF-8 only, cut into documents as data.documents says.
+
+
+def _text(path, **kwargs) -> DataConfig:
+    return DataConfig(source="text", path=str(path), **kwargs)
+
+
+def _write(path, content: str | bytes):
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+@pytest.mark.parametrize(
+    "name, content, needle",
+    [
+        ("libfoo.so", b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)),
+         "libfoo.so: expected a UTF-8 text file, found a NUL byte at byte offset 7 (a binary file?)"),
+        ("latin1.txt", "caf\u00e9\nna\u00efve".encode("latin-1"),
+         "latin1.txt, line 1: expected UTF-8 text, found byte 0xe9 at column 4 (byte offset 3)"),
+        ("cut.txt", b"ends inside a character \xc3",
+         "cut.txt, line 1: expected UTF-8 text, found byte 0xc3 at column 25"),
+        ("d.jsonl", b'{"text": 1}\n\x00\x00', "d.jsonl: expected JSON lines (UTF-8 text), found a NUL byte"),
+        ("d.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"text": "caf\xbe"}\n',
+         "d.jsonl, line 3: expected UTF-8 text, found byte 0xbe at column 14 (byte offset 41)"),
+    ],
+)
+def test_a_file_that_is_not_utf8_text_is_refused_when_the_corpus_opens(tmp_path, name, content, needle):
+    corpus = _write_text_files(tmp_path / "docs", DOCS[:3])
+    _write(corpus / name, content)
+    source = "jsonl" if name.endswith(".jsonl") else "text"
+    with pytest.raises(ValueError) as info:
+        open_corpus(DataConfig(source=source, path=str(corpus)), seq_len=16)
+    assert needle in str(info.value)
+
+
+def test_text_is_decoded_strictly_when_read_and_a_character_may_straddle_the_checked_head(tmp_path):
+    root = tmp_path / "docs"
+    root.mkdir()
+    straddling = "a" * 8191 + "\u00e9" + "b"  # the two bytes of U+00E9 are bytes 8191 and 8192
+    _write(root / "a.txt", straddling)
+    _write(root / "b.txt", b"x\n" * 5000 + b"y\xbez\n")  # a bad byte after the bytes checked at open
+    corpus = open_corpus(_text(root), seq_len=16)
+    assert corpus[0] == straddling
+    with pytest.raises(ValueError, match=r"b.txt, line 5001: expected UTF-8 text, found byte 0xbe at column 2 "
+                                         r"\(byte offset 10001\); convert the file to UTF-8"):
+        corpus[1]
+    lines = [json.dumps({"text": f"line {i}"}).encode() + b"\n" for i in range(600)]
+    _write(tmp_path / "d.jsonl", b"".join(lines) + b'{"text": "\xff"}\n')
+    jsonl = open_corpus(DataConfig(source="jsonl", path=str(tmp_path / "d.jsonl")), seq_len=16)
+    with pytest.raises(ValueError, match=r"d.jsonl, line 601: expected UTF-8 text, found byte 0xff at column 11"):
+        jsonl[600]
+    writer = ArrayRecordWriter(str(tmp_path / "r.array_record"), "group_size:1")
+    for record in (b"fine", b"ab\xfe"):
+        writer.write(record)
+    writer.close()
+    records = open_corpus(DataConfig(source="array_record", path=str(tmp_path / "r.array_record")), seq_len=16)
+    assert records[0] == "fine"
+    with pytest.raises(ValueError, match=r"r.array_record, record 1: expected UTF-8 text, found byte 0xfe at byte 2"):
+        records[1]
+
+
+def test_the_stdlib_source_reads_files_in_other_encodings_leniently(tmp_path, monkeypatch):
+    """A few of Python's own test files are Latin-1 or KOI8-R: the default corpus keeps them as they read."""
+    _write(tmp_path / "module_iso_8859_1.py", "# caf\u00e9\n".encode("latin-1"))
+    monkeypatch.setattr("orchestrator.corpus.sysconfig.get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert list(open_corpus(DataConfig(), seq_len=16)) == ["# caf\ufffd\n"]
+
+
+PLAY = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n  \t\nAll:\r\nSpeak, speak.\r\n\r\n\n\n"
+        "First Citizen:\n  You are all resolved rather to die than to famish?   \n")
+SCENES = ["First Citizen:\nBefore we proceed any further, hear me speak.", "All:\r\nSpeak, speak.",
+          "First Citizen:\n  You are all resolved rather to die than to famish?"]
+
+
+@pytest.mark.parametrize("documents", ["auto", "paragraphs"])
+def test_one_file_with_blank_lines_is_cut_into_paragraphs_and_trains(tmp_path, documents):
+    config = _text(_write(tmp_path / "play.txt", "\n \n" + PLAY), documents=documents, eval_fraction=0.0, epochs=1)
+    assert list(open_corpus(config, seq_len=16)) == SCENES
+    assert sorted(_texts(_batches(_dataset(config, global_batch=3)))) == sorted(SCENES)
+
+
+def test_several_files_are_one_document_each_unless_cut_explicitly(tmp_path):
+    root = _write_text_files(tmp_path / "docs", [PLAY, "one\n\ntwo\n"])
+    assert list(open_corpus(_text(root), seq_len=16)) == [PLAY, "one\n\ntwo\n"]
+    assert list(open_corpus(_text(root, documents="paragraphs"), seq_len=16)) == [*SCENES, "one", "two"]
+
+
+def test_windows_end_after_their_last_newline_or_before_a_cut_character(tmp_path):
+    # bytes: a b \n c d e [U+00E9: 2 bytes] f g; the second window would end inside U+00E9.
+    small = _text(_write(tmp_path / "small.txt", "ab\ncde\u00e9fg"), documents="windows", window_bytes=4)
+    assert list(open_corpus(small, seq_len=16)) == ["ab\n", "cde", "\u00e9fg"]
+    line = "na\u00efve caf\u00e9 \u2713 \U0001f600 " * 9  # 1-, 2-, 3- and 4-byte characters
+    text = "".join(line[: 40 + 7 * i] + ("\n" if i % 3 else "") for i in range(60))
+    config = _text(_write(tmp_path / "prose.txt", text), window_bytes=64)  # auto: no blank line, so windows
+    docs = list(open_corpus(config, seq_len=16))
+    assert "".join(docs) == text and len(docs) > 60
+    start = 0
+    for doc in docs[:-1]:
+        piece = text.encode()[start : start + 64]
+        assert len(doc.encode()) <= 64
+        assert doc.endswith("\n") == (b"\n" in piece), (start, doc)
+        start += len(doc.encode())
+
+
+def test_one_file_as_one_document_cannot_fill_the_batch_rows(tmp_path):
+    config = _text(_write(tmp_path / "play.txt", PLAY), documents="file")
+    with pytest.raises(ValueError, match=r"the train split has 1 documents \(1 in the corpus, data.eval_fraction="
+                                         r"0.01\), fewer than the 4 batch rows .*\(data.documents, "):
+        _dataset(config, global_batch=4)
+    assert len(open_corpus(dataclasses.replace(config, documents="auto"), seq_len=16)) == 3
+
+
 # Packing.
 
 
@@ -247,6 +358,24 @@ def test_processes_read_disjoint_documents_that_cover_the_split(tmp_path):
     held = set(_texts(_batches(_dataset(config, global_batch=1, split="eval"), 20)))
     assert not per_process[0] & per_process[1] and not held & (per_process[0] | per_process[1])
     assert per_process[0] | per_process[1] | held == set(DOCS) and len(held) == 4
+
+
+def test_an_eval_split_smaller_than_the_batch_is_shared_by_the_rows(tmp_path):
+    """Documents 4 and 9 are held out: row r of 8 reads eval document r mod 2 (the eval stream repeats)."""
+    assert [document_indices(10, eval_fraction=0.2, split="eval", process_index=r, process_count=8).tolist()
+            for r in range(8)] == [[4], [9]] * 4
+    config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl", DOCS[:10])), eval_fraction=0.2)
+    (batch,) = _batches(_dataset(config, global_batch=8, split="eval"), 1)
+    assert [BYTE.decode(row) for row in batch["inputs"]] == [DOCS[4][:16], DOCS[9][:16]] * 4
+
+
+@pytest.mark.parametrize("eval_fraction", [0.0, 0.01])
+def test_an_empty_eval_split_names_both_keys(tmp_path, eval_fraction):
+    config = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl")), eval_fraction=eval_fraction)
+    with pytest.raises(ValueError, match=rf"^the eval split has no documents \(20 in the corpus, data.eval_fraction="
+                                         rf"{eval_fraction}\): raise data.eval_fraction .* set train.eval_every=0"):
+        _dataset(config, split="eval")
+    assert _batches(_dataset(config), 1)[0]["inputs"].shape == (2, 16)
 
 
 # Resume.
@@ -422,6 +551,15 @@ ERROR_CASES = {
     "eval fraction": (lambda t: DataConfig(eval_fraction=1.0), "data.eval_fraction: expected a number in [0, 1)"),
     "bos without a token": (lambda t: DataConfig(tokenizer="t.json", eos_token="</s>", add_bos=True),
                             "data.bos_token: required with data.add_bos=true"),
+    "unknown documents": (lambda t: DataConfig(source="text", path=str(t), documents="pages"),
+                          "data.documents: expected one of ['auto', 'file', 'paragraphs', 'windows'], found 'pages'"),
+    "documents of jsonl": (lambda t: DataConfig(source="jsonl", path=str(t), documents="paragraphs"),
+                           "data.documents='paragraphs': only data.source='text' files are cut into documents, "
+                           "data.source='jsonl' has its own"),
+    "window of stdlib": (lambda t: DataConfig(window_bytes=512), "data.window_bytes=512: only data.source='text'"),
+    "tiny windows": (lambda t: DataConfig(source="text", path=str(t), window_bytes=3),
+                     "data.window_bytes: expected at least 4 bytes (the longest UTF-8 character), found 3"),
+    "negative seed": (lambda t: DataConfig(seed=-1), "data.seed: expected an integer >= 0, found -1"),
 }
 
 

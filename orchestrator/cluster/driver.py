@@ -44,9 +44,12 @@ import sys
 import time
 from pathlib import Path
 
+from orchestrator.checkpoint import committed_steps
 from orchestrator.cluster import protocol as p
 from orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
 from orchestrator.config import Config, ConfigError, checkpoint_directory, to_yaml, validate
+from orchestrator.preflight import check_inputs
+from orchestrator.rundir import RunLock
 
 PREEMPTION_CLASSES = ("preempted", "node_lost")
 FAILURE_CLASSES = ("crash", "exception", "hang", "reservation")
@@ -164,19 +167,15 @@ def _normalise(tb: str) -> str:
 
 def _last_checkpoint(config: Config, run_dir: Path) -> int | None:
     """The newest committed step in `checkpoint.dir` (a step folder named by its number), or None."""
-    directory = checkpoint_directory(config.checkpoint.dir, run_dir)
-    if "://" in directory:
-        from etils import epath  # only for URLs (gs://): keeps the driver's start light
-
-        ckpt = epath.Path(directory)
-    else:
-        ckpt = Path(directory)
-    steps = [int(d.name) for d in ckpt.glob("*") if d.name.isdigit() and d.is_dir()] if ckpt.is_dir() else []
-    return max(steps, default=None)
+    return max(committed_steps(checkpoint_directory(config.checkpoint.dir, run_dir)), default=None)
 
 
 # A library's INFO record in a worker's log ("<date> <time> INFO absl: ..."): kept in the rank log, not echoed.
 _LIBRARY_INFO = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO (?!orchestrator)\S+: ")
+
+
+# A worker's one line for a mistake in the input: the driver reports it as the job's error instead.
+_CONFIG_ERROR_PREFIX = "podtrain: error: "
 
 
 class _LogFilter:
@@ -196,7 +195,7 @@ class _LogFilter:
                 show = True
                 if line and not line.startswith((" ", "Traceback")):
                     self.in_traceback[rank] = False  # the exception line ends the block
-            show = show or bool(_ERROR_LINE.search(line))
+            show = (show or bool(_ERROR_LINE.search(line))) and not line.startswith(_CONFIG_ERROR_PREFIX)
             if show:
                 print(f"[rank {rank}] {line}", file=self.out, flush=True)
 
@@ -210,6 +209,7 @@ class Driver:
         self.out = out or sys.stdout
         self.stop_requested = False
         self.last_step: int | None = None
+        self.attempts = 0
         self.logs = _LogFilter(self.out)
 
     def say(self, message: str) -> None:
@@ -222,6 +222,12 @@ class Driver:
         self.stop_requested = True
 
     def run(self) -> JobResult:
+        """Runs the attempts; writes job.json and says how the job ended.
+
+        Raises:
+            ConfigError: a worker found a mistake in the input (nothing trained: job.json is not written).
+        """
+        self.say(f"run directory {self.run_dir}")
         connect(self.config)
         # After connecting: ray.init installs its own SIGTERM handler, which would end the driver at once.
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -230,12 +236,18 @@ class Driver:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        if isinstance(result, ConfigError):
+            if self.last_step is not None:  # earlier attempts trained: their outcome is the job's record
+                failed = JobResult("failed", str(result), self.attempts, {}, self.last_step,
+                                   _last_checkpoint(self.config, self.run_dir), str(self.run_dir))
+                (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(failed), indent=1) + "\n")
+            raise result
         (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
         self.say(f"job {result.status}: {result.reason}; last step {result.last_step}, last checkpoint "
                  f"{result.last_checkpoint}, attempts {result.attempts}, restarts {result.restarts}")
         return result
 
-    def _attempts(self) -> JobResult:
+    def _attempts(self) -> JobResult | ConfigError:
         restarts = {kind: 0 for kind in PREEMPTION_CLASSES + FAILURE_CLASSES + ("port",)}
         budgets = Budgets(self.cluster.max_failures, self.cluster.max_preemptions)
         port_retries, previous_tb, attempts = 0, None, 0
@@ -248,6 +260,7 @@ class Driver:
 
         while True:
             attempt, attempts = first_attempt + attempts, attempts + 1
+            self.attempts = attempts
             own_checkpoint = _last_checkpoint(self.config, self.run_dir) != checkpoint_at_start
             config = worker_config(self.config, own_checkpoint=own_checkpoint)
             outcome = self._one_attempt(attempt, port_retries, config)
@@ -255,9 +268,9 @@ class Driver:
                 return result("succeeded", f"trained to step {self.config.train.steps}")
             if outcome.kind == "stopped" or self.stop_requested:
                 return result("stopped", "stopped on request after checkpointing")
-            self.say(f"attempt {attempt} ended: {outcome.kind} (rank {outcome.rank}): {outcome.detail}")
             if outcome.kind == "config":
-                return result("failed", outcome.detail)
+                return ConfigError(outcome.detail)
+            self.say(f"attempt {attempt} ended: {outcome.kind} (rank {outcome.rank}): {outcome.detail}")
             restarts[outcome.kind] += 1
             if outcome.kind == "port":
                 port_retries += 1
@@ -371,8 +384,9 @@ class Driver:
             hung = self._hung_rank(polls)
             if hung is not None and stop_deadline is None:
                 rank, detail = hung
-                self._dump_stacks(gang, attempt)
-                return Outcome("hang", rank, detail)
+                stacks = self._dump_stacks(gang, attempt)
+                rank, why = blame(polls, stacks, rank)
+                return Outcome("hang", rank, f"{why}; {detail}")
             time.sleep(POLL_S)
 
     def _hung_rank(self, polls: list[dict]) -> tuple[int, str] | None:
@@ -412,31 +426,64 @@ class Driver:
         if k in ("crash", "abort"):
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             return Outcome("crash", rank, how)
+        record = p.read_error(polls[rank]["error"]) or {}
         if k == "config":
-            return Outcome("config", rank, (polls[rank]["error"] or "configuration error").strip())
+            return Outcome("config", rank, record.get("summary") or "configuration error (no message written)")
         if k == "exception":
-            tb = polls[rank]["error"] or ""
-            last = tb.strip().splitlines()[-1] if tb.strip() else "exit status 1"
-            return Outcome("exception", rank, last, tb or None)
+            return Outcome("exception", rank, record.get("summary") or "exit status 1", record.get("traceback") or None)
         return Outcome(k, rank, f"exit status {code}")
 
-    def _dump_stacks(self, gang: Gang, attempt: int) -> None:
+    def _dump_stacks(self, gang: Gang, attempt: int) -> list[str]:
+        """Every rank's Python stacks (written to `stacks/attempt-<n>/`); "" for a rank whose dump failed."""
         import ray
 
         directory = self.run_dir / "stacks" / f"attempt-{attempt}"
         refs = [actor.dump_stacks.remote(str(directory / f"rank{rank}.txt")) for rank, actor in enumerate(gang.actors)]
         try:
-            ray.get(refs, timeout=90)
+            stacks = ray.get(refs, timeout=90)
         except Exception as error:
             self.say(f"dumping stacks failed: {error}")
+            stacks = [""] * len(refs)
         self.say(f"hang: Python stacks of every rank written to {directory}")
+        return stacks
+
+
+def _main_thread(stacks: str, pid: int | None) -> str | None:
+    """What py-spy says of a process's main thread ("active", "active+gil", "idle"), or None."""
+    found = re.search(rf"^Thread {pid} \(([^)]*)\)", stacks, re.MULTILINE) if pid else None
+    return found.group(1) if found else None
+
+
+def blame(polls: list[dict], stacks: list[str], first: int) -> tuple[int, str]:
+    """The rank that holds the gang up, and why, once `first` (the first rank past its timeout) was
+    found idle. All ranks usually stop at the same step (each waits in a collective for the one that
+    stopped), so the heartbeats alone cannot tell; the processes can: a stopped one (state T), one
+    behind the others, or the one whose main thread runs Python while the others' wait."""
+    running = [r for r, poll in enumerate(polls) if poll["returncode"] is None]
+    stopped = [r for r in running if polls[r].get("state") in ("T", "t")]
+    if stopped:
+        return stopped[0], f"rank {stopped[0]}'s process is stopped (state T: SIGSTOP or a debugger)"
+    steps = {r: (polls[r]["heartbeat"] or (0, 0.0))[0] for r in running}
+    if len(set(steps.values())) > 1:
+        behind = min(steps, key=lambda r: (steps[r], r))
+        return behind, f"rank {behind} is behind (at step {steps[behind]}, others at {max(steps.values())})"
+    threads = {r: _main_thread(stacks[r] if r < len(stacks) else "", polls[r].get("pid")) for r in running}
+    active = [r for r, state in threads.items() if state and state.startswith("active")]
+    if active and len(active) < len([state for state in threads.values() if state]):
+        return active[0], f"rank {active[0]}'s main thread is running while the other ranks wait"
+    return first, "every rank waits"
 
 
 def run_job(config: Config, run_dir: Path, out=None) -> JobResult:
     """Runs `config` on its cluster until it succeeds, is stopped, or spends a budget.
 
+    Before anything starts (Ray included) and anything is written, the inputs are checked
+    (`preflight`; the data too for `local` hosts, which share this machine's files, while the hosts
+    of a pod slice or GPU nodes check it themselves) and the run directory is locked for this job.
+
     Raises:
-        ConfigError: the mesh does not fit the gang's devices (checked before anything starts).
+        ConfigError: a mistake in the input (the mesh does not fit the gang's devices, a data path,
+            a checkpoint...), found here or by the workers; or the run directory is in use.
     """
     devices = gang_devices(config.cluster)
     if devices is not None:
@@ -444,4 +491,6 @@ def run_job(config: Config, run_dir: Path, out=None) -> JobResult:
             validate(config, devices)
         except ConfigError as e:
             raise ConfigError(f"{e} (in the gang of cluster.kind={config.cluster.kind}, before starting it)") from None
-    return Driver(config, run_dir, out).run()
+    check_inputs(config, run_dir, data=config.cluster.kind == "local")
+    with RunLock(run_dir, f"podtrain train cluster={config.cluster.kind}"):
+        return Driver(config, run_dir, out).run()

@@ -41,6 +41,15 @@ def port_is_free(port: int, host: str = "") -> bool:
         return True
 
 
+def process_state(pid: int) -> str | None:
+    """The kernel's state letter for a process (R running, S sleeping, T stopped, D in I/O...), or
+    None where /proc does not tell (another OS, or the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def free_port(host: str = "") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -136,6 +145,8 @@ class HostActor:
         error = self.files.get("error")
         return {
             "returncode": status,
+            "pid": None if self.proc is None else self.proc.pid,
+            "state": None if self.proc is None or status is not None else process_state(self.proc.pid),
             "heartbeat": p.read_heartbeat(self.files["heartbeat"]) if "heartbeat" in self.files else None,
             "lines": lines,
             "error": error.read_text() if status is not None and error is not None and error.exists() else None,

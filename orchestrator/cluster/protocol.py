@@ -5,7 +5,9 @@ Nothing here imports JAX: host actors and the driver never do.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -26,7 +28,7 @@ ENV_LOCAL_DEVICE_IDS = "PODTRAIN_LOCAL_DEVICE_IDS"  # comma-separated, or unset 
 ENV_INIT_TIMEOUT = "PODTRAIN_INIT_TIMEOUT_S"
 ENV_HEARTBEAT_TIMEOUT = "PODTRAIN_HEARTBEAT_TIMEOUT_S"
 ENV_HEARTBEAT_FILE = "PODTRAIN_HEARTBEAT_FILE"  # the worker writes its last completed step here
-ENV_ERROR_FILE = "PODTRAIN_ERROR_FILE"  # the traceback of an exception that ended the worker
+ENV_ERROR_FILE = "PODTRAIN_ERROR_FILE"  # what ended the worker: `write_error`'s JSON
 ENV_STACKS_FILE = "PODTRAIN_STACKS_FILE"  # faulthandler writes every thread's stack here on SIGUSR1
 ENV_PARENT_PID = "PODTRAIN_PARENT_PID"  # the worker exits when this process (its host actor) is gone
 
@@ -46,3 +48,33 @@ def read_heartbeat(path: str | os.PathLike) -> tuple[int, float] | None:
         return int(step), float(at)
     except (OSError, ValueError):
         return None
+
+
+def describe_exception(error: BaseException, max_chars: int = 300) -> str:
+    """The exception's type and first meaningful line (a line with a letter or digit: Orbax's
+    errors run over many lines and end in `})>.`), and the same of its cause when it has one."""
+
+    def first_line(e: BaseException) -> str:
+        line = next((line.strip() for line in str(e).splitlines() if re.search(r"\w", line)), "")
+        line = line if len(line) <= max_chars else line[:max_chars] + "..."
+        return f"{type(e).__name__}: {line}" if line else type(e).__name__
+
+    cause = error.__cause__
+    return first_line(error) + (f" (caused by {first_line(cause)})" if cause is not None else "")
+
+
+def write_error(path: str | os.PathLike, kind: str, summary: str, traceback: str = "") -> None:
+    """Records what ended a worker: `kind` "config" (a mistake in the input; `summary` is the message
+    for the user) or "exception" (`summary` from `describe_exception`, and the traceback)."""
+    Path(path).write_text(json.dumps({"kind": kind, "summary": summary, "traceback": traceback}) + "\n")
+
+
+def read_error(text: str | None) -> dict | None:
+    """`write_error`'s record, or None when there is none (the worker died before writing one)."""
+    if not text:
+        return None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
