@@ -20,11 +20,13 @@ train: install
 	$(VENV)/bin/podtrain train
 
 # Tests without Ray run on two pytest workers; the Ray tests (timing-sensitive: hang detection,
-# heartbeats) run one at a time after them.
+# heartbeats) run one at a time after them; last, the wheel is built and run from a fresh virtualenv
+# beside a decoy models/ package (it needs the package registry, so it runs outside the namespace).
 test: install
 	$(VENV)/bin/ruff check .
 	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not ray" --durations=25
 	bash tests/netns.sh $(PY) -m pytest -q -m ray --durations=10
+	bash tests/wheel_check.sh
 
 test-quick: install
 	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not slow"

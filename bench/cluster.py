@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pt", dir="/tmp") as tmp:
         run_dir = Path(tmp) / "run"
         env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_TMPDIR=tmp, RAY_AUTH_MODE="disabled")
-        command = [sys.executable, "-m", "launch.cli", "train", "-c", args.preset, *BENCH_SHAPE, "cluster=local",
+        command = [sys.executable, "-m", "podtrain.launch.cli", "train", "-c", args.preset, *BENCH_SHAPE,
+                   "cluster=local",
                    f"cluster.num_hosts={args.hosts}", f"cluster.devices_per_host={args.devices_per_host}",
                    f"train.steps={args.steps}", "train.eval_every=0", "checkpoint.every_steps=5",
                    f"run.dir={tmp}", "run.name=run"]

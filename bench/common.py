@@ -11,9 +11,10 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from orchestrator.build import Training, build_training, with_model
-from orchestrator.config import Config, load_config
-from orchestrator.plan import flops_per_token
+from podtrain.orchestrator.build import Training, build_training, with_model
+from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.plan import flops_per_token
+from podtrain.orchestrator.schema import Config
 
 PRESET = "llama3-tiny"
 # The benchmark shape: llama3-tiny's model with batch 8 x seq 256 (the preset trains on seq 128).

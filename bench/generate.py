@@ -55,18 +55,18 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import format_table, machine_description, time_calls  # noqa: E402
-from models import Llama, ModelConfig, kernels  # noqa: E402
-from models import layers as model_layers  # noqa: E402
-from models.generate import (  # noqa: E402
+from podtrain.models import Llama, ModelConfig, kernels  # noqa: E402
+from podtrain.models import layers as model_layers  # noqa: E402
+from podtrain.models.generate import (  # noqa: E402
     Sampling,
     auto_cache_reads,
     auto_decode_matmuls,
     auto_layer_weights,
     generate,
 )
-from models.kv_cache import CACHE_READS  # noqa: E402
-from models.layers import NEG_INF, apply_rope, dense, rope_inv_freq  # noqa: E402
-from models.runner import split_stack  # noqa: E402
+from podtrain.models.kv_cache import CACHE_READS  # noqa: E402
+from podtrain.models.layers import NEG_INF, apply_rope, dense, rope_inv_freq  # noqa: E402
+from podtrain.models.runner import split_stack  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=8,
                      num_kv_heads=4, head_dim=32)
@@ -464,7 +464,7 @@ def decode_parts(models: dict[str, tuple[Llama, Callable[[], contextlib.Abstract
     tokens; per round each runs both back to back, and a step is their difference over
     `new_tokens - 1`. Returns median and minimum ms per step for each (model, variant).
     """
-    program = sys.modules["models.generate"]._generate  # `models.generate` the name is the function
+    program = sys.modules["podtrain.models.generate"]._generate  # `models.generate` the name is the function
     variants = PART_VARIANTS if variants is None else variants
     batch = prompts.shape[0]
     inputs = (jnp.asarray(prompts), jnp.full((batch,), prompts.shape[1], jnp.int32), jnp.full((8,), -1, jnp.int32),

@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         podtrain_run,
         random_prompts,
     )
-    from models import Llama
-    from sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
+    from podtrain.models import Llama
+    from podtrain.sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
 
     mesh = build_mesh({"tp": args.tp}, jax.devices()[: args.tp])
 

@@ -31,12 +31,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import BENCH_SHAPE, MIB, format_table, machine_description, time_calls
-from orchestrator.build import build_training
-from orchestrator.checkpoint import Checkpointer
-from orchestrator.config import load_config
-from orchestrator.data import make_dataset, to_global_batch
-from orchestrator.tokenizers import load_tokenizer
-from orchestrator.train import run
+from podtrain.orchestrator.build import build_training
+from podtrain.orchestrator.checkpoint import Checkpointer
+from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.data import make_dataset, to_global_batch
+from podtrain.orchestrator.tokenizers import load_tokenizer
+from podtrain.orchestrator.train import run
 
 OVERHEAD_TARGET = 0.05
 SAVE_EVERY = 10

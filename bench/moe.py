@@ -41,11 +41,11 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from bench.common import format_table, machine_description, time_calls  # noqa: E402
-from models.config import ModelConfig, MoEConfig  # noqa: E402
-from models.moe import MoE, route  # noqa: E402
-from sharding.mesh import build_mesh  # noqa: E402
-from sharding.place import create_sharded  # noqa: E402
-from sharding.rules import DEFAULT_RULES, use_rules  # noqa: E402
+from podtrain.models.config import ModelConfig, MoEConfig  # noqa: E402
+from podtrain.models.moe import MoE, route  # noqa: E402
+from podtrain.sharding.mesh import build_mesh  # noqa: E402
+from podtrain.sharding.place import create_sharded  # noqa: E402
+from podtrain.sharding.rules import DEFAULT_RULES, use_rules  # noqa: E402
 
 # A layer big enough for the matmuls to dominate on this CPU: 16 experts of 512 -> 256, top-2.
 CONFIG = ModelConfig(

@@ -6,9 +6,9 @@ import time
 
 import jax
 
-from orchestrator.build import build_training
-from orchestrator.config import ConfigError, load_config
-from orchestrator.plan import format_plan, make_plan
+from podtrain.orchestrator.build import build_training
+from podtrain.orchestrator.config import ConfigError, load_config
+from podtrain.orchestrator.plan import format_plan, make_plan
 
 
 def run_command(args) -> int:

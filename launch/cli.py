@@ -6,21 +6,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+# Each command is the module `podtrain.launch.<command>`, with its `run_command(args)`.
 COMMANDS = {
-    "train": ("launch.train", "train on the configured cluster (cluster.kind), resuming from the last checkpoint"),
-    "submit": ("launch.submit", "submit `podtrain train` as a Ray job (--address http://HEAD:8265)"),
-    "plan": ("launch.plan", "show the resolved config, mesh, sharding, FLOPs and compiled memory; no training"),
-    "export": ("launch.export", "write a checkpoint's weights as HF safetensors (checkpoint=<dir> out=<dir> [step=N])"),
-    "generate": ("launch.generate", "continue prompts with a checkpoint or HF model (checkpoint=<dir> prompt=<text> "
-                                    "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P])"),
-    "check": ("launch.check", "build the model sharded over the devices and run train steps on random tokens"),
+    "train": "train on the configured cluster (cluster.kind), resuming from the last checkpoint",
+    "submit": "submit `podtrain train` as a Ray job (--address http://HEAD:8265)",
+    "plan": "show the resolved config, mesh, sharding, FLOPs and compiled memory; no training",
+    "export": "write a checkpoint's weights as HF safetensors (checkpoint=<dir> out=<dir> [step=N])",
+    "generate": "continue prompts with a checkpoint or HF model (checkpoint=<dir> prompt=<text> "
+                "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P])",
+    "check": "build the model sharded over the devices and run train steps on random tokens",
 }
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="podtrain", description="Train LLMs on TPU pod slices and GPU nodes.")
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
-    for name, (_, help_text) in COMMANDS.items():
+    for name, help_text in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.add_argument("-c", "--config", default="llama3-tiny", help="preset name in configs/ or a YAML path")
         cmd.add_argument("--cpu-devices", type=int, default=None,
@@ -32,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
         if name == "check":
             cmd.add_argument("--steps", type=int, default=2, help="train steps to run")
         if name == "submit":
-            from launch.submit import add_arguments
+            from podtrain.launch.submit import add_arguments
 
             add_arguments(cmd)
     return p
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     import importlib
 
-    from orchestrator.config import ConfigError
+    from podtrain.orchestrator.config import ConfigError
 
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"podtrain: error: --cpu-devices: expected a positive number of devices, found {args.cpu_devices}",
@@ -64,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    module = importlib.import_module(COMMANDS[args.command][0])
+    module = importlib.import_module(f"podtrain.launch.{args.command}")
     try:
         return module.run_command(args)
     except ConfigError as e:
         print(f"podtrain: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from orchestrator.checkpoint import CheckpointWriteError  # imported here: Orbax is slow to import
+        from podtrain.orchestrator.checkpoint import CheckpointWriteError  # imported here: Orbax is slow to import
 
         if not isinstance(e, CheckpointWriteError):
             raise

@@ -17,10 +17,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from models import to_hf
-from orchestrator.config import Config, ConfigError, load_config
-from orchestrator.load import checkpoint_step, restore_model
-from orchestrator.tokenizers import HFTokenizer, load_tokenizer
+from podtrain.models import to_hf
+from podtrain.orchestrator.config import ConfigError, load_config
+from podtrain.orchestrator.load import checkpoint_step, restore_model
+from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.tokenizers import HFTokenizer, load_tokenizer
 
 EXPORT_KEYS = ("checkpoint", "out", "step")
 

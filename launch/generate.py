@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 
-from models.generate import (
+from podtrain.models.generate import (
     CACHE_READS_CHOICES,
     DECODE_MATMULS,
     LAYER_WEIGHTS,
@@ -29,10 +29,10 @@ from models.generate import (
     check_kernel_reads,
     generate,
 )
-from orchestrator.config import ConfigError, load_config, override_keys
-from orchestrator.load import load_checkpoint_tokenizer, load_model
-from orchestrator.tokenizers import check_vocab
-from sharding.rules import use_rules
+from podtrain.orchestrator.config import ConfigError, load_config, override_keys
+from podtrain.orchestrator.load import load_checkpoint_tokenizer, load_model
+from podtrain.orchestrator.tokenizers import check_vocab
+from podtrain.sharding.rules import use_rules
 
 USAGE = ("podtrain generate -c <preset> checkpoint=<dir> prompt=<text> [prompt=...] [prompts_file=<path>] "
          "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P] [seed=S] [stop=<id,id>] [step=N] "

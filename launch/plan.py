@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.build import build_training
-from orchestrator.config import load_config
-from orchestrator.plan import format_plan, make_plan
+from podtrain.orchestrator.build import build_training
+from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.plan import format_plan, make_plan
 
 
 def run_command(args) -> int:

@@ -15,7 +15,7 @@ import shlex
 import time
 from pathlib import Path
 
-from orchestrator.config import ConfigError, load_config, resolve_preset
+from podtrain.orchestrator.config import ConfigError, load_config, resolve_preset
 
 EXCLUDES = [".venv", "venv", ".git", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", "*.egg-info"]
 STOP_MARGIN_S = 30  # beyond cluster.stop_grace_s: the driver's own clean-up after the workers exit

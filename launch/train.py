@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from orchestrator.config import load_config, resolve_preset
-from orchestrator.preflight import check_inputs
-from orchestrator.rundir import RunLock, resolve_run_dir
-from orchestrator.train import EXIT_PREEMPTED, run
+from podtrain.orchestrator.config import load_config, resolve_preset
+from podtrain.orchestrator.preflight import check_inputs
+from podtrain.orchestrator.rundir import RunLock, resolve_run_dir
+from podtrain.orchestrator.train import EXIT_PREEMPTED, run
 
 
 def run_command(args) -> int:
@@ -16,14 +16,14 @@ def run_command(args) -> int:
     # WARNING (importing JAX and Orbax gave the root logger absl's handler, so basicConfig would do nothing).
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    ours = logging.getLogger("orchestrator")
+    ours = logging.getLogger("podtrain")
     ours.setLevel(logging.INFO)
     ours.addHandler(handler)
     ours.propagate = False
     config = load_config(args.config, args.overrides)
     run_dir = resolve_run_dir(config, resolve_preset(args.config).stem)
     if config.cluster.kind != "none":
-        from orchestrator.cluster.driver import run_job
+        from podtrain.orchestrator.cluster.driver import run_job
 
         return run_job(config, run_dir).exit_code
     inputs = check_inputs(config, run_dir)  # before the lock creates the run directory

@@ -1,13 +1,13 @@
 """Model maths: layers, the stacking helper and layer runner, Llama 3 / Qwen3 / DeepSeek-V3, HF weights,
 generation."""
 
-from models.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
-from models.deepseek import DeepseekV3
-from models.generate import Sampling, generate
-from models.hf import config_from_hf, config_to_hf, from_hf, to_hf
-from models.kv_cache import KVCache
-from models.llama import Llama
-from models.loss import causal_lm_loss
+from podtrain.models.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from podtrain.models.deepseek import DeepseekV3
+from podtrain.models.generate import Sampling, generate
+from podtrain.models.hf import config_from_hf, config_to_hf, from_hf, to_hf
+from podtrain.models.kv_cache import KVCache
+from podtrain.models.llama import Llama
+from podtrain.models.loss import causal_lm_loss
 
 ARCHITECTURES = {"llama": Llama, "qwen3": Llama, "deepseek_v3": DeepseekV3}
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from flax import nnx
 
-from models.config import ModelConfig
-from models.kv_cache import KVCache
-from models.layers import DecoderLayer, dtype_of
-from models.llama import Llama
-from models.mla import MLAttention
-from models.moe import MoE, balance_router_bias
-from models.runner import stack_layers
+from podtrain.models.config import ModelConfig
+from podtrain.models.kv_cache import KVCache
+from podtrain.models.layers import DecoderLayer, dtype_of
+from podtrain.models.llama import Llama
+from podtrain.models.mla import MLAttention
+from podtrain.models.moe import MoE, balance_router_bias
+from podtrain.models.runner import stack_layers
 
 
 class DeepseekV3(Llama):

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import kernels
-from models.kv_cache import CACHE_READS
-from models.layers import dense
-from models.runner import split_stack
+from podtrain.models import kernels
+from podtrain.models.kv_cache import CACHE_READS
+from podtrain.models.layers import dense
+from podtrain.models.runner import split_stack
 
 
 @dataclasses.dataclass(frozen=True)

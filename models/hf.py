@@ -31,13 +31,13 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import ModelConfig
-from models.deepseek import DeepseekV3
-from models.hf_config import config_from_hf, config_to_hf
-from models.llama import Llama
-from sharding.mesh import build_mesh
-from sharding.place import abstract_model
-from sharding.rules import Rules
+from podtrain.models.config import ModelConfig
+from podtrain.models.deepseek import DeepseekV3
+from podtrain.models.hf_config import config_from_hf, config_to_hf
+from podtrain.models.llama import Llama
+from podtrain.sharding.mesh import build_mesh
+from podtrain.sharding.place import abstract_model
+from podtrain.sharding.rules import Rules
 
 INDEX_FILE = "model.safetensors.index.json"
 FP8_SCALE_SUFFIX = "_scale_inv"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from models.config import DTYPES, ROPE_TYPES, MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from podtrain.models.config import DTYPES, ROPE_TYPES, MLAConfig, ModelConfig, MoEConfig, RopeConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 

@@ -14,11 +14,11 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models import kernels
-from models.config import ModelConfig, RopeConfig
-from models.kernels import decode_attention
-from models.kv_cache import CACHE_READS
-from sharding.rules import constrain
+from podtrain.models import kernels
+from podtrain.models.config import ModelConfig, RopeConfig
+from podtrain.models.kernels import decode_attention
+from podtrain.models.kv_cache import CACHE_READS
+from podtrain.sharding.rules import constrain
 
 NEG_INF = float(np.finfo(np.float32).min)
 

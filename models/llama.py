@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from models.kv_cache import KVCache, write_tokens
-from models.layers import DecoderLayer, RMSNorm, dense, dtype_of, make_attention_mask, param
-from models.runner import run_layers, stack_layers
-from sharding.rules import constrain
+from podtrain.models.config import ModelConfig
+from podtrain.models.kv_cache import KVCache, write_tokens
+from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, make_attention_mask, param
+from podtrain.models.runner import run_layers, stack_layers
+from podtrain.sharding.rules import constrain
 
 
 class Llama(nnx.Module):

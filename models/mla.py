@@ -8,8 +8,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.config import ModelConfig
-from models.layers import (
+from podtrain.models.config import ModelConfig
+from podtrain.models.layers import (
     RMSNorm,
     apply_rope,
     attention,
@@ -21,7 +21,7 @@ from models.layers import (
     rope_inv_freq,
     softmax_scale,
 )
-from sharding.rules import constrain
+from podtrain.sharding.rules import constrain
 
 
 def _deinterleave(x: jax.Array) -> jax.Array:

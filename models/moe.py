@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig, MoEConfig
-from models.layers import MLP, dtype_of, param
-from sharding.experts import EXPERT_DOWN_NAMES, EXPERT_GATE_NAMES, routed_experts
+from podtrain.models.config import ModelConfig, MoEConfig
+from podtrain.models.layers import MLP, dtype_of, param
+from podtrain.sharding.experts import EXPERT_DOWN_NAMES, EXPERT_GATE_NAMES, routed_experts
 
 
 def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:

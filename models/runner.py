@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import REMAT_POLICIES
+from podtrain.models.config import REMAT_POLICIES
 
 _POLICIES = {
     # Save nothing: the backward pass recomputes the whole layer from its input. Least memory

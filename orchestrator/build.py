@@ -13,10 +13,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from models import ARCHITECTURES, ModelConfig
-from models.runner import only_layer
-from orchestrator.config import Config, ConfigError, validate
-from orchestrator.step import (
+from podtrain.models import ARCHITECTURES, ModelConfig
+from podtrain.models.runner import only_layer
+from podtrain.orchestrator.config import ConfigError, validate
+from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.step import (
     ShardedStep,
     TrainState,
     batch_shardings,
@@ -26,8 +27,8 @@ from orchestrator.step import (
     make_train_step,
     train_state_shardings,
 )
-from sharding.mesh import build_mesh
-from sharding.place import abstract_model, create_sharded
+from podtrain.sharding.mesh import build_mesh
+from podtrain.sharding.place import abstract_model, create_sharded
 
 
 def model_factory(config: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:

@@ -64,13 +64,12 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-import yaml
 from etils import epath
 from jax.sharding import Mesh
 from orbax.checkpoint import multihost
 
-from orchestrator.config import CheckpointConfig, Config, ConfigError, flatten_keys, to_yaml
-from orchestrator.integrity import (
+from podtrain.orchestrator.config import ConfigError, to_yaml
+from podtrain.orchestrator.integrity import (
     DAMAGE_ERRORS,
     DamagedStepError,
     changed_leaves,
@@ -80,7 +79,9 @@ from orchestrator.integrity import (
     raise_if_failed,
     verdict,
 )
-from sharding.mesh import describe_mesh
+from podtrain.orchestrator.resume import has_item, read_item, resume_step
+from podtrain.orchestrator.schema import CheckpointConfig, Config
+from podtrain.sharding.mesh import describe_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -122,79 +123,6 @@ class CheckpointWriteError(RuntimeError):
                          "steps committed before it are kept: free space or fix the storage, then resume")
 
 
-def _read_json(item: epath.Path) -> dict:
-    """A JSON item of a step (`meta`, `data_position`), as Orbax's JsonSave wrote it."""
-    return dict(ocp.JsonCheckpointHandler().restore(item))
-
-
-# Model keys that change how the model runs, is initialised or is trained, not what its weights
-# are: a run may resume with other values (DeepSeek-V3 stops its router-bias updates late in
-# training), and export and generate take any.
-RUNTIME_MODEL_KEYS = frozenset({"dtype", "remat", "scan_layers", "initializer_range", "moe.bias_update_rate",
-                                "moe.capacity_factor"})
-
-
-def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:
-    """How the model keys a step was saved with (its `meta["config_yaml"]`) differ from `model` (a
-    `ModelConfig`), apart from `RUNTIME_MODEL_KEYS`: the first `shown`, then how many more; "" when
-    they are equal (or the step records no config)."""
-    saved = (yaml.safe_load(meta.get("config_yaml", "")) or {}).get("model")
-    if saved is None:
-        return ""
-    saved, current = flatten_keys(saved), flatten_keys(dataclasses.asdict(model))
-    differences = [f"model.{key}: checkpoint has {saved.get(key)!r}, config has {current.get(key)!r}"
-                   for key in sorted((set(saved) | set(current)) - RUNTIME_MODEL_KEYS)
-                   if saved.get(key) != current.get(key)]
-    more = f"; and {len(differences) - shown} more" if len(differences) > shown else ""
-    return "; ".join(differences[:shown]) + more
-
-
-def committed_steps(directory: str) -> list[int]:
-    """The committed steps in a checkpoint directory (folders named by a bare integer), oldest first;
-    read without Orbax, so the driver can look before anything starts."""
-    path = epath.Path(directory)
-    if not path.is_dir():
-        return []
-    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir())
-
-
-def resume_step(resume: str, directory: str, steps: list[int]) -> int | None:
-    """The step `checkpoint.resume` starts from (for `auto`, the newest: older ones are fallbacks),
-    or None for a fresh start.
-
-    Raises:
-        ConfigError: `none` but `steps` is not empty, or a step number that is not in `steps`.
-    """
-    if resume == "none":
-        if steps:
-            raise ConfigError(f"checkpoint.resume=none, but {directory} already holds steps {steps}: use "
-                              "resume=auto to continue that run, or a new checkpoint.dir to start over")
-        return None
-    if resume == "auto":
-        return steps[-1] if steps else None
-    if int(resume) not in steps:
-        raise ConfigError(f"checkpoint.resume={resume}: no such step in {directory} (steps: {steps})")
-    return int(resume)
-
-
-def check_resume_matches(directory: str, step: int, config: Config) -> None:
-    """Raises ConfigError when `step` was saved with other model keys or another `train.batch_size`
-    than `config`: restoring it would fail on every step, each reported as damaged. A step whose
-    metadata cannot be read is left to the restore, which falls back past it."""
-    folder = epath.Path(directory) / str(step)
-    try:
-        differences = model_differences(_read_json(folder / "meta"), config.model)
-        positions = _read_json(folder / "data_position") if (folder / "data_position").exists() else None
-    except DAMAGE_ERRORS:
-        return
-    if differences:
-        raise ConfigError(f"checkpoint step {step} in {directory} was trained with a different model: "
-                          f"{differences}. Resume with the model it was trained with, or start a new run "
-                          "(run.name or checkpoint.dir)")
-    if positions is not None and len(positions) != config.train.batch_size:
-        raise ConfigError(f"checkpoint step {step} in {directory}: the saved data position has {len(positions)} "
-                          f"rows, but this run has train.batch_size={config.train.batch_size}: resume with the "
-                          f"train.batch_size it was saved with ({len(positions)})")
 
 
 def run_metadata(config: Config, mesh: Mesh) -> dict[str, Any]:
@@ -359,9 +287,9 @@ class Checkpointer:
         handler = ocp.StandardCheckpointHandler()
         try:
             state = handler.restore(folder / "state", args=ocp.args.StandardRestore(abstract_state))
-            meta = _read_json(folder / "meta")
-            if (folder / "data_position").exists():
-                meta["data_position"] = _read_json(folder / "data_position")
+            meta = read_item(self.directory, step, "meta")
+            if has_item(self.directory, step, "data_position"):
+                meta["data_position"] = read_item(self.directory, step, "data_position")
         except Exception as error:  # judged with every process's outcome in `_raise_if_failed`
             return None, error
         finally:
@@ -371,11 +299,10 @@ class Checkpointer:
     def _check_fingerprints(self, step: int, state: Any) -> None:
         """Raises DamagedStepError (on every process: the sums are global) when an array restored
         differs from the one saved; steps saved without fingerprints are taken as read."""
-        folder = epath.Path(self.directory) / str(step) / "fingerprints"
-        if not folder.exists():
+        if not has_item(self.directory, step, "fingerprints"):
             return
         try:
-            saved = _read_json(folder)
+            saved = read_item(self.directory, step, "fingerprints")
         except DAMAGE_ERRORS as error:
             raise DamagedStepError(step, self.directory, f"its fingerprints cannot be read: {describe(error)}"
                                    ) from error
@@ -386,7 +313,7 @@ class Checkpointer:
     def meta(self, step: int) -> dict:
         """The JSON metadata of one step (its `config_yaml`, mesh, seed...), without reading any array."""
         self._committed_step(step)
-        return _read_json(epath.Path(self.directory) / str(step) / "meta")
+        return read_item(self.directory, step, "meta")
 
     def restore_params(self, abstract_state: Any, *, step: int | None = None) -> tuple[Any, dict, int]:
         """Restores only `params` (and the step counter) of one step; the optimizer state is never read.

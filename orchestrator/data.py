@@ -32,9 +32,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from orchestrator.config import DataConfig
-from orchestrator.corpus import document_indices, open_corpus
-from orchestrator.tokenizers import Tokenizer
+from podtrain.orchestrator.corpus import document_indices, open_corpus
+from podtrain.orchestrator.schema import DataConfig
+from podtrain.orchestrator.tokenizers import Tokenizer
 
 
 def _encode(text: str, tokenizer: Tokenizer, add_bos: bool) -> dict[str, np.ndarray]:

@@ -16,12 +16,14 @@ from pathlib import Path
 from flax import nnx
 from jax.sharding import Mesh
 
-from models import from_hf
-from orchestrator.build import Training, build_training
-from orchestrator.checkpoint import Checkpointer, model_differences
-from orchestrator.config import Config, ConfigError
-from orchestrator.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
-from sharding.mesh import build_mesh
+from podtrain.models import from_hf
+from podtrain.orchestrator.build import Training, build_training
+from podtrain.orchestrator.checkpoint import Checkpointer
+from podtrain.orchestrator.config import ConfigError
+from podtrain.orchestrator.resume import model_differences
+from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
+from podtrain.sharding.mesh import build_mesh
 
 
 def resolve_checkpoint(path: str) -> tuple[Path, int | None]:

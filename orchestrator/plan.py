@@ -8,12 +8,12 @@ import math
 import numpy as np
 from flax import nnx
 
-from models import ModelConfig
-from orchestrator.build import Training
-from sharding.experts import capacity
-from sharding.mesh import describe_mesh
-from sharding.place import path_str
-from sharding.rules import sharded_over
+from podtrain.models import ModelConfig
+from podtrain.orchestrator.build import Training
+from podtrain.sharding.experts import capacity
+from podtrain.sharding.mesh import describe_mesh
+from podtrain.sharding.place import path_str
+from podtrain.sharding.rules import sharded_over
 
 
 def _attention_params(config: ModelConfig) -> int:

@@ -17,10 +17,11 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from orchestrator.checkpoint import check_resume_matches, committed_steps, resume_step
-from orchestrator.config import Config, ConfigError, checkpoint_directory
-from orchestrator.corpus import document_indices, open_corpus
-from orchestrator.tokenizers import Tokenizer, check_vocab, load_tokenizer
+from podtrain.orchestrator.config import ConfigError, checkpoint_directory
+from podtrain.orchestrator.corpus import document_indices, open_corpus
+from podtrain.orchestrator.resume import check_resume_matches, committed_steps, resume_step
+from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.tokenizers import Tokenizer, check_vocab, load_tokenizer
 
 
 @dataclasses.dataclass

@@ -24,7 +24,8 @@ import os
 import socket
 from pathlib import Path
 
-from orchestrator.config import Config, ConfigError
+from podtrain.orchestrator.config import ConfigError
+from podtrain.orchestrator.schema import Config
 
 LOCK_FILE = "podtrain.lock"
 # Ray hands a job's entrypoint its runtime environment (working_dir included) in this variable.

@@ -11,10 +11,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import causal_lm_loss
-from models.loss import chunked_causal_lm_loss
-from orchestrator.config import OptimizerConfig
-from sharding.rules import Rules, logical_to_spec, use_rules
+from podtrain.models import causal_lm_loss
+from podtrain.models.loss import chunked_causal_lm_loss
+from podtrain.orchestrator.schema import OptimizerConfig
+from podtrain.sharding.rules import Rules, logical_to_spec, use_rules
 
 
 @struct.dataclass

@@ -15,7 +15,7 @@ import numpy as np
 import tokenizers
 from tokenizers import processors
 
-from models.hf import read_json_object
+from podtrain.models.hf import read_json_object
 
 
 class Tokenizer(Protocol):

@@ -22,19 +22,20 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from orbax.checkpoint import multihost
 
-from models.generate import generate
-from orchestrator.build import Training, build_training
-from orchestrator.checkpoint import Checkpointer, run_metadata
-from orchestrator.cluster import protocol
-from orchestrator.config import Config, ConfigError, checkpoint_directory, to_yaml
-from orchestrator.data import make_dataset, process_rows, row_positions, set_row_positions, to_global_batch
-from orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
-from orchestrator.plan import flops_per_token
-from orchestrator.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
-from orchestrator.step import make_eval_step
-from orchestrator.tokenizers import Tokenizer
-from sharding.mesh import describe_mesh
-from sharding.rules import use_rules
+from podtrain.models.generate import generate
+from podtrain.orchestrator.build import Training, build_training
+from podtrain.orchestrator.checkpoint import Checkpointer, run_metadata
+from podtrain.orchestrator.cluster import protocol
+from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml
+from podtrain.orchestrator.data import make_dataset, process_rows, row_positions, set_row_positions, to_global_batch
+from podtrain.orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
+from podtrain.orchestrator.plan import flops_per_token
+from podtrain.orchestrator.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
+from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.step import make_eval_step
+from podtrain.orchestrator.tokenizers import Tokenizer
+from podtrain.sharding.mesh import describe_mesh
+from podtrain.sharding.rules import use_rules
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from sharding.rules import axes_of, logical_to_spec
+from podtrain.sharding.rules import axes_of, logical_to_spec
 
 EXPERT_GATE_NAMES = ("experts", "embed", "mlp")  # w_gate and w_up, (E, D, F)
 EXPERT_DOWN_NAMES = ("experts", "mlp", "embed")  # w_down, (E, F, D)

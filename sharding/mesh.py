@@ -10,7 +10,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from sharding.rules import MESH_AXES
+from podtrain.sharding.rules import MESH_AXES
 
 
 def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int, *, key: str = "mesh") -> dict[str, int]:

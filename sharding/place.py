@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from sharding.rules import Rules, logical_to_spec
+from podtrain.sharding.rules import Rules, logical_to_spec
 
 
 def _is_var(x) -> bool:

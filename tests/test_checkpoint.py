@@ -15,15 +15,16 @@ import pytest
 import yaml
 from xla_flags import xla_flags
 
-from orchestrator.build import build_training
-from orchestrator.checkpoint import (
+from podtrain.orchestrator.build import build_training
+from podtrain.orchestrator.checkpoint import (
     Checkpointer,
     CheckpointWriteError,
     NoRestorableCheckpointError,
-    model_differences,
     run_metadata,
 )
-from orchestrator.config import CheckpointConfig, ConfigError, checkpoint_directory, load_config
+from podtrain.orchestrator.config import ConfigError, checkpoint_directory, load_config
+from podtrain.orchestrator.resume import model_differences
+from podtrain.orchestrator.schema import CheckpointConfig
 
 # A restore that fails part way leaves tensorstore reads in flight; they complete on tensorstore's threads after
 # Orbax closed its event loop, which Python reports as an unraisable "Event loop is closed" (harmless).
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:(?s)Exception ignored in.*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
 )
 
+CHECKPOINT_LOGGER = "podtrain.orchestrator.checkpoint"
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
         "model.head_dim=16", "model.num_heads=4", "model.num_kv_heads=2", "train.batch_size=8", "train.seq_len=16"]
 
@@ -188,11 +190,11 @@ def test_damaged_latest_step_falls_back_to_the_previous_one(training, tmp_path, 
         ckpt.wait()
     damage(tmp_path / "4")
     before = files(tmp_path)
-    with checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, logger="orchestrator.checkpoint"):
+    with checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, logger=CHECKPOINT_LOGGER):
         restored, meta, step = ckpt.restore_latest(training.abstract_state())
     assert (step, meta["step"]) == (2, 2)
     assert_bit_equal(restored, older)
-    failed, renamed = [r.getMessage() for r in caplog.records if r.name == "orchestrator.checkpoint"]
+    failed, renamed = [r.getMessage() for r in caplog.records if r.name == CHECKPOINT_LOGGER]
     assert f"checkpoint step 4 in {tmp_path} cannot be restored (" in failed and reason in failed
     assert "4.damaged" in renamed
     # Nothing is deleted or changed: the damaged step is renamed so that Orbax ignores it, and the
@@ -289,7 +291,7 @@ def test_model_differences_name_the_first_three_and_count_the_rest(training):
 
 def test_model_differences_name_nested_keys_and_allow_moe_training_knobs():
     """DeepSeek-V3 stops its router-bias updates late in training: a run resumes with another rate."""
-    from orchestrator.config import to_yaml
+    from podtrain.orchestrator.config import to_yaml
 
     config = load_config("deepseek-v3-tiny")
     meta = {"config_yaml": to_yaml(config)}
@@ -340,12 +342,12 @@ def test_resume_of_an_older_step_sets_the_newer_ones_aside_and_saves_them_again(
         for step in (2, 4, 6):
             ckpt.save(step, old)
     before = files(tmp_path)
-    with checkpointer(tmp_path, resume="2") as ckpt, caplog.at_level(logging.WARNING, logger="orchestrator.checkpoint"):
+    with checkpointer(tmp_path, resume="2") as ckpt, caplog.at_level(logging.WARNING, logger=CHECKPOINT_LOGGER):
         assert ckpt.resume(training.abstract_state())[2] == 2
         assert ckpt.all_steps() == [2]
         assert ckpt.save(4, new)
         ckpt.wait()
-    [warning] = [r.getMessage() for r in caplog.records if r.name == "orchestrator.checkpoint"]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == CHECKPOINT_LOGGER]
     assert f"checkpoint steps [4, 6] in {tmp_path} renamed to 4.superseded, 6.superseded" in warning
     assert "checkpoint.resume=2" in warning
     after, moved = files(tmp_path), {"4": "4.superseded", "6": "6.superseded"}
@@ -376,8 +378,8 @@ import sys
 import jax
 jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=2, process_id=int(sys.argv[2]),
                            initialization_timeout=60)
-from orchestrator.checkpoint import _check_shared
-from orchestrator.config import ConfigError
+from podtrain.orchestrator.checkpoint import _check_shared
+from podtrain.orchestrator.config import ConfigError
 try:
     _check_shared(sys.argv[3])
     print("shared")
@@ -391,7 +393,7 @@ except ConfigError as e:
 def test_checkpoint_dir_must_be_shared_by_processes(tmp_path, same):
     """Two JAX processes: a directory both see passes; one that is not the same for process 1 (here a
     different local folder, as a local path on separate hosts would be) is one error on every process."""
-    from orchestrator.cluster.host import free_port
+    from podtrain.orchestrator.cluster.host import free_port
 
     port, root = free_port("127.0.0.1"), Path(__file__).parent.parent
     dirs = [tmp_path / "ckpt", tmp_path / ("ckpt" if same else "elsewhere")]
@@ -454,15 +456,15 @@ def test_a_save_that_cannot_be_written_is_one_error_and_keeps_the_committed_step
 
 def test_the_cli_prints_a_failed_save_as_one_line(monkeypatch, capsys):
     """Exit status 1 and one line; any other RuntimeError keeps its traceback."""
-    import launch.train
-    from launch.cli import main
+    import podtrain.launch.train
+    from podtrain.launch.cli import main
 
     raised = [CheckpointWriteError(15, "/runs/x/ck", OSError(28, "No space left on device")), RuntimeError("a bug")]
 
     def run_command(args):
         raise raised.pop(0)
 
-    monkeypatch.setattr(launch.train, "run_command", run_command)
+    monkeypatch.setattr(podtrain.launch.train, "run_command", run_command)
     assert main(["train"]) == 1
     assert capsys.readouterr().err == (
         "podtrain: error: checkpoint step 15 could not be written to /runs/x/ck (OSError: [Errno 28] No space left "

@@ -41,7 +41,7 @@ def env(tmp_path: Path, devices: int = 2) -> dict:
 
 
 def train_command(run_dir: Path, steps: int, *extra: str, every: int = 2) -> list[str]:
-    return [sys.executable, "-m", "launch.cli", "train", "-c", "llama3-tiny", *TINY, f"train.steps={steps}",
+    return [sys.executable, "-m", "podtrain.launch.cli", "train", "-c", "llama3-tiny", *TINY, f"train.steps={steps}",
             f"checkpoint.every_steps={every}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *extra]
 
 
@@ -185,7 +185,7 @@ def test_expert_parallel_across_two_hosts_matches_one_process(tmp_path):
              "checkpoint.every_steps=3", "optimizer.schedule=constant", f"run.dir={tmp_path}"]
     procs = {}  # both runs at once: their start-up (Ray, imports, compiles) overlaps
     for name, placement, devices in (("one-process", ["cluster=none"], 4), ("two-hosts", TWO_HOSTS, 2)):
-        command = [sys.executable, "-m", "launch.cli", "train", "-c", "deepseek-v3-tiny", *model, *placement,
+        command = [sys.executable, "-m", "podtrain.launch.cli", "train", "-c", "deepseek-v3-tiny", *model, *placement,
                    f"run.name={name}"]
         procs[name] = start(command, tmp_path, name, devices)
     runs = {}
@@ -296,7 +296,7 @@ def test_ray_job_submit_then_ray_job_stop_checkpoints_then_a_resubmit_after_a_ra
     run_dir = submitted_from / "runs" / "submitted"  # the default run.dir, relative to where submit ran
 
     def submit(address, steps):
-        command = [sys.executable, "-m", "launch.cli", "submit", "--address", address, "--no-follow",
+        command = [sys.executable, "-m", "podtrain.launch.cli", "submit", "--address", address, "--no-follow",
                    "--working-dir", str(ROOT), "-c", "llama3-tiny", *TINY, f"train.steps={steps}",
                    "checkpoint.every_steps=500", "run.name=submitted", *TWO_HOSTS, "cluster.stop_grace_s=60"]
         done = subprocess.run(command, cwd=submitted_from, env=e, capture_output=True, text=True, timeout=120)
@@ -424,5 +424,7 @@ def test_a_mistake_the_hosts_find_is_one_line_exit_2_and_a_rerun_keeps_the_first
             if attempt == 1:
                 first_logs = {p.name: p.read_text() for p in (run_dir / "logs" / "attempt-1").glob("rank*.log")}
         assert first_logs == {p.name: p.read_text() for p in (run_dir / "logs" / "attempt-1").glob("rank*.log")}
-        assert all("missing.jsonl" in log and "Traceback" not in log for log in first_logs.values())
+        # The rank that fails first ends the attempt; the other may be stopped before it reports its own.
+        assert any("missing.jsonl" in log for log in first_logs.values())
+        assert not any("Traceback" in log for log in first_logs.values())
         assert (run_dir / "logs" / "attempt-2" / "rank0.log").exists()

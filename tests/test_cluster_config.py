@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster import driver
-from orchestrator.cluster import protocol as p
-from orchestrator.cluster.driver import Budgets, _normalise, next_attempt, worker_config
-from orchestrator.cluster.reserve import (
+from podtrain.orchestrator.cluster import driver
+from podtrain.orchestrator.cluster import protocol as p
+from podtrain.orchestrator.cluster.driver import Budgets, _normalise, next_attempt, worker_config
+from podtrain.orchestrator.cluster.reserve import (
     ReservationError,
     _bundles,
     gang_devices,
@@ -24,8 +24,8 @@ from orchestrator.cluster.reserve import (
     reserve,
     tpu_topology,
 )
-from orchestrator.config import ConfigError, load_config
-from orchestrator.worker import port_taken
+from podtrain.orchestrator.cluster.worker import port_taken
+from podtrain.orchestrator.config import ConfigError, load_config
 
 ROOT = Path(__file__).parent.parent
 
@@ -215,7 +215,7 @@ def test_jaxs_busy_coordinator_port_errors_are_recognised():
 
 
 def test_a_worker_whose_coordinator_port_is_taken_asks_for_another(tmp_path):
-    from orchestrator.config import to_yaml
+    from podtrain.orchestrator.config import to_yaml
 
     (tmp_path / "config.yaml").write_text(to_yaml(load_config("llama3-tiny")))
     with socket.socket() as taken:
@@ -226,8 +226,8 @@ def test_a_worker_whose_coordinator_port_is_taken_asks_for_another(tmp_path):
             p.ENV_COORDINATOR: f"127.0.0.1:{port}", p.ENV_NUM_PROCESSES: "2", p.ENV_PROCESS_ID: "0",
             p.ENV_INIT_TIMEOUT: "5", p.ENV_HEARTBEAT_TIMEOUT: "5", p.ENV_CONFIG: str(tmp_path / "config.yaml"),
             p.ENV_RUN_DIR: str(tmp_path)})
-        done = subprocess.run([sys.executable, "-m", "orchestrator.worker"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run([sys.executable, "-m", "podtrain.orchestrator.cluster.worker"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
     assert done.returncode == p.EXIT_COORDINATOR_PORT, done.stderr[-3000:]
     assert f"coordinator port {port} is taken" in done.stderr
 
@@ -255,12 +255,12 @@ def test_rank_0_lines_are_echoed_without_the_libraries_info_records():
     out = io.StringIO()
     driver._LogFilter(out).feed(0, [
         "2026-11-30 06:36:21,330 INFO absl: Queuing deletion of steps: [].",
-        "2026-11-30 06:36:21,330 INFO orchestrator.train: starting at step 0 (fresh)",
+        "2026-11-30 06:36:21,330 INFO podtrain.orchestrator.train: starting at step 0 (fresh)",
         "2026-11-30 06:36:21,330 WARNING absl: something to look at",
         "step 1/6  loss 8.390",
     ])
     assert out.getvalue().splitlines() == [
-        "[rank 0] 2026-11-30 06:36:21,330 INFO orchestrator.train: starting at step 0 (fresh)",
+        "[rank 0] 2026-11-30 06:36:21,330 INFO podtrain.orchestrator.train: starting at step 0 (fresh)",
         "[rank 0] 2026-11-30 06:36:21,330 WARNING absl: something to look at", "[rank 0] step 1/6  loss 8.390"]
 
 
@@ -318,7 +318,7 @@ def test_a_hang_is_blamed_on_the_stopped_rank_then_the_one_behind():
 
 def test_a_hang_is_blamed_on_the_rank_whose_main_thread_runs_while_the_others_wait(tmp_path):
     """Real py-spy dumps of a process spinning in Python and one waiting in a system call."""
-    from orchestrator.cluster.host import HostActor
+    from podtrain.orchestrator.cluster.host import HostActor
 
     programs = ["import time\nwhile True: time.sleep(60)", "while True: pass"]
     procs = [subprocess.Popen([sys.executable, "-c", program]) for program in programs]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from launch.cli import main
-from orchestrator.config import (
+from podtrain.launch.cli import main
+from podtrain.orchestrator.config import (
     ConfigError,
     closest_key,
     list_presets,
@@ -174,7 +174,8 @@ def test_bad_deepseek_settings_name_the_key(overrides, needle):
     ],
 )
 def test_closest_key_prefers_the_same_section_and_the_last_part(key, meant):
-    from orchestrator.config import Config, _schema_keys
+    from podtrain.orchestrator.config import _schema_keys
+    from podtrain.orchestrator.schema import Config
 
     assert closest_key(key, _schema_keys(Config)) == meant
 
@@ -247,7 +248,7 @@ def test_cli_turns_config_errors_into_one_line_and_exit_2(argv, needle, capsys):
 
 
 def test_cli_takes_overrides_before_and_after_options():
-    from launch.cli import parse
+    from podtrain.launch.cli import parse
 
     args = parse(["train", "model.num_layers=2", "--cpu-devices", "2", "-c", "qwen3-tiny", "train.steps=3"])
     assert (args.config, args.cpu_devices, args.overrides) == ("qwen3-tiny", 2, ["model.num_layers=2", "train.steps=3"])

@@ -14,8 +14,8 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from jax.sharding import NamedSharding, PartitionSpec
 from omegaconf import OmegaConf
 
-from orchestrator.corpus import document_indices, open_corpus
-from orchestrator.data import (
+from podtrain.orchestrator.corpus import document_indices, open_corpus
+from podtrain.orchestrator.data import (
     DataConfig,
     consecutive_rows,
     make_dataset,
@@ -24,7 +24,7 @@ from orchestrator.data import (
     set_row_positions,
     to_global_batch,
 )
-from orchestrator.tokenizers import ByteTokenizer, check_vocab, load_tokenizer
+from podtrain.orchestrator.tokenizers import ByteTokenizer, check_vocab, load_tokenizer
 
 BYTE = ByteTokenizer()
 DOCS = [f"document {i}: " + "xyz" * (i % 7) for i in range(20)]
@@ -235,7 +235,7 @@ def test_text_is_decoded_strictly_when_read_and_a_character_may_straddle_the_che
 def test_the_stdlib_source_reads_files_in_other_encodings_leniently(tmp_path, monkeypatch):
     """A few of Python's own test files are Latin-1 or KOI8-R: the default corpus keeps them as they read."""
     _write(tmp_path / "module_iso_8859_1.py", "# caf\u00e9\n".encode("latin-1"))
-    monkeypatch.setattr("orchestrator.corpus.sysconfig.get_paths", lambda: {"stdlib": str(tmp_path)})
+    monkeypatch.setattr("podtrain.orchestrator.corpus.sysconfig.get_paths", lambda: {"stdlib": str(tmp_path)})
     assert list(open_corpus(DataConfig(), seq_len=16)) == ["# caf\ufffd\n"]
 
 

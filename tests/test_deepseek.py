@@ -14,10 +14,10 @@ import pytest
 from flax import nnx
 from hf_fixtures import hf_logits, save_hf_model
 
-from models import DeepseekV3, ModelConfig, causal_lm_loss, from_hf
-from orchestrator.config import load_config
-from sharding.mesh import build_mesh
-from sharding.rules import DEFAULT_RULES, use_rules
+from podtrain.models import DeepseekV3, ModelConfig, causal_lm_loss, from_hf
+from podtrain.orchestrator.config import load_config
+from podtrain.sharding.mesh import build_mesh
+from podtrain.sharding.rules import DEFAULT_RULES, use_rules
 
 # name -> (mesh sizes, devices). The batch (4) divides every mesh's batch axes (dp * fsdp * ep).
 MESHES = {"ep2": ({"ep": 2}, 2), "ep4": ({"ep": 4}, 4), "ep2_fsdp2": ({"ep": 2, "fsdp": 2}, 4)}

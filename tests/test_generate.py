@@ -15,8 +15,8 @@ import torch
 from flax import nnx
 from hf_fixtures import save_hf_model
 
-from models import Llama, ModelConfig, kernels
-from models.generate import (
+from podtrain.models import Llama, ModelConfig, kernels
+from podtrain.models.generate import (
     ONE_PASS_MAX_LAYER_BYTES,
     Sampling,
     auto_cache_reads,
@@ -25,9 +25,9 @@ from models.generate import (
     greedy,
     sample,
 )
-from models.hf import from_hf
-from models.runner import split_stack
-from sharding import DEFAULT_RULES, build_mesh, use_rules
+from podtrain.models.hf import from_hf
+from podtrain.models.runner import split_stack
+from podtrain.sharding import DEFAULT_RULES, build_mesh, use_rules
 
 PROMPT_LENGTHS = (7, 3, 12, 5)
 NEW_TOKENS = 10
@@ -155,7 +155,7 @@ def test_auto_layer_weights_copies_the_layers_only_where_the_copy_fits(monkeypat
     more than half of the host's available memory (a big model on a small host)."""
     model = Llama(TINY, rngs=nnx.Rngs(0))
     layer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model.layers)))
-    module = sys.modules["models.generate"]  # `models.generate` is also the function's name
+    module = sys.modules["podtrain.models.generate"]  # `models.generate` is also the function's name
     monkeypatch.setattr(module, "_available_host_bytes", lambda: 2 * layer_bytes)
     assert auto_layer_weights(model) == "split"
     monkeypatch.setattr(module, "_available_host_bytes", lambda: 2 * layer_bytes - 2)
@@ -174,7 +174,7 @@ def test_auto_cache_reads_picks_the_kernel_on_one_cpu_device_and_one_pass_on_sma
     assert auto_cache_reads(model, 4, 128) == "kernel"  # this machine: CPU, one device
     half = Llama(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
     assert auto_cache_reads(half, 4, 128) == "filled"
-    module = sys.modules["models.generate"]  # `models.generate` is also the function's name
+    module = sys.modules["podtrain.models.generate"]  # `models.generate` is also the function's name
     with monkeypatch.context() as patch:
         patch.setattr(module, "_devices", lambda state: 2)
         assert auto_cache_reads(model, 4, 128) == "filled"
@@ -191,7 +191,7 @@ def test_auto_cache_reads_picks_the_kernel_on_one_cpu_device_and_one_pass_on_sma
 def test_kernel_reads_say_why_they_cannot_run(monkeypatch):
     """`cache_reads=kernel` where the kernel cannot run is an error naming the reason; `auto`
     falls back to the block loop with one warning that says why."""
-    module = sys.modules["models.generate"]
+    module = sys.modules["podtrain.models.generate"]
     prompts = _prompts(TINY.vocab_size)
     half = Llama(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"cache_reads=kernel: the kernel reads a float32 cache; .*\['bfloat16'\]"):
@@ -225,7 +225,7 @@ def test_kernel_reads_and_matmuls_give_xlas_tokens():
 def test_auto_decode_matmuls_and_their_refusals(monkeypatch):
     """`auto` multiplies in the kernel on one CPU device with a float32 model, else in XLA;
     `decode_matmuls=kernel` where it cannot run says why."""
-    module = sys.modules["models.generate"]
+    module = sys.modules["podtrain.models.generate"]
     model = Llama(TINY, rngs=nnx.Rngs(0))
     half = Llama(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
     assert module.auto_decode_matmuls(model) == "kernel"
@@ -295,7 +295,7 @@ def test_tensor_parallel_cached_attention_needs_no_collective(tokens, reads):
     and a prefill chunk; the filled blocks looped over or every slot in one pass) compiles to a
     program without any collective: each device reads only its own kv heads' cache slots, never
     another device's."""
-    from models.layers import cached_attention
+    from podtrain.models.layers import cached_attention
 
     mesh = build_mesh(dict(tp=2), jax.devices()[:2])
     rng = np.random.default_rng(3)

@@ -13,15 +13,15 @@ from test_train import TINY
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from launch.cli import main
-from models import from_hf
-from models.generate import generate
-from orchestrator.build import build_training
-from orchestrator.checkpoint import Checkpointer
-from orchestrator.config import ConfigError, load_config
-from orchestrator.tokenizers import ByteTokenizer, hf_directory_tokenizer
-from sharding.mesh import build_mesh, resolve_axis_sizes
-from sharding.rules import DEFAULT_RULES, use_rules
+from podtrain.launch.cli import main
+from podtrain.models import from_hf
+from podtrain.models.generate import generate
+from podtrain.orchestrator.build import build_training
+from podtrain.orchestrator.checkpoint import Checkpointer
+from podtrain.orchestrator.config import ConfigError, load_config
+from podtrain.orchestrator.tokenizers import ByteTokenizer, hf_directory_tokenizer
+from podtrain.sharding.mesh import build_mesh, resolve_axis_sizes
+from podtrain.sharding.rules import DEFAULT_RULES, use_rules
 
 # TINY's batch of 4 rows over fsdp=4; tp=2 shards the heads, so generation runs on a 2-D mesh.
 CONFIG = ["-c", "llama3-tiny", *TINY, "mesh.tp=2"]
@@ -106,7 +106,7 @@ def test_generate_from_an_hf_directory_batches_prompts_with_its_tokenizer(tmp_pa
 
 
 def test_generate_on_an_hf_directory_takes_runtime_model_keys_only(tmp_path, capsys):
-    from orchestrator.load import load_model
+    from podtrain.orchestrator.load import load_model
 
     save_hf_model("llama", tmp_path)
     config = load_config("llama3-tiny", ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=none"])

@@ -20,11 +20,11 @@ from safetensors.torch import load_file as load_torch_file
 from safetensors.torch import save_file as save_torch_file
 from transformers import AutoModelForCausalLM
 
-import models.hf
-from models.deepseek import DeepseekV3
-from models.hf import INDEX_FILE, config_from_hf, config_to_hf, from_hf, to_hf
-from sharding.mesh import build_mesh
-from sharding.rules import DEFAULT_RULES, use_rules
+import podtrain.models.hf
+from podtrain.models.deepseek import DeepseekV3
+from podtrain.models.hf import INDEX_FILE, config_from_hf, config_to_hf, from_hf, to_hf
+from podtrain.sharding.mesh import build_mesh
+from podtrain.sharding.rules import DEFAULT_RULES, use_rules
 
 KIND_NAMES = list(KINDS)
 MESH_SIZES = dict(dp=1, fsdp=2, tp=2, ep=2)
@@ -176,7 +176,7 @@ def test_config_from_hf_reads_old_rope_keys_and_defaults():
 def test_deepseek_keys_missing_from_config_json_take_transformers_defaults():
     from transformers import DeepseekV3Config
 
-    from models.hf_config import DEEPSEEK_KEYS
+    from podtrain.models.hf_config import DEEPSEEK_KEYS
 
     minimal = {"model_type": "deepseek_v3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
                "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 128}
@@ -437,7 +437,7 @@ def test_to_hf_failure_leaves_no_directory(tmp_path, monkeypatch):
         written.append(file)
         save_file(tensors, file, metadata=metadata)
 
-    monkeypatch.setattr(models.hf, "save_file", fail_on_second_file)
+    monkeypatch.setattr(podtrain.models.hf, "save_file", fail_on_second_file)
     with pytest.raises(OSError, match="disk full"):
         to_hf(model, config, tmp_path / "exported", max_shard_bytes=30_000)
     assert written

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import kernels
+from podtrain.models import kernels
 
 
 def _problem(rng, *, batch, layers, length, kv_heads, group, dims, value_dim, used):
@@ -116,7 +116,7 @@ def test_matmul_rejects_other_dtypes_and_shapes():
 def test_dense_uses_the_matmul_kernel_only_for_a_few_float32_rows_inside_small_matmuls():
     """`models.layers.dense` sends a product to the kernel inside `small_matmuls()` when it has at
     most SMALL_MATMUL_ROWS rows and is float32; the result equals XLA's."""
-    from models.layers import dense
+    from podtrain.models.layers import dense
 
     rng = np.random.default_rng(5)
     w = jnp.asarray(rng.standard_normal((16, 4, 8)).astype(np.float32))

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import KVCache, Llama, ModelConfig, RopeConfig, causal_lm_loss
-from models.config import REMAT_POLICIES
-from models.loss import chunked_causal_lm_loss
-from models.runner import only_layer
-from sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
+from podtrain.models import KVCache, Llama, ModelConfig, RopeConfig, causal_lm_loss
+from podtrain.models.config import REMAT_POLICIES
+from podtrain.models.loss import chunked_causal_lm_loss
+from podtrain.models.runner import only_layer
+from podtrain.sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
 
 TINY = ModelConfig(
     vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24,
@@ -116,7 +116,7 @@ def test_one_token_cached_attention_equals_a_dense_softmax(kv_heads, group, dims
     the layer's filled slots and the token itself: rows of different lengths, a padding token
     (key position -1, which still attends but is not attended to), GQA and MLA's two key parts;
     the filled blocks looped over, every slot read in one pass, or the C++ kernel."""
-    from models.layers import cached_attention
+    from podtrain.models.layers import cached_attention
 
     rng = np.random.default_rng(7)
     batch, layers, layer, e = 3, 3, 1, dims[0]

@@ -12,13 +12,13 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.moe import MoE, balance_router_bias, route
-from orchestrator.build import build_training
-from orchestrator.config import ConfigError, load_config, validate
-from sharding.experts import capacity, routed_experts
-from sharding.mesh import build_mesh
-from sharding.place import create_sharded
-from sharding.rules import DEFAULT_RULES, logical_to_spec, use_rules
+from podtrain.models.moe import MoE, balance_router_bias, route
+from podtrain.orchestrator.build import build_training
+from podtrain.orchestrator.config import ConfigError, load_config, validate
+from podtrain.sharding.experts import capacity, routed_experts
+from podtrain.sharding.mesh import build_mesh
+from podtrain.sharding.place import create_sharded
+from podtrain.sharding.rules import DEFAULT_RULES, logical_to_spec, use_rules
 
 TINY = load_config("deepseek-v3-tiny").model
 E, K, D, F = TINY.moe.num_experts, TINY.moe.num_experts_per_tok, TINY.hidden_size, TINY.moe.moe_intermediate_size

@@ -9,14 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from models.runner import only_layer
-from orchestrator.build import build_training, model_factory
-from orchestrator.config import load_config
-from orchestrator.plan import format_plan, make_plan, sharding_table
-from sharding import DEFAULT_RULES, build_mesh, logical_to_spec, resolve_axis_sizes
-from sharding.mesh import device_grid, device_slices
-from sharding.place import init_peak_bytes
-from sharding.rules import check_rules
+from podtrain.models.runner import only_layer
+from podtrain.orchestrator.build import build_training, model_factory
+from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.plan import format_plan, make_plan, sharding_table
+from podtrain.sharding import DEFAULT_RULES, build_mesh, logical_to_spec, resolve_axis_sizes
+from podtrain.sharding.mesh import device_grid, device_slices
+from podtrain.sharding.place import init_peak_bytes
+from podtrain.sharding.rules import check_rules
 
 GOLDEN = Path(__file__).parent / "golden" / "sharding.json"
 GOLDEN_MESH = ["mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]
@@ -137,7 +137,7 @@ def test_plan_lists_each_module_once():
 
 
 def test_check_runs_the_configured_optimizer(capsys):
-    from launch.cli import main
+    from podtrain.launch.cli import main
 
     tiny = ["model.num_layers=1", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=384",
             "model.head_dim=16", "train.seq_len=16", "optimizer.name=sgd"]
@@ -149,7 +149,7 @@ def test_check_runs_the_configured_optimizer(capsys):
 
 
 def test_plan_json_has_the_promised_fields(capsys):
-    from launch.cli import main
+    from podtrain.launch.cli import main
 
     assert main(["plan", "-c", "llama3-tiny", "--json", "mesh.tp=2", "model.num_layers=2"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -181,7 +181,7 @@ def test_plan_of_a_real_size_compiles_without_allocating():
 def test_a_mesh_axis_may_split_a_physical_tpu_axis_when_it_must():
     """mesh_utils keeps each mesh axis within whole torus axes unless told otherwise, and some
     shapes (fsdp=8 x tp=2 on a 4x4 slice) then have no layout: those retry allowing a split."""
-    from sharding.mesh import _physical_mesh
+    from podtrain.sharding.mesh import _physical_mesh
 
     calls = []
 

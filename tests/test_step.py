@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from orchestrator.build import build_training
-from orchestrator.config import ConfigError, load_config
-from orchestrator.step import make_eval_step, make_schedule
-from orchestrator.train import evaluate
+from podtrain.orchestrator.build import build_training
+from podtrain.orchestrator.config import ConfigError, load_config
+from podtrain.orchestrator.step import make_eval_step, make_schedule
+from podtrain.orchestrator.train import evaluate
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
         "model.head_dim=16", "train.batch_size=8", "train.seq_len=16", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]
@@ -94,7 +94,7 @@ def test_chunked_loss_in_bfloat16_sums_the_head_gradient_in_float32():
     against 3.6e-3 relative to float32 here, growing with the number of chunks)."""
     from test_model import TINY
 
-    from models import Llama
+    from podtrain.models import Llama
 
     config = TINY.replace(num_layers=1, vocab_size=512, max_position_embeddings=4096)
     graphdef, params = nnx.split(Llama(config.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)))

@@ -19,7 +19,7 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=1
 
 
 def command(run_dir: Path, steps: int, *extra: str, every: int = 2) -> list[str]:
-    return [sys.executable, "-m", "launch.cli", "train", "-c", "llama3-tiny", *TINY, "cluster=none",
+    return [sys.executable, "-m", "podtrain.launch.cli", "train", "-c", "llama3-tiny", *TINY, "cluster=none",
             f"train.steps={steps}", f"checkpoint.every_steps={every}", f"run.dir={run_dir.parent}",
             f"run.name={run_dir.name}", *extra]
 
@@ -103,8 +103,8 @@ def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tmp_path, signum
 def test_sigterm_while_the_run_builds_stops_it_after_its_first_step(tmp_path, monkeypatch):
     """A notice that arrives before the loop (here: while the train step is built; on a pod, during
     a minutes-long restore) is not lost: the run trains one step, checkpoints it and reports preempted."""
-    import orchestrator.train as train_module
-    from orchestrator.config import load_config
+    import podtrain.orchestrator.train as train_module
+    from podtrain.orchestrator.config import load_config
 
     real_build = train_module.build_training
 
@@ -129,8 +129,9 @@ def test_finite_data_stops_the_run_with_a_checkpoint_and_resume_mistakes_are_one
     out = train(run_dir, 50, *data)
     last = max(losses(run_dir))
     assert 1 < last < 50 and f"stopped at step {last}: the training data ended (data.epochs)" in out.stdout
-    assert "INFO orchestrator.train: starting at step 0 (fresh)" in out.stderr  # podtrain's INFO lines show
-    assert "WARNING orchestrator.train: the training data ended" in out.stderr and "INFO absl" not in out.stderr
+    assert "INFO podtrain.orchestrator.train: starting at step 0 (fresh)" in out.stderr  # podtrain's INFO lines show
+    assert "WARNING podtrain.orchestrator.train: the training data ended" in out.stderr
+    assert "INFO absl" not in out.stderr
     assert max(int(p) for p in os.listdir(run_dir / "checkpoints")) == last
     again = train(run_dir, 50, *data)  # resumes at the end of the data: nothing to train, still a success
     assert f"nothing to do: the run is already at step {last}" in again.stdout and max(losses(run_dir)) == last
@@ -205,8 +206,8 @@ def test_a_single_text_file_trains_with_and_without_an_eval_split(tmp_path):
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "podtrain.launch.cli", *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def on_local_cluster(cmd: list[str]) -> list[str]:
@@ -282,7 +283,7 @@ def test_a_second_run_of_the_same_name_is_refused_and_a_killed_owner_leaves_no_l
 
 
 def export(run_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "launch.cli", "export", "-c", "llama3-tiny", *TINY, f"checkpoint={run_dir}",
+    cmd = [sys.executable, "-m", "podtrain.launch.cli", "export", "-c", "llama3-tiny", *TINY, f"checkpoint={run_dir}",
            f"out={out}", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
 
@@ -297,10 +298,10 @@ def test_export_writes_the_trained_weights_as_hf_files_transformers_loads(tmp_pa
     from flax import nnx
     from transformers import AutoModelForCausalLM
 
-    from models import from_hf
-    from orchestrator.build import build_training
-    from orchestrator.checkpoint import Checkpointer
-    from orchestrator.config import load_config
+    from podtrain.models import from_hf
+    from podtrain.orchestrator.build import build_training
+    from podtrain.orchestrator.checkpoint import Checkpointer
+    from podtrain.orchestrator.config import load_config
 
     run_dir = tmp_path / "run"
     train(run_dir, 4)
@@ -347,9 +348,9 @@ def test_export_takes_the_training_tokenizer_along(tmp_path, add_bos):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer
 
-    from launch.export import tokenizer_export
-    from orchestrator.config import load_config
-    from orchestrator.tokenizers import load_tokenizer
+    from podtrain.launch.export import tokenizer_export
+    from podtrain.orchestrator.config import load_config
+    from podtrain.orchestrator.tokenizers import load_tokenizer
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 16)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -375,8 +376,7 @@ def test_export_takes_the_training_tokenizer_along(tmp_path, add_bos):
 def test_export_errors_name_the_problem(tmp_path):
     done = export(tmp_path / "missing", tmp_path / "hf")
     assert done.returncode == 2 and "no such directory" in done.stderr and "Traceback" not in done.stderr
-    done = subprocess.run([sys.executable, "-m", "launch.cli", "export", "-c", "llama3-tiny", f"out={tmp_path}"],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    done = cli("export", "-c", "llama3-tiny", f"out={tmp_path}")
     assert done.returncode == 2 and "checkpoint=<dir>" in done.stderr
 
 
@@ -387,7 +387,7 @@ def test_export_errors_name_the_problem(tmp_path):
     ("hf", "4", "checkpoint={checkpoint} is the folder of step 2, but step=4; give the step folder or step=, not both"),
 ])
 def test_export_errors_name_out_and_step_before_any_work(tmp_path, capsys, out, step, needle):
-    from launch.cli import main
+    from podtrain.launch.cli import main
 
     checkpoint = tmp_path / "run" / "checkpoints" / "2"
     (checkpoint / "state").mkdir(parents=True)  # the layout of a committed step; nothing is read before the errors
@@ -439,8 +439,8 @@ def test_metrics_reach_tensorboard_without_importing_torch(tmp_path):
 def test_step_times_leave_out_evals_and_saves(tmp_path, monkeypatch):
     """An eval (here made 3 s slower) and a checkpoint save are not the step's time: step_s,
     tokens/s and MFU measure training only."""
-    import orchestrator.train as train_module
-    from orchestrator.config import load_config
+    import podtrain.orchestrator.train as train_module
+    from podtrain.orchestrator.config import load_config
 
     real_evaluate = train_module.evaluate
 

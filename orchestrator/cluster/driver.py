@@ -36,6 +36,7 @@ is printed and written to `<run_dir>/job.json` (`attempts` counts this job's att
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import re
@@ -44,15 +45,40 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.checkpoint import committed_steps
-from orchestrator.cluster import protocol as p
-from orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
-from orchestrator.config import Config, ConfigError, checkpoint_directory, to_yaml, validate
-from orchestrator.preflight import check_inputs
-from orchestrator.rundir import RunLock
+from podtrain.orchestrator.cluster import protocol as p
+from podtrain.orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
+from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml, validate
+from podtrain.orchestrator.preflight import check_inputs
+from podtrain.orchestrator.resume import committed_steps
+from podtrain.orchestrator.rundir import RunLock
+from podtrain.orchestrator.schema import Config
 
-PREEMPTION_CLASSES = ("preempted", "node_lost")
-FAILURE_CLASSES = ("crash", "exception", "hang", "reservation")
+
+class Ending(enum.StrEnum):
+    """How one attempt ended (the classes of the module doc)."""
+
+    DONE = "done"
+    STOPPED = "stopped"
+    PREEMPTED = "preempted"
+    NODE_LOST = "node_lost"
+    CRASH = "crash"
+    EXCEPTION = "exception"
+    HANG = "hang"
+    PORT = "port"
+    RESERVATION = "reservation"
+    CONFIG = "config"
+
+
+class JobStatus(enum.StrEnum):
+    """How a job ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+PREEMPTION_CLASSES = (Ending.PREEMPTED, Ending.NODE_LOST)
+FAILURE_CLASSES = (Ending.CRASH, Ending.EXCEPTION, Ending.HANG, Ending.RESERVATION)
 MAX_PORT_RETRIES = 5
 MEGASCALE_PORT = 8081  # the multi-slice coordinator's port on slice 0's first host (libtpu's default)
 POLL_S = 0.5
@@ -63,7 +89,7 @@ _ERROR_LINE = re.compile(r"Traceback|Error|error:|FATAL|Fatal|Check failed|Abort
 class Outcome:
     """How one attempt ended."""
 
-    kind: str  # done | stopped | preempted | node_lost | crash | exception | hang | port | reservation | config
+    kind: Ending
     rank: int | None = None
     detail: str = ""
     traceback: str | None = None
@@ -71,7 +97,7 @@ class Outcome:
 
 @dataclasses.dataclass
 class JobResult:
-    status: str  # succeeded | failed | stopped
+    status: JobStatus
     reason: str
     attempts: int
     restarts: dict[str, int]
@@ -81,7 +107,7 @@ class JobResult:
 
     @property
     def exit_code(self) -> int:
-        return {"succeeded": 0, "stopped": p.EXIT_PREEMPTED}.get(self.status, 1)
+        return {JobStatus.SUCCEEDED: 0, JobStatus.STOPPED: p.EXIT_PREEMPTED}.get(self.status, 1)
 
 
 def connect(config: Config) -> None:
@@ -110,7 +136,7 @@ def _host_errors() -> tuple[type[Exception], ...]:
 
 def _lost(rank: int | None, error: Exception) -> Outcome:
     first_line = str(error).splitlines()[0] if str(error) else ""
-    return Outcome("node_lost", rank, f"host actor lost: {type(error).__name__}: {first_line}")
+    return Outcome(Ending.NODE_LOST, rank, f"host actor lost: {type(error).__name__}: {first_line}")
 
 
 @dataclasses.dataclass
@@ -121,12 +147,12 @@ class Budgets:
     max_preemptions: int
     failures: int = 0
     preemptions: int = 0
-    cause: str | None = None  # the class of the last attempt that was not a reservation failure
+    cause: Ending | None = None  # the class of the last attempt that was not a reservation failure
 
-    def charge(self, kind: str) -> str | None:
+    def charge(self, kind: Ending) -> str | None:
         """Draws an attempt that ended as `kind` on its budget; returns why the job fails if that is spent."""
-        after_preemption = kind == "reservation" and self.cause in PREEMPTION_CLASSES
-        if kind != "reservation":
+        after_preemption = kind == Ending.RESERVATION and self.cause in PREEMPTION_CLASSES
+        if kind != Ending.RESERVATION:
             self.cause = kind
         if kind in PREEMPTION_CLASSES or after_preemption:
             self.preemptions += 1
@@ -171,7 +197,7 @@ def _last_checkpoint(config: Config, run_dir: Path) -> int | None:
 
 
 # A library's INFO record in a worker's log ("<date> <time> INFO absl: ..."): kept in the rank log, not echoed.
-_LIBRARY_INFO = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO (?!orchestrator)\S+: ")
+_LIBRARY_INFO = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO (?!podtrain)\S+: ")
 
 
 # A worker's one line for a mistake in the input: the driver reports it as the job's error instead.
@@ -238,7 +264,7 @@ class Driver:
                 signal.signal(s, handler)
         if isinstance(result, ConfigError):
             if self.last_step is not None:  # earlier attempts trained: their outcome is the job's record
-                failed = JobResult("failed", str(result), self.attempts, {}, self.last_step,
+                failed = JobResult(JobStatus.FAILED, str(result), self.attempts, {}, self.last_step,
                                    _last_checkpoint(self.config, self.run_dir), str(self.run_dir))
                 (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(failed), indent=1) + "\n")
             raise result
@@ -248,7 +274,7 @@ class Driver:
         return result
 
     def _attempts(self) -> JobResult | ConfigError:
-        restarts = {kind: 0 for kind in PREEMPTION_CLASSES + FAILURE_CLASSES + ("port",)}
+        restarts = {kind: 0 for kind in (*PREEMPTION_CLASSES, *FAILURE_CLASSES, Ending.PORT)}
         budgets = Budgets(self.cluster.max_failures, self.cluster.max_preemptions)
         port_retries, previous_tb, attempts = 0, None, 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -264,29 +290,29 @@ class Driver:
             own_checkpoint = _last_checkpoint(self.config, self.run_dir) != checkpoint_at_start
             config = worker_config(self.config, own_checkpoint=own_checkpoint)
             outcome = self._one_attempt(attempt, port_retries, config)
-            if outcome.kind == "done":
-                return result("succeeded", f"trained to step {self.config.train.steps}")
-            if outcome.kind == "stopped" or self.stop_requested:
-                return result("stopped", "stopped on request after checkpointing")
-            if outcome.kind == "config":
+            if outcome.kind == Ending.DONE:
+                return result(JobStatus.SUCCEEDED, f"trained to step {self.config.train.steps}")
+            if outcome.kind == Ending.STOPPED or self.stop_requested:
+                return result(JobStatus.STOPPED, "stopped on request after checkpointing")
+            if outcome.kind == Ending.CONFIG:
                 return ConfigError(outcome.detail)
             self.say(f"attempt {attempt} ended: {outcome.kind} (rank {outcome.rank}): {outcome.detail}")
             restarts[outcome.kind] += 1
-            if outcome.kind == "port":
+            if outcome.kind == Ending.PORT:
                 port_retries += 1
                 if port_retries > MAX_PORT_RETRIES:
-                    return result("failed", f"no coordinator port could be bound in {port_retries} tries")
+                    return result(JobStatus.FAILED, f"no coordinator port could be bound in {port_retries} tries")
                 continue
             port_retries = 0
             spent = budgets.charge(outcome.kind)
             tb = _normalise(outcome.traceback) if outcome.traceback else None
             if tb is not None and tb == previous_tb:
                 self.say(f"the same exception twice in a row; not retrying it:\n{outcome.traceback}")
-                return result("failed", f"the same exception twice in a row on rank {outcome.rank}: "
+                return result(JobStatus.FAILED, f"the same exception twice in a row on rank {outcome.rank}: "
                                         f"{outcome.detail}")
             previous_tb = tb
             if spent:
-                return result("failed", f"{spent}; last: {outcome.kind}: {outcome.detail}")
+                return result(JobStatus.FAILED, f"{spent}; last: {outcome.kind}: {outcome.detail}")
             self.say(f"restarting from the last committed checkpoint "
                      f"({_last_checkpoint(self.config, self.run_dir)}); failures {budgets.failures}/"
                      f"{self.cluster.max_failures}, preemptions {budgets.preemptions}/{self.cluster.max_preemptions}")
@@ -297,9 +323,9 @@ class Driver:
         try:
             gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}")
         except ReservationError as error:
-            return Outcome("reservation", None, str(error))
+            return Outcome(Ending.RESERVATION, None, str(error))
         except ConfigError as error:
-            return Outcome("config", None, str(error))
+            return Outcome(Ending.CONFIG, None, str(error))
         except _host_errors() as error:  # a host actor died before it answered
             return _lost(None, error)
         try:
@@ -368,25 +394,25 @@ class Driver:
                 return lost
             codes = [poll["returncode"] for poll in polls]
             if all(code == p.EXIT_OK for code in codes):
-                return Outcome("done")
+                return Outcome(Ending.DONE)
             ended = [(rank, code) for rank, code in enumerate(codes) if code not in (None, p.EXIT_OK)]
             if ended:
                 outcome = self._classify(ended, polls)
-                if stop_deadline is not None and outcome.kind == "preempted":
-                    return Outcome("stopped", outcome.rank, "checkpointed and exited on request")
+                if stop_deadline is not None and outcome.kind == Ending.PREEMPTED:
+                    return Outcome(Ending.STOPPED, outcome.rank, "checkpointed and exited on request")
                 return outcome
             if self.stop_requested and stop_deadline is None:
                 ray.get([actor.send_signal.remote(signal.SIGTERM) for actor in gang.actors])
                 stop_deadline = time.monotonic() + self.cluster.stop_grace_s
             if stop_deadline is not None and time.monotonic() > stop_deadline:
-                return Outcome("stopped", None, f"workers did not exit within cluster.stop_grace_s="
+                return Outcome(Ending.STOPPED, None, f"workers did not exit within cluster.stop_grace_s="
                                                 f"{self.cluster.stop_grace_s:g}s; killed")
             hung = self._hung_rank(polls)
             if hung is not None and stop_deadline is None:
                 rank, detail = hung
                 stacks = self._dump_stacks(gang, attempt)
                 rank, why = blame(polls, stacks, rank)
-                return Outcome("hang", rank, f"{why}; {detail}")
+                return Outcome(Ending.HANG, rank, f"{why}; {detail}")
             time.sleep(POLL_S)
 
     def _hung_rank(self, polls: list[dict]) -> tuple[int, str] | None:
@@ -408,29 +434,23 @@ class Driver:
         """The cause among the processes that ended together: preemption, then crash, then exception,
         then abort. JAX aborts (SIGABRT) a process whose peer died, so an abort next to another
         ending is that ending's consequence, not its cause."""
-        def kind(code):
-            if code == p.EXIT_PREEMPTED:
-                return "preempted"
-            if code == p.EXIT_COORDINATOR_PORT:
-                return "port"
-            if code == p.EXIT_EXCEPTION:
-                return "exception"
-            if code == p.EXIT_CONFIG:
-                return "config"
-            return "abort" if code in (-signal.SIGABRT, 128 + signal.SIGABRT) else "crash"
+        def kind(code) -> Ending | None:  # None: an abort, a peer's consequence unless alone
+            return {p.EXIT_PREEMPTED: Ending.PREEMPTED, p.EXIT_COORDINATOR_PORT: Ending.PORT,
+                    p.EXIT_EXCEPTION: Ending.EXCEPTION, p.EXIT_CONFIG: Ending.CONFIG}.get(
+                code, None if code in (-signal.SIGABRT, 128 + signal.SIGABRT) else Ending.CRASH)
 
-        order = ("preempted", "port", "config", "crash", "exception", "abort")
+        order = (Ending.PREEMPTED, Ending.PORT, Ending.CONFIG, Ending.CRASH, Ending.EXCEPTION, None)
         # Among exceptions the first one raised is the cause (the others are often its peers' collective errors).
         rank, code = min(ended, key=lambda rc: (order.index(kind(rc[1])), polls[rc[0]]["error_at"] or 0, rc[0]))
         k = kind(code)
-        if k in ("crash", "abort"):
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            return Outcome("crash", rank, how)
         record = p.read_error(polls[rank]["error"]) or {}
-        if k == "config":
-            return Outcome("config", rank, record.get("summary") or "configuration error (no message written)")
-        if k == "exception":
-            return Outcome("exception", rank, record.get("summary") or "exit status 1", record.get("traceback") or None)
+        if k in (Ending.CRASH, None):
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            return Outcome(Ending.CRASH, rank, how)
+        if k == Ending.CONFIG:
+            return Outcome(k, rank, record.get("summary") or "configuration error (no message written)")
+        if k == Ending.EXCEPTION:
+            return Outcome(k, rank, record.get("summary") or "exit status 1", record.get("traceback") or None)
         return Outcome(k, rank, f"exit status {code}")
 
     def _dump_stacks(self, gang: Gang, attempt: int) -> list[str]:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.cluster import protocol as p
+from podtrain.orchestrator.cluster import protocol as p
 
 # Lock files libtpu leaves behind when its process is killed; the next process would wait on them.
 TPU_LOCK_FILES = ("/tmp/libtpu_lockfile", "/tmp/tpu_logs/libtpu_lockfile")
@@ -121,8 +121,8 @@ class HostActor:
         log = open(self.files["log"], "ab")  # noqa: SIM115 (the child holds it; closed after Popen)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.worker"], env=worker_env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, cwd=os.getcwd(),
+                [sys.executable, "-m", "podtrain.orchestrator.cluster.worker"], env=worker_env, stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=os.getcwd(),
             )
         finally:
             log.close()

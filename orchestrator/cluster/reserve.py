@@ -15,9 +15,10 @@ import math
 import os
 from typing import Any
 
-from orchestrator.cluster.host import HostActor
-from orchestrator.cluster.protocol import ENV_LOCAL_DEVICE_IDS
-from orchestrator.config import ClusterConfig, ConfigError
+from podtrain.orchestrator.cluster.host import HostActor
+from podtrain.orchestrator.cluster.protocol import ENV_LOCAL_DEVICE_IDS
+from podtrain.orchestrator.config import ConfigError
+from podtrain.orchestrator.schema import ClusterConfig
 
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host
 # TPU generations whose type names count TensorCores (two per chip); the others count chips.

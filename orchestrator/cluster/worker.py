@@ -21,8 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
-from orchestrator.cluster import protocol as p
-from orchestrator.cluster.host import port_is_free
+from podtrain.orchestrator.cluster import protocol as p
+from podtrain.orchestrator.cluster.host import port_is_free
 
 # What `jax.distributed.initialize` says when the coordinator's port is taken (jax 0.10: "UNKNOWN: Failed to
 # start RPC server", with gRPC's "Failed to add port to server" on stderr).
@@ -100,18 +100,18 @@ def main() -> int:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    from orchestrator.config import ConfigError, load_config
+    from podtrain.orchestrator.config import ConfigError, load_config
 
     error_file = env.get(p.ENV_ERROR_FILE)
     try:
         config, run_dir = load_config(env[p.ENV_CONFIG]), Path(env[p.ENV_RUN_DIR])
-        from orchestrator.preflight import check_inputs
+        from podtrain.orchestrator.preflight import check_inputs
 
         # Before joining the JAX world: every rank finds the same mistake and leaves at once, and
         # none is left waiting in a collective for a peer that left.
         inputs = check_inputs(config, run_dir)
         _initialize_distributed(env)
-        from orchestrator.train import run
+        from podtrain.orchestrator.train import run
 
         _describe_process(env)
         heartbeat = env.get(p.ENV_HEARTBEAT_FILE)

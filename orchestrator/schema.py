@@ -1,0 +1,280 @@
+"""The typed config schema: one frozen dataclass per section, each checking its own fields.
+
+`orchestrator.config` merges these with a preset and the command line's overrides and validates
+what spans sections; the schema itself holds data only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from podtrain.models.config import ModelConfig
+from podtrain.sharding.rules import DEFAULT_RULES
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes; exactly one may be -1 (= the devices that remain)."""
+
+    dp: int = 1
+    fsdp: int = -1
+    ep: int = 1
+    tp: int = 1
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """`rules` maps each logical axis name to a mesh axis, a list of mesh axes, or null."""
+
+    rules: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_RULES))
+
+
+OPTIMIZERS = ("adamw", "sgd", "adafactor")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer (adamw, sgd with momentum, adafactor) and learning-rate schedule (constant, or
+    `warmup_steps` of linear warmup then cosine or linear decay to `learning_rate * min_lr_ratio`).
+    Gradients are clipped to a global norm of `grad_clip` first (0: no clipping)."""
+
+    name: str = "adamw"
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    momentum: float = 0.9
+    learning_rate: float = 3e-4
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Batch geometry and seed; `loss_chunk` > 0 computes the loss over sequence chunks of that
+    length without materialising the full logits (it must divide `seq_len`).
+
+    `compilation_cache_dir` is JAX's persistent compilation cache (relative to the run directory
+    unless absolute; empty turns it off): a restarted or resumed run loads its compiled step
+    instead of compiling it again. `JAX_COMPILATION_CACHE_DIR` in the environment takes precedence.
+
+    Every `eval_every` steps the loop computes the loss of `eval_batches` eval batches and, when
+    `sample_prompt` is set, greedily continues that prompt by up to `sample_tokens` tokens with the
+    current params (logged, and written to metrics.jsonl as "sample").
+    """
+
+    seed: int = 0
+    batch_size: int = 8
+    seq_len: int = 256
+    steps: int = 100
+    loss_chunk: int = 0
+    grad_accum: int = 1
+    eval_every: int = 0
+    eval_batches: int = 4
+    sample_prompt: str | None = None
+    sample_tokens: int = 32
+    peak_flops_per_device: float = 0.0
+    compilation_cache_dir: str = "compilation_cache"
+
+
+DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "array_record", "tokens")
+DOCUMENT_MODES = ("auto", "file", "paragraphs", "windows")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the documents come from and how they are tokenised, split, shuffled and read.
+
+    Attributes:
+        source: "stdlib" (the running Python's standard library `*.py` files; needs no path), "text"
+            (UTF-8 text files, cut into documents as `documents` says), "jsonl" (one per line),
+            "parquet" (one per row), "array_record" (one UTF-8 document per record) or "tokens"
+            (`.npy` arrays of pre-tokenised ids, 1-D or one stream per row of a 2-D array, cut into
+            rows of seq_len+1 ids; a document ends at each occurrence of the tokeniser's EOS id,
+            `eos_token`). A file that is not UTF-8 text is an error naming it (the "stdlib" source
+            alone reads undecodable bytes as U+FFFD: a few of its test files use other encodings).
+        path: a file, a directory (searched recursively for the source's suffix, hidden entries
+            skipped; any file for "text") or a glob.
+        documents: how "text" files become documents: "file" (one per file), "paragraphs" (cut at
+            blank lines, i.e. empty or whitespace-only ones), "windows" (pieces of at most
+            `window_bytes` bytes, each ending after its last newline, else at a character boundary)
+            or "auto": a corpus of one file is cut into paragraphs when it has more than one, else
+            into windows; a corpus of several files has one document per file.
+        window_bytes: the longest piece of `documents="windows"`, in bytes (at least 4, the longest
+            UTF-8 character).
+        text_field: the JSON key ("jsonl") or column ("parquet") holding the text.
+        tokenizer: "byte" (`ByteTokenizer`, vocabulary 259) or a `tokenizer.json` path.
+        eos_token: the EOS token of a `tokenizer.json` tokeniser (e.g. "<|end_of_text|>").
+        bos_token: its BOS token; required with `add_bos`.
+        add_bos: start every text document with BOS.
+        seed: the seed of the per-epoch document shuffle (>= 0).
+        eval_fraction: the share of documents held out for eval, spread evenly over the corpus order;
+            0 holds none out (no evals). An eval split of fewer documents than `train.batch_size`
+            rows is shared by the rows (row r reads eval document r mod n).
+        epochs: passes over the training documents; None repeats forever.
+        read_threads: threads reading and tokenising documents in parallel (0: the prefetch thread does it).
+        prefetch: batches prepared ahead on a background thread (0: on the caller's thread).
+    """
+
+    source: str = "stdlib"
+    path: str | None = None
+    documents: str = "auto"
+    window_bytes: int = 4096
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    eos_token: str | None = None
+    bos_token: str | None = None
+    add_bos: bool = False
+    seed: int = 0
+    eval_fraction: float = 0.01
+    epochs: int | None = None
+    read_threads: int = 0
+    prefetch: int = 2
+
+    def validate(self, prefix: str = "data") -> None:
+        """Raises ValueError naming the key when a field is out of range or fields contradict."""
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"{prefix}.source: expected one of {list(DATA_SOURCES)}, found {self.source!r}")
+        if (self.path is None) != (self.source == "stdlib"):
+            need = "no path" if self.source == "stdlib" else "a file, directory or glob"
+            raise ValueError(f"{prefix}.path: {prefix}.source={self.source!r} takes {need}, found {self.path!r}")
+        if self.documents not in DOCUMENT_MODES:
+            raise ValueError(f"{prefix}.documents: expected one of {list(DOCUMENT_MODES)}, found {self.documents!r}")
+        for name in ("documents", "window_bytes"):
+            if self.source != "text" and getattr(self, name) != getattr(DataConfig, name):
+                raise ValueError(f"{prefix}.{name}={getattr(self, name)!r}: only {prefix}.source='text' files are cut "
+                                 f"into documents, {prefix}.source={self.source!r} has its own; unset {prefix}.{name}")
+        if self.window_bytes < 4:
+            raise ValueError(f"{prefix}.window_bytes: expected at least 4 bytes (the longest UTF-8 character), "
+                             f"found {self.window_bytes}")
+        if self.seed < 0:
+            raise ValueError(f"{prefix}.seed: expected an integer >= 0, found {self.seed}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"{prefix}.eval_fraction: expected a number in [0, 1), found {self.eval_fraction}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"{prefix}.epochs: expected a positive integer or null (forever), found {self.epochs}")
+        for name in ("read_threads", "prefetch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{prefix}.{name}: expected an integer >= 0, found {getattr(self, name)}")
+        if self.tokenizer == "byte" and (self.eos_token or self.bos_token):
+            raise ValueError(f"{prefix}.eos_token/bos_token: the byte tokenizer has fixed special tokens; unset them")
+        if self.add_bos and self.source == "tokens":
+            raise ValueError(f"{prefix}.add_bos: pre-tokenised data ({prefix}.source='tokens') is used as is; unset it")
+        if self.add_bos and self.tokenizer != "byte" and self.bos_token is None:
+            raise ValueError(f"{prefix}.bos_token: required with {prefix}.add_bos=true and a tokenizer.json tokenizer")
+
+
+RESUME_MODES = ("auto", "none")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint, how many steps to keep, what to resume from.
+
+    `dir` is relative to the run directory unless absolute. `resume` is `auto` (the newest step
+    that restores, else a fresh start), `none` (a fresh start into an empty `dir`) or a step number.
+    """
+
+    dir: str = "checkpoints"
+    every_steps: int = 1000
+    keep: int = 3
+    async_save: bool = True
+    resume: str = "auto"
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        """Raises ValueError naming the key when a field is out of range."""
+        for name in ("every_steps", "keep"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
+        if self.resume not in RESUME_MODES and not self.resume.isdigit():
+            raise ValueError(f"{prefix}.resume: expected 'auto', 'none' or a step number, found {self.resume!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where a run writes: `<dir>/<name>` (name defaults to the preset's name)."""
+
+    dir: str = "runs"
+    name: str = ""
+
+
+CLUSTER_KINDS = ("local", "tpu", "gpu", "none")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the processes of a run go (`orchestrator/cluster/`); `cluster=<kind>` sets `kind`.
+
+    - `local`: `num_hosts` simulated hosts on this machine, each its own process with
+      `devices_per_host` CPU devices (the default, and the test path).
+    - `tpu`: `num_slices` whole pod slices of `tpu_type` (e.g. v5p-64), one process per TPU VM.
+    - `gpu`: `num_nodes` nodes of `gpus_per_node` GPUs, one process per node owning all its GPUs.
+    - `none`: no orchestrator: train in this process on its own devices (what each worker runs).
+
+    `address` is the Ray cluster to use: empty means the one the job runs in (`ray job submit`,
+    `RAY_ADDRESS`), or else an embedded Ray on loopback. Preemptions and lost nodes draw on
+    `max_preemptions`, and so does a gang not reserved in time right after one of them (capacity
+    coming back); crashes, exceptions, hangs and other reservation timeouts on `max_failures`
+    (details in `orchestrator/cluster/driver.py`). A process that finishes no
+    step for `hang_timeout_s` (`startup_timeout_s` before its first step, which compiles) is hung.
+    """
+
+    kind: str = "local"
+    address: str = ""
+    num_hosts: int = 1
+    devices_per_host: int = 1
+    tpu_type: str = ""
+    tpu_topology: str = ""
+    num_slices: int = 1
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+    cpus_per_host: float = 1.0
+    max_failures: int = 3
+    max_preemptions: int = 100
+    hang_timeout_s: float = 600.0
+    startup_timeout_s: float = 1800.0
+    stop_grace_s: float = 120.0
+    reserve_timeout_s: float = 600.0
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+    coordinator_port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def validate(self, prefix: str = "cluster") -> None:
+        """Raises ValueError naming the key when a field is out of range."""
+        if self.kind not in CLUSTER_KINDS:
+            raise ValueError(f"{prefix}.kind: expected one of {list(CLUSTER_KINDS)}, found {self.kind!r}")
+        for name in ("num_hosts", "devices_per_host", "num_slices", "num_nodes", "gpus_per_node"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
+        for name in ("max_failures", "max_preemptions", "coordinator_port"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{prefix}.{name}: expected an integer >= 0, found {getattr(self, name)}")
+        for name in ("hang_timeout_s", "startup_timeout_s", "stop_grace_s", "reserve_timeout_s", "init_timeout_s",
+                     "heartbeat_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive number of seconds, found {getattr(self, name)}")
+        if self.kind == "tpu":
+            version, _, chips = self.tpu_type.partition("-")
+            if not (version.startswith("v") and chips.isdigit()):
+                raise ValueError(f"{prefix}.tpu_type: expected a TPU type such as 'v5p-64' or 'v6e-16', "
+                                 f"found {self.tpu_type!r}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs, as plain data (runtime objects are built from it, never stored in it)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
