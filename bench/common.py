@@ -11,10 +11,11 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from podtrain.orchestrator.build import Training, build_training, with_model
+from podtrain.models import flops_per_token
+from podtrain.orchestrator.build import Training, build_training
 from podtrain.orchestrator.config import load_config
-from podtrain.orchestrator.plan import flops_per_token
 from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.synthetic import random_batch
 
 PRESET = "llama3-tiny"
 # The issue's benchmark shape: llama3-tiny's model with batch 8 x seq 256 (the preset trains on seq 128).
@@ -71,7 +72,8 @@ def matmul_peak(size: int = 2048, repeats: int = 10) -> Peak:
 
 def bench_config(**model_changes) -> Config:
     """The benchmark preset (llama3-tiny) with some model fields changed."""
-    return with_model(load_config(PRESET, BENCH_SHAPE), **model_changes)
+    config = load_config(PRESET, BENCH_SHAPE)
+    return dataclasses.replace(config, model=config.model.replace(**model_changes))
 
 
 def build_on(config: Config, num_devices: int) -> Training:
@@ -111,7 +113,7 @@ def time_train_step(config: Config, *, num_devices: int, warmup: int, steps: int
     """Times `steps` train steps after the compiling call and `warmup` more steps."""
     training = build_on(config, num_devices)
     holder = {"state": training.init_state()}
-    batch = training.random_batch()
+    batch = random_batch(training)
 
     def one_step():
         holder["state"], metrics = training.step(holder["state"], batch)

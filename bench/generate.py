@@ -1,18 +1,12 @@
 """Greedy decoding benchmark: podtrain's `generate` against a per-layer Python-loop baseline.
 
     PYTHONPATH=. .venv/bin/python bench/generate.py [--quick] [--json] [--batches 1,8,32] [--max-lens 512,4096]
-        [--reads-shapes 4x128,32x4096]
 
-The issue's model (Llama, vocab 4096, hidden 256, ffn 1024, 8 layers, 8 query / 4 KV heads of
-32, float32), 64-token prompts, no stop tokens, so every run makes exactly `--new-tokens` tokens.
+The model (Llama, vocab 4096, hidden 256, ffn 1024, 8 layers, 8 query / 4 KV heads of 32,
+float32), 64-token prompts, no stop tokens, so every run makes exactly `--new-tokens` tokens.
 
 - `podtrain`: `models.generate.generate`, prefill and a `lax.while_loop` decode in one jitted
-  program over the stacked cache; attention reads only the filled cache slots (on CPU its decode
-  steps do so in a C++ kernel, `cache_reads=kernel`, and multiply by the weights in another,
-  `decode_matmuls=kernel`, the defaults there).
-- `xla`: the same with the decode steps' attention and matmuls in XLA (`cache_reads=filled`: a
-  loop over the filled blocks; `decode_matmuls=xla`); `stacked`: that, with each layer's weights
-  sliced from the stacked arrays (`layer_weights=stacked`, as on TPU) instead of per-layer copies.
+  program over the stacked cache; attention reads only the filled cache slots.
 - `baseline`: written here, the naive scheme a public JAX project fell back to: per-layer weights
   in a Python list, one (k, v) cache pair per layer, a jitted step that loops over the layers in
   Python (unrolled in the trace) and attends to all `max_len` slots under a mask, called once per
@@ -23,20 +17,16 @@ is (time(n new) - time(1 new)) / ((n - 1) * batch), each time the median of `--r
 after the compiling calls (the two are run back to back, and the implementations take turns, so
 that load drift hits all of them alike).
 `prefill ms` is time(1 new): the prompt pass plus the first token. A table cell whose timed runs
-pass `--cell-budget-s` stops early (the baseline at batch 32 x 4096 takes 40-60 s a run on 2 cores);
-the `runs` column says how many runs its medians come from.
-After the tables: floors for one decode step on this machine (`decode_floors`), where podtrain's
-decode step goes (`decode_parts`: the step as is, with its attention reduced to reading the cache
-blocks and the two products, to the block reads alone, and left out), with `--reads-shapes`
-decode steps reading the cache with each `cache_reads` (`reads_stand_in`), and
-the compiled decode step's memory figures.
+pass `--cell-budget-s` stops early (the baseline's biggest cells take the longest); the `runs`
+column says how many runs its medians come from.
+After the tables: floors for one decode step on this machine (`decode_floors`) and the compiled
+decode step's memory figures (`decode_step_memory`).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import datetime
 import json
 import statistics
@@ -55,23 +45,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import format_table, machine_description, time_calls  # noqa: E402
-from podtrain.models import Llama, ModelConfig, kernels  # noqa: E402
-from podtrain.models import layers as model_layers  # noqa: E402
-from podtrain.models.generate import (  # noqa: E402
-    Sampling,
-    auto_cache_reads,
-    auto_decode_matmuls,
-    auto_layer_weights,
-    generate,
-)
-from podtrain.models.kv_cache import CACHE_READS  # noqa: E402
+from podtrain.models import Llama, ModelConfig  # noqa: E402
+from podtrain.models.generate import generate  # noqa: E402
 from podtrain.models.layers import NEG_INF, apply_rope, dense, rope_inv_freq  # noqa: E402
-from podtrain.models.runner import split_stack  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=8,
                      num_kv_heads=4, head_dim=32)
 HEADLINE_BATCH, HEADLINE_MAX_LEN = 4, 128
-TARGET_MS_PER_TOKEN = 0.5
 
 Run = Callable[[np.ndarray, int], np.ndarray]
 
@@ -156,27 +136,16 @@ def baseline_run(model: Llama, max_len: int) -> Run:
     return run
 
 
-def podtrain_run(model: Llama, max_len: int, layer_weights: str = "auto", cache_reads: str = "auto",
-                 decode_matmuls: str = "auto") -> Run:
+def podtrain_run(model: Llama, max_len: int) -> Run:
+    """`run(prompts (B, P), n)`: `generate`'s n greedy tokens after each prompt, as a user calls it."""
     def run(prompts: np.ndarray, max_new_tokens: int) -> np.ndarray:
         lengths = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
-        return np.asarray(generate(model, prompts, lengths=lengths, max_new_tokens=max_new_tokens, max_len=max_len,
-                                   layer_weights=layer_weights, cache_reads=cache_reads,
-                                   decode_matmuls=decode_matmuls))
+        return np.asarray(generate(model, prompts, lengths=lengths, max_new_tokens=max_new_tokens, max_len=max_len))
 
     return run
 
 
-# "podtrain" is `generate` as called (on CPU its decode steps read per-layer weight copies, and
-# attend to the cache and multiply by the weights in the C++ kernels); "xla" the same with the
-# attention and the matmuls in XLA (`cache_reads="filled"`, the block loop, `decode_matmuls="xla"`,
-# as on TPU); "stacked" that with the weights sliced from the stacks as well
-# (`layer_weights="stacked"`, as on TPU).
-IMPLEMENTATIONS = {"podtrain": podtrain_run,
-                   "xla": partial(podtrain_run, cache_reads="filled", decode_matmuls="xla"),
-                   "stacked": partial(podtrain_run, layer_weights="stacked", cache_reads="filled",
-                                      decode_matmuls="xla"),
-                   "baseline": baseline_run}
+IMPLEMENTATIONS = {"podtrain": podtrain_run, "baseline": baseline_run}
 
 
 def time_decode(runs: dict[str, Run], prompts: np.ndarray, *, new_tokens: int, repeats: int,
@@ -239,14 +208,6 @@ def parse_sizes(text: str) -> list[int]:
     return [int(size) for size in text.split(",") if size]
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """"4x128,32x4096" -> [(4, 128), (32, 4096)] (batch x max_len)."""
-    shapes = [shape.split("x") for shape in text.split(",") if shape]
-    if not all(len(shape) == 2 and all(n.isdigit() for n in shape) for shape in shapes):
-        raise argparse.ArgumentTypeError(f"expected batch x max_len pairs such as 4x128,32x4096, found {text!r}")
-    return [(int(batch), int(max_len)) for batch, max_len in shapes]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="only the headline (batch 4, max_len 128)")
@@ -260,15 +221,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "--repeats runs (shown in `runs`); the headline always makes --repeats (default 45)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
     parser.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run (default 64)")
-    parser.add_argument("--reads-shapes", type=parse_shapes, default=[],
-                        help="also time decode steps with cache_reads=filled and =all at these batch x max_len "
-                             "shapes (e.g. 4x128,16x4096,32x4096)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 2 or args.prompt_len < 1:
         parser.error(f"expected --repeats >= 1, --new-tokens >= 2 and --prompt-len >= 1, found {args.repeats}, "
                      f"{args.new_tokens} and {args.prompt_len}")
     needed = args.prompt_len + args.new_tokens - 1
-    if min(args.max_lens + [HEADLINE_MAX_LEN] + [m for _, m in args.reads_shapes]) < needed:
+    if min(args.max_lens + [HEADLINE_MAX_LEN]) < needed:
         parser.error(f"--max-lens: every cache (and the headline's {HEADLINE_MAX_LEN}) must hold --prompt-len + "
                      f"--new-tokens - 1 = {needed} tokens; found {args.max_lens}")
     return args
@@ -283,23 +241,18 @@ def ratio_rows(rows: list[dict], short: int, long: int) -> list[dict]:
 
 
 def decode_step_memory(model: Llama, batch: int, max_lens: list[int]) -> list[dict]:
-    """XLA's figures for one compiled decode step (one token, cache donated) per cache size, layer
-    weights (sliced from the stacks, or the per-layer copies `generate` makes on CPU, passed in)
-    and cache reads (the block loop, or the C++ kernel): the cache is updated in place (aliased)
-    and the temporaries do not hold a copy of it."""
-    step = jax.jit(lambda m, token, cache, states: m(token, kv_cache=cache, layer_states=states), donate_argnums=2)
+    """XLA's figures for one compiled decode step (one token, cache donated) per cache size: the
+    cache is updated in place (aliased) and the temporaries do not hold a copy of it."""
+    step = jax.jit(lambda m, token, cache: m(token, kv_cache=cache), donate_argnums=2)
     rows = []
-    for weights, reads in (("stacked", "filled"), ("split", "filled"), ("split", "kernel")):
-        states = [split_stack(stack) for stack in model.stacks()] if weights == "split" else None
-        for max_len in max_lens:
-            cache = model.init_cache(batch, max_len, reads=reads)
-            compiled = step.lower(model, jnp.zeros((batch, 1), jnp.int32), cache, states).compile()
-            memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
-            cost = cost[0] if isinstance(cost, list) else cost
-            rows.append({"weights": weights, "reads": reads, "max_len": max_len,
-                         "cache_mib": sum(a.nbytes for a in (*cache.k, *cache.v)) / 2**20,
-                         "alias_mib": memory.alias_size_in_bytes / 2**20,
-                         "temp_mib": memory.temp_size_in_bytes / 2**20, "bytes_mib": cost["bytes accessed"] / 2**20})
+    for max_len in max_lens:
+        cache = model.init_cache(batch, max_len)
+        compiled = step.lower(model, jnp.zeros((batch, 1), jnp.int32), cache).compile()
+        memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        rows.append({"max_len": max_len, "cache_mib": sum(a.nbytes for a in (*cache.k, *cache.v)) / 2**20,
+                     "alias_mib": memory.alias_size_in_bytes / 2**20,
+                     "temp_mib": memory.temp_size_in_bytes / 2**20, "bytes_mib": cost["bytes accessed"] / 2**20})
     return rows
 
 
@@ -319,8 +272,8 @@ def decode_floors(model: Llama, batch: int) -> list[dict]:
     - `the same, numpy, 2 threads`: the same bytes summed by two threads, a half each (numpy
       releases the GIL): whether both cores together stream faster than XLA's pass.
     - `layer matmuls, weights in cache`: the step's seven matmuls per layer on (batch, hidden) rows,
-      `num_layers` times over layer 0's weights (3.8 MiB, they stay in cache): the time XLA:CPU's
-      dot kernels take for the arithmetic alone, with no weight coming from memory.
+      `num_layers` times over layer 0's weights (which stay in cache): the time XLA:CPU's dot
+      kernels take for the arithmetic alone, with no weight coming from memory.
     - `head matmul, weights in cache`: (batch, hidden) @ (hidden, vocab), repeated.
     """
     weights = per_layer_weights(model)
@@ -360,163 +313,16 @@ def decode_floors(model: Llama, batch: int) -> list[dict]:
             {"floor": "head matmul, weights in cache", "ms_per_step": head_s * 1e3, "gb_per_s": ""}]
 
 
-def _new_token_values(queries, new_values):
-    """The new token's own values repeated over each kv head's query heads: (B, 1, H, E)."""
-    return jnp.repeat(new_values, queries[0].shape[2] // new_values.shape[2], axis=2)
-
-
-def _first_blocks(key_caches, value_cache, layer, block):
-    """Layer `layer`'s first `block` slots of its key and value caches, each (B, block, K, D)."""
-    def read(cache):
-        return jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)[:, :block]
-    return read(key_caches[0]), read(value_cache)
-
-
-def _left_out(queries, new_keys, new_values, key_caches, value_cache, *, layer, block=128, **_):
-    """No cache block read: the queries plus the new token's own values (every projection still runs)."""
-    return queries[0] + _new_token_values(queries, new_values)
-
-
-def _blocks_read(queries, new_keys, new_values, key_caches, value_cache, *, layer, block=128, **_):
-    """The layer's first key and value blocks read whole (summed over their slots and kv heads: one
-    pass over each), nothing else computed from them. (Using a single slot would not do: XLA
-    narrows the block's slice to what is used, even behind an optimization barrier.)"""
-    keys, values = _first_blocks(key_caches, value_cache, layer, block)
-    total = keys.sum(axis=(1, 2)) + values.sum(axis=(1, 2))  # (B, D)
-    return queries[0] + _new_token_values(queries, new_values) + total[:, None, None, :]
-
-
-def _blocks_products(queries, new_keys, new_values, key_caches, value_cache, *, layer, block=128, **_):
-    """The layer's first blocks through the two products `cached_attention` makes (queries x keys,
-    then scores x values, the same einsums), without the mask, the softmax and the new token's part."""
-    keys, values = _first_blocks(key_caches, value_cache, layer, block)
-    b, t, heads, d = queries[0].shape
-    q = queries[0].reshape(b, t, keys.shape[2], heads // keys.shape[2], d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
-    out = jnp.einsum("bkgts,bske->bkgte", scores, values, preferred_element_type=jnp.float32)
-    return queries[0] + out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
-
-
-def attention_stand_in(replacement: Callable | None) -> Callable[[], contextlib.AbstractContextManager]:
-    """A context in which a decode step's attention (one new token) is `replacement(...)`, called
-    with `cached_attention`'s arguments, instead of `models.layers.cached_attention` (None: the real
-    one). Prefill is unchanged. Only for tracing `decode_parts`'s variants. The stand-ins read only
-    the first cache block: at the headline's max_len (128 slots) that is the whole cache."""
-    @contextlib.contextmanager
-    def context():
-        real = model_layers.cached_attention
-
-        def stand_in(queries, *args, **kwargs):
-            if queries[0].shape[1] != 1:
-                return real(queries, *args, **kwargs)
-            return replacement(queries, *args, **kwargs)
-
-        model_layers.cached_attention = real if replacement is None else stand_in
-        try:
-            yield
-        finally:
-            model_layers.cached_attention = real
-    return context
-
-
-_CACHED_ATTENTION = model_layers.cached_attention
-
-
-def reads_stand_in(reads: str) -> Callable[[], contextlib.AbstractContextManager]:
-    """A context in which decode steps read the cache as `reads` says (`cached_attention(reads=)`),
-    whatever the cache was made with."""
-    return attention_stand_in(lambda queries, *args, **kwargs: _CACHED_ATTENTION(queries, *args,
-                                                                                 **{**kwargs, "reads": reads}))
-
-
-@contextlib.contextmanager
-def xla_matmuls():
-    """A context in which decode steps multiply by the weights with XLA's dots whatever
-    `decode_matmuls` says (`models.kernels.use_matmul` answers no)."""
-    real = kernels.use_matmul
-    kernels.use_matmul = lambda x, w: False
-    try:
-        yield
-    finally:
-        kernels.use_matmul = real
-
-
-# Variants of the decode step, from the full step down to no attention to the cache at all.
-PART_VARIANTS = {
-    "decode step": attention_stand_in(None),
-    "decode step, cache_reads=filled": reads_stand_in("filled"),
-    "decode step, decode_matmuls=xla": xla_matmuls,
-    "blocks + the two products, no softmax": attention_stand_in(_blocks_products),
-    "cache blocks read, nothing computed": attention_stand_in(_blocks_read),
-    "attention to the cache left out": attention_stand_in(_left_out),
-}
-
-
-def decode_parts(models: dict[str, tuple[Llama, Callable[[], contextlib.AbstractContextManager]]],
-                 prompts: np.ndarray, *, max_len: int, new_tokens: int, rounds: int,
-                 variants: dict | None = None) -> list[dict]:
-    """Each model's decode step as is and with parts of its attention replaced (`PART_VARIANTS`),
-    all taking turns.
-
-    `models` maps a name to (model, context): the context (e.g. a mesh) is entered to trace and
-    compile. Each (model, variant) is `generate`'s jitted program compiled ahead of time (traced
-    after `jax.clear_caches()`, so that no two variants share a trace) for 1 and `new_tokens` new
-    tokens; per round each runs both back to back, and a step is their difference over
-    `new_tokens - 1`. Returns median and minimum ms per step for each (model, variant).
-    """
-    program = sys.modules["podtrain.models.generate"]._generate  # `models.generate` the name is the function
-    variants = PART_VARIANTS if variants is None else variants
-    batch = prompts.shape[0]
-    inputs = (jnp.asarray(prompts), jnp.full((batch,), prompts.shape[1], jnp.int32), jnp.full((8,), -1, jnp.int32),
-              jax.random.key(0))
-    programs = {}
-    for model_name, (model, model_context) in models.items():
-        graphdef, state = nnx.split(model)
-        split = auto_layer_weights(model) == "split"
-        reads = auto_cache_reads(model, batch, max_len)
-        matmuls = auto_decode_matmuls(model)
-        for variant, variant_context in variants.items():
-            compiled = []
-            with model_context(), variant_context():
-                for n in (1, new_tokens):
-                    jax.clear_caches()
-                    compiled.append(program.lower(graphdef, state, *inputs, max_new_tokens=n, max_len=max_len,
-                                                  sampling=Sampling(), pad_id=0, split_layers=split,
-                                                  cache_reads=reads, decode_matmuls=matmuls).compile())
-            programs[model_name, variant] = (state, *compiled)
-    jax.clear_caches()
-
-    def seconds(state, program):
-        start = time.perf_counter()
-        jax.block_until_ready(program(state, *inputs))
-        return time.perf_counter() - start
-
-    steps = {key: [] for key in programs}
-    for state, one, full in programs.values():
-        seconds(state, one), seconds(state, full)
-    for _ in range(rounds):
-        for key, (state, one, full) in programs.items():
-            steps[key].append(1e3 * (seconds(state, full) - seconds(state, one)) / (new_tokens - 1))
-    return [{"model": model_name, "variant": variant, "median_ms": statistics.median(times), "min_ms": min(times),
-             "rounds": rounds} for (model_name, variant), times in steps.items()]
-
-
-PARTS_COLUMNS = (("model", "podtrain", "<8"), ("variant", "at the headline shape", "<38"), ("rounds", "rounds", "d"),
-                 ("median_ms", "ms / decode step, median", ".3f"), ("min_ms", "min", ".3f"))
-
-
 FLOOR_COLUMNS = (("floor", "per decode step", "<44"), ("ms_per_step", "ms", ".3f"), ("gb_per_s", "GB/s", "<6"))
 
 
-MEMORY_COLUMNS = (("weights", "layer weights", "<7"), ("reads", "cache reads", "<6"),
-                  ("max_len", "max_len", "d"), ("cache_mib", "KV cache MiB", ".1f"),
+MEMORY_COLUMNS = (("max_len", "max_len", "d"), ("cache_mib", "KV cache MiB", ".1f"),
                   ("alias_mib", "updated in place (alias) MiB", ".1f"), ("temp_mib", "temporaries MiB", ".2f"),
                   ("bytes_mib", "bytes accessed MiB (scan body once)", ".1f"))
 ROW_COLUMNS = (("implementation", "implementation", "<9"), ("batch", "batch", "d"), ("max_len", "max_len", "d"),
                ("runs", "runs", "d"), ("prefill_ms", "prefill ms", ".1f"), ("total_ms", "total ms", ".1f"),
                ("ms_per_step", "ms / decode step", ".3f"), ("ms_per_token", "ms / token", ".3f"),
                ("tokens_per_s", "decode tokens/s", ".0f"), ("same_tokens", "same tokens", "<5"))
-TARGET_COLUMNS = (("target", "target", "<58"), ("value", "measured", "<10"), ("status", "status", "<7"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -535,11 +341,6 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError("greedy tokens differ from podtrain's on the headline shape: the implementations "
                            "no longer compute the same model")
     say(format_table(headline, ROW_COLUMNS))
-    ms = headline[0]["ms_per_token"]
-    targets = [{"target": f"podtrain decode ms / generated token (batch {HEADLINE_BATCH}, max_len "
-                          f"{HEADLINE_MAX_LEN}) <= {TARGET_MS_PER_TOKEN}",
-                "value": f"{ms:.3f}", "status": "met" if ms <= TARGET_MS_PER_TOKEN else "NOT met"}]
-    say("\n" + format_table(targets, TARGET_COLUMNS))
     rows, ratios = [], []
     if not args.quick:
         say("\n" + format_table([], ROW_COLUMNS))
@@ -564,31 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     floors = decode_floors(model, HEADLINE_BATCH)
     compute_floor = sum(f["ms_per_step"] for f in floors if "matmul" in f["floor"])
     say(f"\nfloors, batch {HEADLINE_BATCH} (each timed alone; podtrain's decode step: "
-        f"{headline[0]['ms_per_step']:.3f} ms; the target is {TARGET_MS_PER_TOKEN * HEADLINE_BATCH:.3f} ms):\n"
+        f"{headline[0]['ms_per_step']:.3f} ms):\n"
         + format_table(floors, FLOOR_COLUMNS)
         + f"\nmatmuls with every weight already in cache: {compute_floor:.3f} ms per step, "
           f"{compute_floor / HEADLINE_BATCH:.3f} ms per token")
-    parts = decode_parts({"1 device": (model, contextlib.nullcontext)}, random_prompts(HEADLINE_BATCH, args.prompt_len),
-                         max_len=HEADLINE_MAX_LEN, new_tokens=args.new_tokens, rounds=3 * args.repeats)
-    say("\nwhere a decode step goes (the compiled programs take turns):\n" + format_table(parts, PARTS_COLUMNS))
-    reads_parts = []
-    for batch, max_len in args.reads_shapes:
-        variants = {f"cache_reads={reads}": reads_stand_in(reads) for reads in CACHE_READS}
-        variants["attention to the cache left out"] = PART_VARIANTS["attention to the cache left out"]
-        rows = decode_parts({f"{batch} x {max_len}": (model, contextlib.nullcontext)},
-                            random_prompts(batch, args.prompt_len), max_len=max_len, new_tokens=args.new_tokens,
-                            rounds=3 * args.repeats, variants=variants)
-        reads_parts += rows
-        say(("\ncache reads of a decode step (`auto` picks "
-             f"{auto_cache_reads(model, batch, max_len)} here):\n") + format_table(rows, PARTS_COLUMNS))
     memory = decode_step_memory(model, HEADLINE_BATCH, sorted({*args.max_lens, HEADLINE_MAX_LEN}))
     say(f"\ncompiled decode step, batch {HEADLINE_BATCH} (XLA memory_analysis / cost_analysis):\n"
         + format_table(memory, MEMORY_COLUMNS))
     if args.json:
         strip = [{k: v for k, v in row.items() if k != "tokens"} for row in headline + rows]
-        print(json.dumps({"machine": machine_description(), "rows": strip, "ratios": ratios, "targets": targets,
-                          "floors": floors, "decode_parts": parts, "cache_reads_parts": reads_parts,
-                          "decode_step_memory": memory},
+        print(json.dumps({"machine": machine_description(), "rows": strip, "ratios": ratios,
+                          "floors": floors, "decode_step_memory": memory},
                          indent=1))
     return 0
 

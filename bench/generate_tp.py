@@ -7,15 +7,11 @@ a time. Split into `--tp` CPU devices (`--xla_force_host_platform_device_count`,
 JAX starts) with the model sharded over `tp`, each device reads only its share of the weights
 and of the kv heads' cache, on its own core, at the price of two all-reduces per layer. This is
 what a CPU user gets from `XLA_FLAGS=--xla_force_host_platform_device_count=N` and `mesh.tp=N`.
-On several devices `generate` attends to the cache in XLA (`cache_reads=filled`); one device uses
-the C++ kernel (`cache_reads=kernel`, which spreads the attention over the cores itself).
 
 The model, prompts and timing are `bench/generate.py`'s (batch 4, max_len 128, 64-token prompts,
 64 new tokens; decode ms per step = (time(64 new) - time(1 new)) / 63, medians, the two
-implementations taking turns). Also printed: whether the tokens agree; both decode steps with
-and without their attention to the cache (`bench.generate.decode_parts`), which splits the gain
-of tp between the weights' side and the attention; and the collective ops in one compiled decode
-step of the sharded model.
+implementations taking turns), both through the public `generate`. Also printed: whether the
+tokens agree, and the collective ops in one compiled decode step of the sharded model.
 """
 
 from __future__ import annotations
@@ -55,17 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     from bench.common import format_table, machine_description
-    from bench.generate import (
-        CONFIG,
-        HEADLINE_BATCH,
-        HEADLINE_MAX_LEN,
-        PART_VARIANTS,
-        PARTS_COLUMNS,
-        compare,
-        decode_parts,
-        podtrain_run,
-        random_prompts,
-    )
+    from bench.generate import CONFIG, HEADLINE_BATCH, HEADLINE_MAX_LEN, compare, podtrain_run, random_prompts
     from podtrain.models import Llama
     from podtrain.sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
 
@@ -99,11 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         ("implementation", "implementation", "<9"), ("runs", "runs", "d"), ("prefill_ms", "prefill ms", ".1f"),
         ("ms_per_step", "ms / decode step", ".3f"), ("ms_per_token", "ms / token", ".3f"),
         ("same_tokens", "same tokens", "<5"))))
-    parts = {name: PART_VARIANTS[name] for name in ("decode step", "attention to the cache left out")}
-    part_rows = decode_parts({"1 device": (single, contextlib.nullcontext), f"tp={args.tp}": (sharded, on_mesh)},
-                             prompts, max_len=HEADLINE_MAX_LEN, new_tokens=64, rounds=args.repeats, variants=parts)
-    print("\nwith and without the attention to the cache (compiled programs, all four taking turns):\n"
-          + format_table(part_rows, PARTS_COLUMNS))
     print(f"\ncollective ops in one compiled decode step's program (tp={args.tp}; the layer scan's body is counted "
           f"once and runs {CONFIG.num_layers} times): "
           + (", ".join(f"{n} {kind}" for kind, n in sorted(collectives.items())) or "none"))

@@ -5,7 +5,7 @@
 1. The practical float32 matmul peak of this machine, measured in the same run (around every step
    timing; the highest is used, so MFU is never flattered by a slow peak measurement).
 2. The full train step (forward, loss, backward, AdamW) of the preset for remat none / full / dots:
-   median step time after warm-up, tokens/s, model FLOPs from `orchestrator.plan.flops_per_token`,
+   median step time after warm-up, tokens/s, model FLOPs from `models.flops_per_token`,
    MFU = model FLOP/s / peak. On a shared machine the wall clock depends on the load, so the table
    also gives MFU (CPU time): model FLOPs per process CPU second over the matmul's FLOPs per CPU
    second, which depends much less on what else runs.

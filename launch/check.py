@@ -9,6 +9,7 @@ import jax
 from podtrain.orchestrator.build import build_training
 from podtrain.orchestrator.config import ConfigError, load_config
 from podtrain.orchestrator.plan import format_plan, make_plan
+from podtrain.orchestrator.synthetic import random_batch
 
 
 def run_command(args) -> int:
@@ -18,7 +19,7 @@ def run_command(args) -> int:
     training = build_training(config)
     print(format_plan(make_plan(training)))
     state = training.init_state()
-    batch = training.random_batch(seed=config.train.seed)
+    batch = random_batch(training, seed=config.train.seed)
     print(f"\nrunning {args.steps} train steps (forward, loss, backward, {config.optimizer.name} update) "
           "on random tokens")
     for i in range(args.steps):

@@ -1,5 +1,6 @@
 """`podtrain export -c <preset> checkpoint=<dir> out=<dir> [step=N]`: a checkpoint's weights as HF safetensors.
 
+`checkpoint=`, `out=` and `step=` are short for the `export` section's keys (`ExportConfig`).
 `checkpoint=` may name a run directory (its `checkpoints/` is used), a checkpoint directory, or
 one step folder inside it. The newest committed step is exported unless `step=` names one. Only
 the parameters are read (never the optimizer state), each straight into its sharding on the
@@ -13,37 +14,33 @@ it; the built-in byte tokenizer has no HF files.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
 
+from podtrain.launch.command_keys import command_overrides, text_value
 from podtrain.models import to_hf
 from podtrain.orchestrator.config import ConfigError, load_config
 from podtrain.orchestrator.load import checkpoint_step, restore_model
-from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.schema import Config, ExportConfig
 from podtrain.orchestrator.tokenizers import HFTokenizer, load_tokenizer
 
-EXPORT_KEYS = ("checkpoint", "out", "step")
+USAGE = "podtrain export -c <preset> checkpoint=<dir> out=<dir> [step=N]"
+KEYS = tuple(f.name for f in dataclasses.fields(ExportConfig))
 
 
-def split_export_args(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Takes `checkpoint=`, `out=` and `step=` out of the overrides; the rest are config overrides."""
-    found, rest = {}, []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in EXPORT_KEYS:
-            if key in found:
-                raise ConfigError(f"{key}= given twice ({found[key]!r} and {value!r})")
-            found[key] = value
-        else:
-            rest.append(item)
-    for key in ("checkpoint", "out"):
-        if not found.get(key):
-            raise ConfigError(f"export needs {key}=<dir> (usage: podtrain export -c <preset> checkpoint=<dir> "
-                              "out=<dir> [step=N])")
-    if "step" in found and not found["step"].isdigit():
-        raise ConfigError(f"step= expects a non-negative integer, found {found['step']!r}")
-    return found, rest
+def export_overrides(overrides: list[str]) -> list[str]:
+    """The command line's overrides with `checkpoint=`, `out=` and `step=` as `export.*` overrides."""
+    return command_overrides(overrides, "export", KEYS, convert={"checkpoint": text_value, "out": text_value})
+
+
+def check_request(request: ExportConfig) -> None:
+    """Raises ConfigError naming the key when `export.checkpoint` or `export.out` is not given."""
+    expected = {"checkpoint": "a run, checkpoint or step directory", "out": "a new or empty directory"}
+    for key, what in expected.items():
+        if not getattr(request, key):
+            raise ConfigError(f"export.{key}: expects {what}, found none (usage: {USAGE})")
 
 
 def check_out(raw: str) -> Path:
@@ -80,13 +77,13 @@ def tokenizer_export(config: Config) -> tuple[dict, dict[str, bytes]]:
 
 
 def run_command(args) -> int:
-    export, overrides = split_export_args(args.overrides)
-    config = load_config(args.config, overrides, hint_keys=EXPORT_KEYS)
-    step = int(export["step"]) if "step" in export else None
-    directory, _ = checkpoint_step(export["checkpoint"], step)  # its errors before any work
-    out = check_out(export["out"])
+    config = load_config(args.config, export_overrides(args.overrides), hint_keys=KEYS)
+    request = config.export
+    check_request(request)
+    directory, _ = checkpoint_step(request.checkpoint, request.step)  # its errors before any work
+    out = check_out(request.out)
     config_extra, tokenizer_files = tokenizer_export(config)
-    _, model, step = restore_model(config, export["checkpoint"], step)
+    _, model, step = restore_model(config, request.checkpoint, request.step)
     to_hf(model, config.model, out, config_extra=config_extra, files=tokenizer_files)
     files = sorted(out.iterdir())
     size = sum(f.stat().st_size for f in files)

@@ -13,6 +13,32 @@ from podtrain.models.moe import MoE, balance_router_bias
 from podtrain.models.runner import stack_layers
 
 
+def _latent_attention_params(config: ModelConfig) -> int:
+    """Matmul parameters of one MLA block: query (low-rank or direct), latent, key/value up-projection, output."""
+    m, d, h = config.mla, config.hidden_size, config.num_heads
+    query = d * m.q_lora_rank + m.q_lora_rank * h * m.qk_head_dim if m.q_lora_rank else d * h * m.qk_head_dim
+    latent = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+    return query + latent + h * m.v_head_dim * d
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward, no remat recompute).
+
+    6 per matmul parameter a token passes through: latent attention in every layer, the dense MLP
+    in the dense layers and, in the MoE layers, the router, the shared experts and the
+    `num_experts_per_tok` routed experts it visits; the LM head. Plus causal attention over
+    `qk_head_dim` queries and keys and `v_head_dim` values, as for Llama.
+    """
+    c, moe, d = config, config.moe, config.hidden_size
+    attention_params = _latent_attention_params(c)
+    dense_layer = attention_params + 3 * d * c.intermediate_size
+    experts = 3 * d * moe.moe_intermediate_size * (moe.num_experts_per_tok + moe.num_shared_experts)
+    moe_layer = attention_params + d * moe.num_experts + experts
+    matmul_params = c.num_dense_layers * dense_layer + c.num_moe_layers * moe_layer + d * c.vocab_size
+    attention = 3 * seq_len * c.num_heads * (c.mla.qk_head_dim + c.mla.v_head_dim) * c.num_layers
+    return 6.0 * matmul_params + attention
+
+
 class DeepseekV3(Llama):
     """The first `moe.first_k_dense_replace` layers are one stack with the dense MLP, the rest one
     stack with the MoE block; both are made by `stack_layers` and run by `run_layers`.
@@ -40,11 +66,11 @@ class DeepseekV3(Llama):
         bias = self.moe_layers.mlp.router_bias
         bias.set_value(balance_router_bias(bias[...], load_LE, rate))
 
-    def init_cache(self, batch: int, max_len: int, dtype=None, reads: str = "filled") -> KVCache:
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """A cache of the MLA latent and rotary key per token (not per-head keys and values)."""
         c = self.config
         return KVCache.init(
             stack_layers=[n for n in (c.num_dense_layers, c.num_moe_layers) if n], batch=batch, max_len=max_len,
             kv_heads=1, key_dim=c.mla.kv_lora_rank, value_dim=c.mla.qk_rope_head_dim,
-            dtype=dtype or dtype_of(c.dtype), reads=reads,
+            dtype=dtype or dtype_of(c.dtype),
         )

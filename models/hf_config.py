@@ -6,7 +6,8 @@ import jax.numpy as jnp
 
 from podtrain.models.config import DTYPES, ROPE_TYPES, MLAConfig, ModelConfig, MoEConfig, RopeConfig
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+# model_type -> the transformers class that config.json's `architectures` names.
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 # ModelConfig field -> config.json key, for the fields that carry over unchanged.
 HF_KEYS = {
@@ -92,8 +93,8 @@ def config_from_hf(hf_config: dict, *, dtype=None, source: str = "config.json") 
     """
     hf = hf_config
     model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"{source}: model_type: expected one of {list(ARCHITECTURES)}, found {model_type!r}")
+    if model_type not in HF_CLASSES:
+        raise ValueError(f"{source}: model_type: expected one of {list(HF_CLASSES)}, found {model_type!r}")
     missing = [HF_KEYS[f] for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
                if HF_KEYS[f] not in hf]
     if missing:
@@ -156,7 +157,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     c = config
     if c.qk_norm != (c.model_type == "qwen3") or (c.model_type == "qwen3" and c.mlp_bias):
         raise ValueError(
-            f"model: transformers' {ARCHITECTURES[c.model_type]} has qk_norm={c.model_type == 'qwen3'} and no "
+            f"model: transformers' {HF_CLASSES[c.model_type]} has qk_norm={c.model_type == 'qwen3'} and no "
             f"mlp_bias for qwen3; found qk_norm={c.qk_norm}, mlp_bias={c.mlp_bias}"
         )
     rope = {"rope_type": c.rope.rope_type, "rope_theta": c.rope.theta}
@@ -165,7 +166,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     if c.rope.rope_type == "yarn":
         rope |= {k: getattr(c.rope, k) for k in YARN_ROPE_KEYS if getattr(c.rope, k)}
     out = {
-        "architectures": [ARCHITECTURES[c.model_type]], "model_type": c.model_type, "hidden_act": "silu",
+        "architectures": [HF_CLASSES[c.model_type]], "model_type": c.model_type, "hidden_act": "silu",
         "rope_parameters": rope, "dtype": c.param_dtype, **{key: getattr(c, field) for field, key in HF_KEYS.items()},
     }
     if c.model_type == "deepseek_v3":

@@ -8,9 +8,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-# How one-token (decode) steps read a layer's slots; see `models.layers.cached_attention`.
-CACHE_READS = ("filled", "all", "kernel")
-
 
 @struct.dataclass
 class KVCache:
@@ -27,31 +24,23 @@ class KVCache:
         positions: (batch, max_len) int32, the token position held in each slot; -1 marks an
             empty slot (never written, or written by a padding token) that nothing attends to.
         index: int32 scalar, the next slot to write.
-        reads: how a one-token step reads a layer's slots (static, part of the tree's structure):
-            "filled" loops over the filled blocks only (its trip count depends on the data);
-            "all" reads every slot in one pass, the empty ones masked; "kernel" reads the filled
-            slots in one call of a C++ kernel (CPU, float32). See `cached_attention`.
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     positions: jax.Array
     index: jax.Array
-    reads: str = struct.field(pytree_node=False, default="filled")
 
     @classmethod
     def init(cls, *, stack_layers: Sequence[int], batch: int, max_len: int, kv_heads: int, key_dim: int,
-             value_dim: int | None = None, dtype=jnp.float32, reads: str = "filled") -> KVCache:
+             value_dim: int | None = None, dtype=jnp.float32) -> KVCache:
         """Empty cache for stacks of `stack_layers` layers each (a stack of 0 layers holds nothing)."""
-        if reads not in CACHE_READS:
-            raise ValueError(f"reads: expected one of {', '.join(CACHE_READS)}, found {reads!r}")
         value_dim = key_dim if value_dim is None else value_dim
         return cls(
             k=tuple(jnp.zeros((n, batch, max_len, kv_heads, key_dim), dtype) for n in stack_layers),
             v=tuple(jnp.zeros((n, batch, max_len, kv_heads, value_dim), dtype) for n in stack_layers),
             positions=jnp.full((batch, max_len), -1, jnp.int32),
             index=jnp.zeros((), jnp.int32),
-            reads=reads,
         )
 
     @property
@@ -66,14 +55,7 @@ class KVCache:
         """A cache holding the updated `pairs` (one per stack, as `split` gave them)."""
         if len(pairs) != len(self.k):
             raise ValueError(f"KVCache.join: expected {len(self.k)} (k, v) pairs, found {len(pairs)}")
-        return KVCache(k=tuple(k for k, _ in pairs), v=tuple(v for _, v in pairs), positions=positions, index=index,
-                       reads=self.reads)
-
-    def layer_bytes(self) -> int:
-        """Bytes of one layer's slots (keys and values, the whole batch), the largest over the stacks.
-        Works on shapes too (`jax.eval_shape` of `init_cache`)."""
-        return max((k.size * k.dtype.itemsize + v.size * v.dtype.itemsize) // max(k.shape[0], 1)
-                   for k, v in zip(self.k, self.v, strict=True))
+        return KVCache(k=tuple(k for k, _ in pairs), v=tuple(v for _, v in pairs), positions=positions, index=index)
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token occupies across all layers and stacks."""

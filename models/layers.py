@@ -14,10 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from podtrain.models import kernels
 from podtrain.models.config import ModelConfig, RopeConfig
-from podtrain.models.kernels import decode_attention
-from podtrain.models.kv_cache import CACHE_READS
 from podtrain.sharding.rules import constrain
 
 NEG_INF = float(np.finfo(np.float32).min)
@@ -28,17 +25,10 @@ def dtype_of(name: str):
 
 
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
-    """`x (..., *in) @ w (*in, *out)` as one 2-D (tokens, features) matmul.
-
-    XLA:CPU turns the weight gradient of a 3-D einsum (contracting batch and sequence together)
-    into a transposed copy of the (tokens, features) cotangent fused with element-wise work; a
-    2-D matmul keeps every operand in a layout its dot kernels take as is. Inside
-    `models.kernels.small_matmuls()` (decode steps on CPU) a float32 product of a few rows runs
-    in the C++ kernel `models.kernels.matmul` on the CPU's cores.
-    """
+    """`x (..., *in) @ w (*in, *out)` as one 2-D (tokens, features) matmul: the weight gradient of
+    a 3-D einsum would make XLA copy the (tokens, features) cotangent into a transposed layout."""
     in_size = math.prod(w.shape[:n_in])
-    x2, w2 = x.reshape(-1, in_size), w.reshape(in_size, -1)
-    y = kernels.matmul(x2, w2) if kernels.use_matmul(x2, w2) else x2 @ w2
+    y = x.reshape(-1, in_size) @ w.reshape(in_size, -1)
     return y.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:])
 
 
@@ -107,8 +97,7 @@ def attention(q_BTHD, k_BSKD, v_BSKE, mask_BTS, *, scale: float) -> jax.Array:
 
 
 def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
-                     key_positions_BT, cache_positions_BS, cache_used, block: int = 128,
-                     reads: str = "filled") -> jax.Array:
+                     key_positions_BT, cache_positions_BS, cache_used, block: int = 128) -> jax.Array:
     """Attention of T new tokens to themselves and to the filled slots of one layer of a stacked cache.
 
     Args:
@@ -122,69 +111,35 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
         cache_positions_BS: the position held in each slot (-1: empty or padding).
         cache_used: slots filled before these tokens (a traced scalar).
         block: slots per step of the running softmax.
-        reads: how a one-token step (T = 1, decoding) reads the cache: "filled" as any step, "all"
-            every slot in one pass, the empty ones masked, "kernel" the filled slots in one call of
-            a C++ kernel (CPU, float32; `models.kernels.decode_attention`). See below.
 
     The new tokens are attended first (causally, by position); then the cache's slots below
     `cache_used`, `block` at a time, straight from the stacked cache with a running softmax: a
-    token's cost grows with the filled length, not with `max_len`. That loop's trip count depends
-    on `cache_used`, and on GPU XLA reads each trip's condition back to the host, about 0.1 ms per
-    layer and token on an H200 (bench/RESULTS.md). There a one-token step of a small cache is
-    better off reading every slot at once (`reads="all"`), with element-wise products summed in
-    place of the batched matmuls: the same arithmetic, which XLA:GPU fuses with the cache reads,
-    where for the matmuls it transposes the whole stacked cache entering a compiled step. (On CPU
-    the block loop and its matmuls cost more than the rest of a small model's decode step: XLA:CPU
-    copies each block out of the stacked cache and runs a dozen small library calls per layer; the
-    kernel, `reads="kernel"`, reads each slot where it lies, once, and does the whole attention in
-    one call, on the CPU's cores.)
-    Every product is batched over (batch, kv head), prefill and decode alike: with the kv heads
-    sharded (tensor parallelism) each device reads only its own heads' slots and nothing crosses
-    devices. Returns (B, T, H, E) in the values' dtype.
+    token's cost grows with the filled length, not with `max_len`, prefill and decode alike.
+    Every product is batched over (batch, kv head): with the kv heads sharded (tensor
+    parallelism) each device reads only its own heads' slots and nothing crosses devices.
+    Returns (B, T, H, E) in the values' dtype.
     """
-    if reads not in CACHE_READS:
-        raise ValueError(f"reads: expected one of {', '.join(CACHE_READS)}, found {reads!r}")
     b, t, heads, _ = queries[0].shape
     length, kv_heads, e = value_cache.shape[2], value_cache.shape[3], value_cache.shape[4]
-    one_pass = reads == "all" and t == 1
-    block = length if one_pass else min(block, length)
+    block = min(block, length)
     layer = jnp.asarray(layer, jnp.int32)
     group = heads // kv_heads
     dtype = new_values.dtype
     queries = [q.reshape(b, t, kv_heads, group, q.shape[-1]) for q in queries]
-    if reads == "kernel" and t == 1:
-        # The whole step in one kernel call: the new token itself and the layer's filled slots.
-        attended = make_attention_mask(positions_BT, key_positions_BT)[:, 0, 0]
-        out = decode_attention([q[:, 0] for q in queries], [k[:, 0] for k in new_keys], new_values[:, 0], key_caches,
-                               value_cache, layer=layer, positions_B=positions_BT[:, 0], attended_B=attended,
-                               cache_positions_BS=cache_positions_BS, cache_used=cache_used)
-        return out.reshape(b, 1, heads, e).astype(dtype)
 
     def scores_of(keys, valid_BTS):
-        if one_pass:  # (B, S, K, G) from (B, 1, K, G, D) x (B, S, K, 1, D), summed over D
-            scores = sum(jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[:, :, :, None], axis=-1)
-                         for q, k in zip(queries, keys, strict=True))
-            scores = scores.transpose(0, 2, 3, 1)[:, :, :, None]
-        else:
-            scores = sum(jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-                         for q, k in zip(queries, keys, strict=True))
+        scores = sum(jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+                     for q, k in zip(queries, keys, strict=True))
         valid = valid_BTS[:, None, None]
         return jnp.where(valid, scores, NEG_INF), valid
-
-    def weighted_values(probs, values):
-        if one_pass:  # (B, K, G, E) from (B, S, K, G, 1) x (B, S, K, 1, E), summed over S
-            probs_BSKG = probs[:, :, :, 0].transpose(0, 3, 1, 2)
-            weighted = jnp.sum(probs_BSKG[..., None] * values.astype(jnp.float32)[:, :, :, None], axis=1)
-            return weighted[:, :, :, None]
-        return jnp.einsum("bkgts,bske->bkgte", probs.astype(dtype), values.astype(dtype),
-                          preferred_element_type=jnp.float32)
 
     def accumulate(carry, scores, valid, values):
         row_max, row_sum, acc = carry
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1, keepdims=True))
         probs = jnp.where(valid, jnp.exp(scores - new_max), 0.0)
         correction = jnp.exp(row_max - new_max)
-        weighted = weighted_values(probs, values)
+        weighted = jnp.einsum("bkgts,bske->bkgte", probs.astype(dtype), values.astype(dtype),
+                              preferred_element_type=jnp.float32)
         return new_max, row_sum * correction + jnp.sum(probs, axis=-1, keepdims=True), acc * correction + weighted
 
     def step(j, carry):
@@ -201,7 +156,7 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
     scores, valid = scores_of(new_keys, make_attention_mask(positions_BT, key_positions_BT))
     carry = accumulate(init, scores, valid, new_values)
     filled_blocks = (cache_used + block - 1) // block
-    _, row_sum, acc = step(0, carry) if one_pass else jax.lax.fori_loop(0, filled_blocks, step, carry)
+    _, row_sum, acc = jax.lax.fori_loop(0, filled_blocks, step, carry)
     out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e).astype(dtype)
 
@@ -364,7 +319,7 @@ class Attention(nnx.Module):
 
         With a cache, `kv = (k, v)` are the whole stacks (L, B, S, K, D), read only; this is layer
         `layer`, and `cache_kwargs` are `cached_attention`'s `key_positions_BT`,
-        `cache_positions_BS`, `cache_used` and `reads`.
+        `cache_positions_BS` and `cache_used`.
 
         Returns:
             (out_BTD, new_kv): new_kv is the new tokens' (k, v), each (B, T, K, D), to be written

@@ -13,6 +13,22 @@ from podtrain.models.runner import run_layers, stack_layers
 from podtrain.sharding.rules import constrain
 
 
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward, no remat recompute).
+
+    6 per matmul parameter (attention and MLP projections, the LM head; not the embedding lookup,
+    norms or biases), plus causal attention: QK^T and AV cost 4 * seq * heads * head_dim per token
+    and layer forward over the full square, half of that under the causal mask, times 3 for
+    forward and backward.
+    """
+    c = config
+    attention_params = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    layer_params = attention_params + 3 * c.hidden_size * c.intermediate_size
+    matmul_params = c.num_layers * layer_params + c.hidden_size * c.vocab_size
+    attention = 3 * seq_len * c.num_heads * 2 * c.head_dim * c.num_layers
+    return 6.0 * matmul_params + attention
+
+
 class Llama(nnx.Module):
     """A decoder-only LM whose `num_layers` blocks are one stacked module run by `run_layers`.
 
@@ -51,7 +67,6 @@ class Llama(nnx.Module):
         scan: bool | None = None,
         return_hidden: bool = False,
         return_stats: bool = False,
-        layer_states: list | None = None,
     ):
         """Logits for `input_ids` (batch, seq).
 
@@ -67,9 +82,6 @@ class Llama(nnx.Module):
                 logits (for a loss that applies `head()` chunk by chunk).
             return_stats: also return the layers' statistics (for MoE stacks: `expert_load`,
                 tokens per expert per layer, and `dropped_tokens` per layer; empty otherwise).
-            layer_states: per stack (in `stacks()` order), its per-layer copies from
-                `models.runner.split_stack`: the scan reads each layer's weights from these
-                (decoding on CPU; see `run_layers`).
 
         Returns:
             logits (B, T, vocab) in the compute dtype, or (logits, new_cache) with a cache;
@@ -96,12 +108,10 @@ class Llama(nnx.Module):
         else:
             pairs, remat = kv_cache.split(), "none"
             kwargs = {"key_positions_BT": key_positions, "cache_positions_BS": kv_cache.positions,
-                      "cache_used": kv_cache.index, "reads": kv_cache.reads}
+                      "cache_used": kv_cache.index}
         stats, new_pairs = {}, []
-        per_stack = [None] * len(stacks) if layer_states is None else layer_states
-        for stack, pair, states in zip(stacks, pairs, per_stack, strict=True):
-            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, layer_states=states,
-                                    positions_BT=positions, **kwargs)
+        for stack, pair in zip(stacks, pairs, strict=True):
+            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, positions_BT=positions, **kwargs)
             new_entries = outputs.pop("kv")
             if pair is not None:
                 new_pairs.append(tuple(write_tokens(cache, new, kv_cache.index)
@@ -125,11 +135,11 @@ class Llama(nnx.Module):
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return head.astype(dtype_of(self.config.dtype)) if compute_dtype else head
 
-    def init_cache(self, batch: int, max_len: int, dtype=None, reads: str = "filled") -> KVCache:
-        """An empty cache; `reads` as in `KVCache` (how one-token steps read it)."""
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty cache of `max_len` slots per sequence, in the compute dtype unless `dtype` says."""
         c = self.config
         return KVCache.init(
             stack_layers=[c.num_layers], batch=batch, max_len=max_len, kv_heads=c.num_kv_heads,
-            key_dim=c.head_dim, dtype=dtype or dtype_of(c.dtype), reads=reads,
+            key_dim=c.head_dim, dtype=dtype or dtype_of(c.dtype),
         )
 

@@ -3,15 +3,14 @@
 Layers are created stacked: every parameter of a stack has shape `(num_layers, ...)` and its
 logical names start with "layers". `run_layers` runs a stack for training, prefill and decode
 alike: one `jax.lax.scan` whose body is one layer, wrapped in `jax.checkpoint` with the chosen
-policy. For decoding on CPU the scan can take the layers' weights from per-layer copies
-(`split_stack`) instead of slicing the stacked arrays: see `run_layers`.
+policy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +79,6 @@ def run_layers(
     remat: str = "none",
     scan: bool = True,
     kv: tuple[jax.Array, ...] | None = None,
-    layer_states: Sequence[nnx.State] | None = None,
     **layer_kwargs,
 ):
     """Runs the stacked layers over the hidden state `h`, layer 0 first.
@@ -99,13 +97,6 @@ def run_layers(
             tokens' entries as `outputs["kv"]`; the caller writes them into the cache after the
             scan, in place (`models.kv_cache.write_tokens`). Writing inside the scan would make
             XLA copy the whole cache, since the layers read what the writes overwrite.
-        layer_states: optional per-layer copies of the stack's state (`split_stack(stack)`), for
-            the scan only: its body runs layer `i` on `layer_states[i]`, picked by `lax.switch` on
-            the layer index, instead of on slices of the stacked arrays. XLA:CPU copies a
-            dynamic slice of a stacked weight into a fresh buffer before every matmul that reads
-            it, so a decode step (a few rows per matmul) spends as long copying weights as
-            multiplying; made once per `generate` call, the copies cost one pass over the weights
-            instead of one per token (and hold a second copy of them while generating).
 
     Returns:
         (h, outputs): the final hidden state and every layer's outputs stacked on a leading
@@ -124,15 +115,6 @@ def run_layers(
 
     if remat != "none":
         body = jax.checkpoint(body, policy=_POLICIES[remat], prevent_cse=not scan)
-    if scan and layer_states is not None:
-        if len(layer_states) != num_layers:
-            raise ValueError(f"layer_states: expected one state per layer ({num_layers}), found {len(layer_states)}")
-
-        def switch_body(h, index):
-            branches = [lambda h, i=i: body(h, (layer_states[i], index)) for i in range(num_layers)]
-            return jax.lax.switch(index, branches, h)
-
-        return jax.lax.scan(switch_body, h, jnp.arange(num_layers, dtype=jnp.int32))
     if scan:
         return jax.lax.scan(body, h, (state, jnp.arange(num_layers, dtype=jnp.int32)))
     outputs = []
@@ -140,11 +122,6 @@ def run_layers(
         h, out = body(h, (layer_state, i))
         outputs.append(out)
     return h, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
-
-
-def split_stack(stack: nnx.Module) -> list[nnx.State]:
-    """Layer `i`'s state of a stacked module, for each `i`: per-layer copies for `run_layers(layer_states=...)`."""
-    return _layer_slices(nnx.split(stack)[1])
 
 
 def _layer_slices(state: nnx.State) -> list[nnx.State]:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -16,23 +14,17 @@ from jax.sharding import Mesh, NamedSharding
 from podtrain.models import ARCHITECTURES, ModelConfig
 from podtrain.models.runner import only_layer
 from podtrain.orchestrator.config import ConfigError, validate
+from podtrain.orchestrator.optimizer import make_optimizer, make_schedule
 from podtrain.orchestrator.schema import Config
-from podtrain.orchestrator.step import (
-    ShardedStep,
-    TrainState,
-    batch_shardings,
-    init_train_state,
-    make_optimizer,
-    make_schedule,
-    make_train_step,
-    train_state_shardings,
-)
+from podtrain.orchestrator.sharded_step import ShardedStep
+from podtrain.orchestrator.step import TrainState, make_train_step
 from podtrain.sharding.mesh import build_mesh
-from podtrain.sharding.place import abstract_model, create_sharded
+from podtrain.sharding.place import abstract_model, create_sharded, state_shardings
+from podtrain.sharding.state import batch_sharding, optimizer_state_shardings, replicated
 
 
 def model_factory(config: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
-    return lambda: ARCHITECTURES[config.model_type](config, rngs=nnx.Rngs(seed))
+    return lambda: ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(seed))
 
 
 @dataclass
@@ -68,49 +60,36 @@ class Training:
         """Creates params born sharded from `train.seed`, then the optimizer state."""
         model = create_sharded(model_factory(self.config.model, self.config.train.seed), self.mesh,
                                self.config.sharding.rules, layer_slice=only_layer)
-        return init_train_state(nnx.state(model), self.tx, self.state_shardings)
 
-    def random_batch(self, seed: int = 0) -> dict:
-        """A batch of uniformly random tokens (one document per row), placed with the batch sharding."""
-        t, vocab = self.config.train, self.config.model.vocab_size
-        tokens = np.random.default_rng(seed).integers(0, vocab, (t.batch_size, t.seq_len + 1), dtype=np.int32)
-        batch = {
-            "inputs": tokens[:, :-1],
-            "targets": tokens[:, 1:],
-            "weights": np.ones((t.batch_size, t.seq_len), np.float32),
-            "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), (t.batch_size, t.seq_len)),
-            "segment_ids": np.ones((t.batch_size, t.seq_len), np.int32),
-        }
-        # Each process places only the rows its devices hold (multi-process correct).
-        return {
-            k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda index, v=v: v[index])
-            for k, v in batch.items()
-        }
+        def init(params):  # the optimizer state is born sharded, as the params are
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+
+        return jax.jit(init, in_shardings=(self.state_shardings.params,), out_shardings=self.state_shardings)(
+            nnx.state(model))
+
+
+def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Validates `config` against the devices (all of JAX's by default), then builds its mesh."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = validate(config, len(devices))
+    try:
+        return build_mesh(sizes, devices, num_slices=config.cluster.num_slices)
+    except ValueError as e:  # a mesh the devices' topology cannot hold, or dp not spanning the slices
+        raise ConfigError(str(e)) from None
 
 
 def build_training(config: Config, devices: Sequence[jax.Device] | None = None) -> Training:
     """Validates `config` against the devices, then builds mesh, abstract model, optimizer and step."""
-    devices = list(jax.devices() if devices is None else devices)
-    sizes = validate(config, len(devices))
-    try:
-        mesh = build_mesh(sizes, devices, num_slices=config.cluster.num_slices)
-    except ValueError as e:  # a mesh the devices' topology cannot hold, or dp not spanning the slices
-        raise ConfigError(str(e)) from None
+    mesh = make_mesh(config, devices)
     rules = config.sharding.rules
     graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed), mesh, rules)
-    param_shardings = jax.tree.map(
-        lambda v: v.replace(v.get_value().sharding), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
+    params = state_shardings(abstract, mesh, rules)
     schedule = make_schedule(config.optimizer, config.train.steps)
     tx = make_optimizer(config.optimizer, schedule)
-    state_shardings = train_state_shardings(param_shardings, abstract, tx, mesh)
-    batch_sharding = batch_shardings(mesh, rules, config.train.batch_size)
+    shardings = TrainState(step=replicated(mesh), params=params,
+                           opt_state=optimizer_state_shardings(tx, abstract, params, mesh))
+    batch = batch_sharding(mesh, rules, config.train.batch_size)
     step_fn = make_train_step(graphdef, tx, loss_chunk=config.train.loss_chunk, grad_accum=config.train.grad_accum,
                               schedule=schedule, expert_bias_rate=config.model.moe.bias_update_rate)
-    step = ShardedStep(step_fn, mesh, rules, state_shardings, batch_sharding)
-    return Training(config, mesh, graphdef, abstract, tx, state_shardings, batch_sharding, step)
-
-
-def with_model(config: Config, **changes) -> Config:
-    """A copy of `config` with some model fields changed (benchmarks and tests sweep these)."""
-    return dataclasses.replace(config, model=config.model.replace(**changes))
+    step = ShardedStep(step_fn, mesh, rules, shardings, batch)
+    return Training(config, mesh, graphdef, abstract, tx, shardings, batch, step)

@@ -54,7 +54,6 @@ tracebacks of the failure first.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -73,7 +72,9 @@ from podtrain.orchestrator.integrity import (
     DAMAGE_ERRORS,
     DamagedStepError,
     changed_leaves,
+    damage_in,
     describe,
+    drop_abandoned_reads,
     fingerprints,
     gather_json,
     raise_if_failed,
@@ -290,15 +291,18 @@ class Checkpointer:
             meta = read_item(self.directory, step, "meta")
             if has_item(self.directory, step, "data_position"):
                 meta["data_position"] = read_item(self.directory, step, "data_position")
-        except Exception as error:  # judged with every process's outcome in `_raise_if_failed`
+        except Exception as error:  # judged with every process's outcome in `raise_if_failed`
+            if damage_in(error) is not None:
+                drop_abandoned_reads(error)
             return None, error
         finally:
             handler.close()
         return (state, meta, step), None
 
-    def _check_fingerprints(self, step: int, state: Any) -> None:
+    def _check_fingerprints(self, step: int, state: Any, *, within: str = "") -> None:
         """Raises DamagedStepError (on every process: the sums are global) when an array restored
-        differs from the one saved; steps saved without fingerprints are taken as read."""
+        differs from the one saved; steps saved without fingerprints are taken as read. `within` is
+        `state`'s path in the saved tree when only part of it was restored (".params")."""
         if not has_item(self.directory, step, "fingerprints"):
             return
         try:
@@ -306,6 +310,7 @@ class Checkpointer:
         except DAMAGE_ERRORS as error:
             raise DamagedStepError(step, self.directory, f"its fingerprints cannot be read: {describe(error)}"
                                    ) from error
+        saved = {path.removeprefix(within): value for path, value in saved.items() if path.startswith(within)}
         changed = changed_leaves(saved, state)
         if changed:
             raise DamagedStepError(step, self.directory, f"arrays read differ from the ones saved: {changed}")
@@ -315,26 +320,29 @@ class Checkpointer:
         self._committed_step(step)
         return read_item(self.directory, step, "meta")
 
-    def restore_params(self, abstract_state: Any, *, step: int | None = None) -> tuple[Any, dict, int]:
-        """Restores only `params` (and the step counter) of one step; the optimizer state is never read.
+    def restore_params(self, abstract_params: Any, *, step: int | None = None) -> tuple[Any, dict, int]:
+        """Restores only the `params` of one step's TrainState; the optimizer state is never read.
 
         Args:
-            abstract_state: as for `restore`; its `opt_state` only gives the tree structure.
+            abstract_params: the params' tree of `jax.ShapeDtypeStruct`s with concrete NamedShardings
+                (`sharding.place.abstract_model`); arrays are read shard by shard onto that layout.
             step: the step to restore; the newest one if None.
 
         Returns:
             (params, meta, step).
+
+        Raises:
+            FileNotFoundError: the step (or, with `step=None`, any step) is not in the directory.
+            DamagedStepError: a params array read differs from the one saved.
         """
         step = self._committed_step(step)
-        target = dataclasses.replace(
-            abstract_state, opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER, abstract_state.opt_state)
-        )
-        # StandardRestore refuses placeholders; PyTreeRestore reads the same files and skips them.
+        target = {"params": abstract_params}  # the saved TrainState's field; its other leaves are skipped
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        items = {"state": ocp.args.PyTreeRestore(target, restore_args=restore_args), "meta": ocp.args.JsonRestore()}
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        self._check_fingerprints(step, restored.state)
-        return restored.state.params, dict(restored.meta), step
+        state = ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True)
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
+        params = restored.state["params"]
+        self._check_fingerprints(step, params, within=".params")
+        return params, dict(restored.meta), step
 
     def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, int] | None:
         """Restores the newest step that restores, falling back past damaged ones (logged, then renamed

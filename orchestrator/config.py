@@ -238,6 +238,8 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
         config.data.validate()
         config.checkpoint.validate()
         config.cluster.validate()
+        config.generate.validate()
+        config.export.validate()
         check_rules(config.sharding.rules)
     except ValueError as e:
         raise ConfigError(str(e)) from None

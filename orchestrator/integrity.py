@@ -9,12 +9,16 @@ state is saved or restored on.
 With several processes, each reads only its own shards, so a damaged file may fail on some of them
 and not on others. Each process reports its outcome (`verdict`), the reports are gathered, and
 `raise_if_failed` raises the same way on every process: the processes fall back to the same step.
+`drop_abandoned_reads` keeps the reads a failed restore leaves in flight from filling the log.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import json
+import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,6 +101,40 @@ def raise_if_failed(step: int, directory: str, error: Exception | None, verdicts
     i, v = failed[0]
     where = f"process {i}: " if len(verdicts) > 1 else ""
     raise DamagedStepError(step, directory, where + v["error"]) from error
+
+
+def drop_abandoned_reads(error: BaseException) -> None:
+    """Frees the reads a failed restore left behind, and keeps their noise out of the log.
+
+    Orbax gathers a step's array reads and raises at the first that fails, closing its event loop
+    with the others in flight. Each of them later reports its own failure with the whole
+    TensorStore spec: as an "Exception ignored" traceback when its coroutine is collected, or as
+    "Event loop is closed" when its read completes: dozens of tracebacks after one damaged step,
+    already reported in one line. From the first damaged step on, this process drops those two
+    kinds of unraisable errors (nothing else). The tracebacks of `error`'s chain hold the
+    coroutines, so they are cleared and the coroutines collected now."""
+    global _abandoned_reads_quiet
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+    if not _abandoned_reads_quiet:
+        previous = sys.unraisablehook
+
+        def hook(unraisable):
+            code = getattr(unraisable.object, "cr_code", None)
+            orbax_read = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+            closed_loop = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+            if not (orbax_read or closed_loop):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        _abandoned_reads_quiet = True
+    gc.collect()
+
+
+_abandoned_reads_quiet = False
 
 
 def gather_json(value: Any) -> list:

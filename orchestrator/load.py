@@ -17,13 +17,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from podtrain.models import from_hf
-from podtrain.orchestrator.build import Training, build_training
+from podtrain.orchestrator.build import make_mesh, model_factory
 from podtrain.orchestrator.checkpoint import Checkpointer
 from podtrain.orchestrator.config import ConfigError
 from podtrain.orchestrator.resume import model_differences
 from podtrain.orchestrator.schema import Config
 from podtrain.orchestrator.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
 from podtrain.sharding.mesh import build_mesh
+from podtrain.sharding.place import abstract_model
 
 
 def resolve_checkpoint(path: str) -> tuple[Path, int | None]:
@@ -51,12 +52,14 @@ def checkpoint_step(checkpoint: str, step: int | None) -> tuple[Path, int | None
     return directory, folder_step if step is None else step
 
 
-def restore_model(config: Config, checkpoint: str, step: int | None = None) -> tuple[Training, nnx.Module, int]:
-    """(training setup, model, step): the params of `checkpoint=` (a run, checkpoint or step
-    directory) restored straight into their sharding on `config`'s mesh, the newest committed step
-    unless `step` (or the step folder) names one. The checkpoint's model keys must equal `config`'s."""
+def restore_model(config: Config, checkpoint: str, step: int | None = None) -> tuple[Mesh, nnx.Module, int]:
+    """(mesh, model, step): the params of `checkpoint=` (a run, checkpoint or step directory)
+    restored straight into their sharding on `config`'s mesh, the newest committed step unless
+    `step` (or the step folder) names one. Only the model is built (no optimizer, no train step);
+    the checkpoint's model keys must equal `config`'s."""
     directory, step = checkpoint_step(checkpoint, step)
-    training = build_training(config)
+    mesh = make_mesh(config)
+    graphdef, abstract_params = abstract_model(model_factory(config.model), mesh, config.sharding.rules)
     with Checkpointer(directory, dataclasses.replace(config.checkpoint, resume="auto")) as checkpointer:
         steps = checkpointer.all_steps()
         step = steps[-1] if step is None and steps else step
@@ -68,8 +71,8 @@ def restore_model(config: Config, checkpoint: str, step: int | None = None) -> t
             hint = f" (the run's resolved config: {trained_with})" if trained_with.is_file() else ""
             raise ConfigError(f"checkpoint {directory / str(step)} was trained with a different model: {differences}. "
                               f"Pass -c the preset or YAML file it was trained with{hint}")
-        params, _, step = checkpointer.restore_params(training.abstract_state(), step=step)
-    return training, nnx.merge(training.graphdef, params), step
+        params, _, step = checkpointer.restore_params(abstract_params, step=step)
+    return mesh, nnx.merge(graphdef, params), step
 
 
 def is_hf_directory(checkpoint: str) -> bool:
@@ -89,8 +92,8 @@ def load_model(config: Config, checkpoint: str, step: int | None = None,
     is an error, since config.json describes the model."""
     directory = Path(checkpoint).expanduser()
     if not is_hf_directory(checkpoint):
-        training, model, _ = restore_model(config, checkpoint, step)
-        return model, training.mesh, config.model.vocab_size
+        mesh, model, _ = restore_model(config, checkpoint, step)
+        return model, mesh, config.model.vocab_size
     if step is not None:
         raise ConfigError(f"step={step}: {directory} is a Hugging Face directory, which has no steps")
     fixed = [key for key in model_overrides if key not in HF_RUNTIME_KEYS]

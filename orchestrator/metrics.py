@@ -60,7 +60,7 @@ def peak_flops_per_device(configured: float = 0.0) -> tuple[float, str]:
 
 def _tensorboardx():
     """tensorboardX's synchronous event-file writer and protos, imported without torch: tensorboardX
-    imports torch whenever it is installed, only to accept torch tensors (about 4 s at every worker
+    imports torch whenever it is installed, only to accept torch tensors (seconds at every worker
     start); podtrain logs floats."""
     hidden = "torch" not in sys.modules
     if hidden:

@@ -8,47 +8,12 @@ import math
 import numpy as np
 from flax import nnx
 
-from podtrain.models import ModelConfig
+from podtrain.models import flops_per_token
 from podtrain.orchestrator.build import Training
 from podtrain.sharding.experts import capacity
 from podtrain.sharding.mesh import describe_mesh
 from podtrain.sharding.place import path_str
 from podtrain.sharding.rules import sharded_over
-
-
-def _attention_params(config: ModelConfig) -> int:
-    c, d = config, config.hidden_size
-    if c.model_type != "deepseek_v3":
-        return d * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    m, h = c.mla, c.num_heads
-    query = d * m.q_lora_rank + m.q_lora_rank * h * m.qk_head_dim if m.q_lora_rank else d * h * m.qk_head_dim
-    latent = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
-    return query + latent + h * m.v_head_dim * d
-
-
-def matmul_params(config: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (all but the embedding lookup and norms);
-    for MoE layers the router, the shared experts and the `num_experts_per_tok` routed experts
-    a token visits."""
-    c, moe = config, config.moe
-    dense = _attention_params(c) + 3 * c.hidden_size * c.intermediate_size
-    routed = moe.num_experts_per_tok + moe.num_shared_experts
-    experts = 3 * c.hidden_size * moe.moe_intermediate_size * routed
-    sparse = _attention_params(c) + c.hidden_size * moe.num_experts + experts
-    return c.num_dense_layers * dense + c.num_moe_layers * sparse + c.hidden_size * c.vocab_size
-
-
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one training token (forward + backward, no remat recompute).
-
-    6 per matmul parameter, plus causal attention: QK^T and AV cost 4 * seq * heads * head_dim
-    per token and layer forward over the full square, half of that under the causal mask,
-    times 3 for forward and backward.
-    """
-    c = config
-    qk, v = (c.mla.qk_head_dim, c.mla.v_head_dim) if c.model_type == "deepseek_v3" else (c.head_dim, c.head_dim)
-    attention = 3 * seq_len * c.num_heads * (qk + v) * c.num_layers
-    return 6.0 * matmul_params(config) + attention
 
 
 def sharding_table(training: Training) -> list[dict]:
@@ -73,7 +38,7 @@ def expert_plan(training: Training) -> dict | None:
     the slots per expert per token shard (the dispatch buffer; the worst case when dropless)."""
     c = training.config
     m = c.model
-    if m.model_type != "deepseek_v3" or not m.num_moe_layers:
+    if not m.num_moe_layers:
         return None
     sizes = dict(training.mesh.shape)
     axes, shards = sharded_over(("experts",), sizes, c.sharding.rules)
@@ -117,7 +82,6 @@ def make_plan(training: Training, *, compile_step: bool = True) -> dict:
         }
         platform = training.mesh.devices.flat[0].platform
         if platform == "cpu" and config.model.dtype != "float32":
-            # Measured: llama3-8b, batch 1 x seq 2048, no remat: temp 71.5 GiB in float32, 97.7 in bfloat16.
             plan["memory"]["note"] = (f"compiled for CPU devices, where XLA computes {config.model.dtype} matmuls in "
                                       f"float32 (with float32 copies of activations): temp overstates what "
                                       f"model.dtype={config.model.dtype} needs on TPU or GPU")

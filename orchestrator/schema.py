@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podtrain.models.config import ModelConfig
+from podtrain.models.generate import Sampling
 from podtrain.sharding.rules import DEFAULT_RULES
 
 
@@ -266,6 +267,73 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class GenerateConfig:
+    """What `podtrain generate` continues, and how (its `checkpoint=`, `prompt=`, ... are short for these).
+
+    Attributes:
+        checkpoint: a podtrain run, checkpoint or step directory, or a Hugging Face directory.
+        step: the checkpoint step to load (None: the newest committed one).
+        prompts: the texts to continue, batched into one `models.generate.generate` call.
+        prompts_file: a text file adding one prompt per non-blank line.
+        max_new_tokens: the most tokens generated per prompt.
+        temperature, top_k, top_p: sampling, as `models.generate.Sampling` (temperature 0: greedy).
+        seed: the sampling seed.
+        stop: the token ids that end a sequence; None: the tokenizer's EOS ids; []: none.
+    """
+
+    checkpoint: str | None = None
+    step: int | None = None
+    prompts: list[str] = field(default_factory=list)
+    prompts_file: str | None = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: list[int] | None = None
+
+    def sampling(self) -> Sampling:
+        """How `generate` picks each next token, from `temperature`, `top_k` and `top_p`."""
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def validate(self, prefix: str = "generate") -> None:
+        """Raises ValueError naming the key when a field is out of range (the sampling fields as
+        `Sampling.validate` checks them)."""
+        if self.step is not None and self.step < 0:
+            raise ValueError(f"{prefix}.step: expects a step number >= 0 or null (the newest), found {self.step}")
+        if "" in self.prompts:
+            raise ValueError(f"{prefix}.prompts: expects a non-empty prompt, found an empty one "
+                             f"(prompt {self.prompts.index('') + 1} of {len(self.prompts)})")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"{prefix}.max_new_tokens: expects a positive integer, found {self.max_new_tokens}")
+        self.sampling().validate(prefix)
+        if not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"{prefix}.seed: expects an integer in [-2**63, 2**63), found {self.seed}")
+        if self.stop is not None and any(token < 0 for token in self.stop):
+            raise ValueError(f"{prefix}.stop: expects token ids >= 0, found {self.stop}")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """What `podtrain export` writes (its `checkpoint=`, `out=` and `step=` are short for these).
+
+    Attributes:
+        checkpoint: a podtrain run, checkpoint or step directory.
+        out: the new (or empty) directory the HF files go to.
+        step: the checkpoint step to export (None: the newest committed one).
+    """
+
+    checkpoint: str | None = None
+    out: str | None = None
+    step: int | None = None
+
+    def validate(self, prefix: str = "export") -> None:
+        """Raises ValueError naming the key when a field is out of range."""
+        if self.step is not None and self.step < 0:
+            raise ValueError(f"{prefix}.step: expects a step number >= 0 or null (the newest), found {self.step}")
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything a run needs, as plain data (runtime objects are built from it, never stored in it)."""
 
@@ -278,3 +346,5 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)

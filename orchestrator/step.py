@@ -1,20 +1,16 @@
-"""The pure train step `(state, batch) -> (state, metrics)` and the sharded state it works on."""
+"""The pure train step `(state, batch) -> (state, metrics)`, the eval step, and the state they carry."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podtrain.models import causal_lm_loss
 from podtrain.models.loss import chunked_causal_lm_loss
-from podtrain.orchestrator.schema import OptimizerConfig
-from podtrain.sharding.rules import Rules, logical_to_spec, use_rules
 
 
 @struct.dataclass
@@ -24,83 +20,6 @@ class TrainState:
     step: jax.Array
     params: nnx.State
     opt_state: optax.OptState
-
-
-def _entry_name(entry) -> str:
-    """A path entry's name: a dict key (DictKey.key) or an attribute (GetAttrKey.name)."""
-    return str(getattr(entry, "key", getattr(entry, "name", entry)))
-
-
-def _decays(path, _leaf) -> bool:
-    """Weight decay applies to matrices, never to norm scales or biases (the router's included)."""
-    name = _entry_name(path[-1])
-    if name == "value" and len(path) > 1:  # a Variable's own node (`.value` of an nnx.State leaf)
-        name = _entry_name(path[-2])
-    return not (name == "scale" or name.startswith("b") or name.endswith("_bias"))
-
-
-def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """Learning rate per step: constant, or linear warmup then cosine or linear decay to `min_lr_ratio`."""
-    peak, warmup = config.learning_rate, config.warmup_steps
-    end = peak * config.min_lr_ratio
-    if config.schedule == "constant":
-        return optax.constant_schedule(peak) if not warmup else optax.join_schedules(
-            [optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak)], [warmup])
-    decay_steps = max(total_steps - warmup, 1)
-    if config.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=config.min_lr_ratio)
-    else:
-        decay = optax.linear_schedule(peak, end, decay_steps)
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
-
-
-def make_optimizer(config: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """Global-norm clipping (none when `grad_clip` is 0), then AdamW, SGD with momentum or Adafactor;
-    decay masked off norms and biases."""
-    mask = lambda params: jax.tree.map_with_path(_decays, params)
-    if config.name == "adamw":
-        tx = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
-                         mask=mask)
-    elif config.name == "sgd":
-        tx = optax.chain(optax.add_decayed_weights(config.weight_decay, mask),
-                         optax.sgd(schedule, momentum=config.momentum or None))
-    else:
-        # optax applies Adafactor's decay after the learning rate: scale it by the schedule, so that
-        # `weight_decay` means what it means for AdamW and SGD (a step decays by lr * weight_decay).
-        rate = (lambda count: config.weight_decay * schedule(count)) if config.weight_decay else None
-        tx = optax.adafactor(schedule, weight_decay_rate=rate, weight_decay_mask=mask)
-    # 0 means no clipping (clip_by_global_norm(0) would zero every gradient); identity keeps the
-    # optimizer state's structure, so a checkpoint resumes whatever grad_clip is.
-    clip = optax.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity()
-    return optax.chain(clip, tx)
-
-
-def batch_shardings(mesh: Mesh, rules: Rules, batch_size: int) -> NamedSharding:
-    spec = logical_to_spec(("batch", None), dict(mesh.shape), shape=(batch_size, 1), rules=rules, what="batch")
-    return NamedSharding(mesh, spec)
-
-
-def train_state_shardings(param_shardings: nnx.State, abstract_params: nnx.State, tx, mesh: Mesh):
-    """Shardings of a TrainState: optimizer moments shaped like their params follow them; factored
-    statistics (Adafactor's row and column moments), counters and the step are replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_shardings = optax.tree_map_params(
-        tx, lambda leaf, sharding, param: sharding if leaf.shape == param.shape else replicated,
-        abstract_opt, param_shardings, abstract_params,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
-    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
-
-
-def init_train_state(params: nnx.State, tx, shardings: TrainState) -> TrainState:
-    """A step-0 state around existing (sharded) params; the optimizer state is born sharded."""
-
-    def init(params):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
 
 
 def make_train_step(
@@ -173,29 +92,3 @@ def make_eval_step(graphdef: nnx.GraphDef, *, loss_chunk: int = 0) -> Callable:
         return loss * count, (count, stats)
 
     return eval_step
-
-
-class ShardedStep:
-    """A jitted step with explicit in/out shardings, traced under the mesh and the rule table."""
-
-    def __init__(self, fn: Callable, mesh: Mesh, rules: Rules, state_shardings, batch_sharding, *, donate=True):
-        self.mesh, self.rules = mesh, rules
-        self.jitted = jax.jit(
-            fn,
-            in_shardings=(state_shardings, batch_sharding),
-            out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
-            donate_argnums=(0,) if donate else (),
-        )
-
-    @contextlib.contextmanager
-    def _context(self):
-        with jax.set_mesh(self.mesh), use_rules(self.rules):
-            yield
-
-    def __call__(self, state, batch):
-        with self._context():
-            return self.jitted(state, batch)
-
-    def lower(self, state, batch):
-        with self._context():
-            return self.jitted.lower(state, batch)

@@ -15,7 +15,7 @@ import numpy as np
 import tokenizers
 from tokenizers import processors
 
-from podtrain.models.hf import read_json_object
+from podtrain.models.hf_read import read_json_object
 
 
 class Tokenizer(Protocol):

@@ -1,8 +1,10 @@
-"""The training loop: a plain Python loop around the jitted step, with explicit hooks.
+"""The training loop: a plain Python loop around the jitted step, made of a few named steps.
 
-`run(config, run_dir)` builds everything from the config, resumes from the latest committed
-checkpoint (`checkpoint.resume=auto`), trains to `train.steps`, and returns what happened. Every
-process runs it (one per host); only process 0 writes the config, metrics and logs.
+`run(config, run_dir)` checks the inputs, sets the run up (`_set_up`: build, restore the latest
+committed checkpoint or initialise, write config.yaml), trains (`_train`: batch, step, eval and
+sample when due, checkpoint when due) until `train.steps`, a preemption notice or the end of
+finite data, and returns what happened. `StepRecords` turns each step's metrics into its record.
+Every process runs it (one per host); only process 0 writes the config, metrics and logs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,6 +25,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from orbax.checkpoint import multihost
 
+from podtrain.models import flops_per_token
 from podtrain.models.generate import generate
 from podtrain.orchestrator.build import Training, build_training
 from podtrain.orchestrator.checkpoint import Checkpointer, run_metadata
@@ -29,7 +33,6 @@ from podtrain.orchestrator.cluster import protocol
 from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml
 from podtrain.orchestrator.data import make_dataset, process_rows, row_positions, set_row_positions, to_global_batch
 from podtrain.orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
-from podtrain.orchestrator.plan import flops_per_token
 from podtrain.orchestrator.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
 from podtrain.orchestrator.schema import Config
 from podtrain.orchestrator.step import make_eval_step
@@ -206,18 +209,34 @@ def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None 
         notice.restore()
 
 
-def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Callable[[int], None] | None,
-         inputs: Inputs | None) -> RunResult:
+@dataclasses.dataclass
+class _Setup:
+    """The runtime pieces of one run, built once its inputs passed the checks."""
+
+    training: Training
+    checkpointer: Checkpointer
+    train_iter: Any  # a grain DatasetIterator of this process's rows
+    eval_data: Any  # a grain IterDataset, or None without evals
+    rows: range
+    tokenizer: Tokenizer
+    prompt_ids: list[int] | None
+    state: Any  # the TrainState, restored or initialised
+    start: int
+
+    def data_position(self) -> dict:
+        return row_positions(self.train_iter, self.rows)
+
+
+def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
+    """Builds the run, restores its latest checkpoint (or initialises the params), then writes config.yaml."""
     is_main = jax.process_index() == 0
-    inputs = inputs or check_inputs(config, run_dir)
     training = build_training(config)
     try:
         rows = process_rows(training.batch_sharding, config.train.batch_size)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
     train_data, eval_data = _datasets(config, inputs, rows)
-    tokenizer = inputs.tokenizer
-    prompt_ids = sample_prompt_ids(config, tokenizer) if config.train.sample_prompt else None
+    prompt_ids = sample_prompt_ids(config, inputs.tokenizer) if config.train.sample_prompt else None
     if config.train.eval_every and not evals_enabled(config) and is_main:
         logger.warning("data.eval_fraction=0 holds out no documents: no eval losses every train.eval_every=%d steps%s",
                        config.train.eval_every, " (samples still)" if prompt_ids else "")
@@ -237,103 +256,144 @@ def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Calla
     logger.info("starting at step %d (%s) on mesh %s; run directory %s", start,
                 f"resumed from step {resumed[2]}" if resumed else "fresh",
                 describe_mesh(training.mesh, config.cluster.num_slices), run_dir)
+    return _Setup(training, checkpointer, train_iter, eval_data, rows, inputs.tokenizer, prompt_ids, state, start)
 
-    eval_step = jax.jit(make_eval_step(training.graphdef, loss_chunk=config.train.loss_chunk),
-                        in_shardings=(training.state_shardings.params, training.batch_sharding))
-    peak, _ = peak_flops_per_device(config.train.peak_flops_per_device)
-    tokens_per_step = config.train.batch_size * config.train.seq_len
-    step_flops = flops_per_token(config.model, config.train.seq_len) * tokens_per_step
-    writer = MetricsWriter(run_dir, enabled=is_main, total_steps=config.train.steps, start_step=start)
-    losses, timed_tokens, timed_seconds, preempted = [], 0, 0.0, False
-    # Metrics are read one step late: step s+1 is dispatched before step s's loss is fetched, so
-    # the host builds the next batch and writes logs while the devices compute.
-    pending, last_done = None, time.perf_counter()
 
-    excluded = 0.0  # seconds of evals, samples and checkpoint saves since the last finished step
+class StepRecords:
+    """Each step's record: loss, gradient norm, learning rate, time, tokens/s, MFU (and expert loads).
 
-    def finish(record: dict, metrics: dict, timed: bool, *, write: bool = True) -> None:
-        """Records a step's metrics (`emit` writes them; `write=False` leaves that to the caller); its
-        time is the wall time since the previous step's, less evals, samples and saves (so step_s,
-        tokens/s and MFU are the training's own)."""
-        nonlocal last_done, timed_tokens, timed_seconds, excluded
+    Metrics are read one step late: step s+1 is dispatched before step s's loss is fetched, so the
+    host builds the next batch and writes logs while the devices compute. A step's time is the wall
+    time since the previous step's, less the evals, samples and saves in between (`exclude`), so
+    step_s, tokens/s and MFU are the training's own. `on_step(step)` is called as each record is
+    written: the worker's heartbeat.
+    """
+
+    def __init__(self, config: Config, writer: MetricsWriter, on_step: Callable[[int], None] | None):
+        self.writer, self.on_step = writer, on_step
+        self.tokens_per_step = config.train.batch_size * config.train.seq_len
+        self.step_flops = flops_per_token(config.model, config.train.seq_len) * self.tokens_per_step
+        self.peak, _ = peak_flops_per_device(config.train.peak_flops_per_device)
+        self.losses: list[float] = []
+        self.timed_tokens, self.timed_seconds, self.excluded = 0, 0.0, 0.0
+        self.pending: tuple[dict, dict, bool] | None = None
+        self.last_done = time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        """Leaves `seconds` (an eval, a sample, a save) out of the next step's time."""
+        self.excluded += seconds
+
+    def step_done(self, record: dict, metrics: dict, *, timed: bool) -> None:
+        """Writes the previous step's record, then holds this one until its metrics are read.
+        `timed=False` for a process's first step, which includes compilation."""
+        self.finish()
+        self.pending = (record, metrics, timed)
+
+    def finish(self, *, write: bool = True) -> None:
+        """Reads the pending step's metrics into its record and (with `write`) writes it."""
+        if self.pending is None:
+            return
+        (record, metrics, timed), self.pending = self.pending, None
         record.update(loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]))
         if "expert_load" in metrics:
             record.update(expert_metrics(np.asarray(metrics["expert_load"]), float(metrics["dropped_tokens"])))
         now = time.perf_counter()
-        seconds, last_done, excluded = now - last_done - excluded, now, 0.0
-        if timed:  # the first step of a process includes compilation
-            timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + seconds
-        record.update(step_s=seconds, tokens_per_s=tokens_per_step / seconds,
-                      mfu=step_flops / seconds / (peak * jax.device_count()))
-        losses.append(record["loss"])
+        seconds, self.last_done, self.excluded = now - self.last_done - self.excluded, now, 0.0
+        if timed:
+            self.timed_tokens += self.tokens_per_step
+            self.timed_seconds += seconds
+        record.update(step_s=seconds, tokens_per_s=self.tokens_per_step / seconds,
+                      mfu=self.step_flops / seconds / (self.peak * jax.device_count()))
+        self.losses.append(record["loss"])
         if write:
-            emit(record)
+            self.emit(record)
 
-    def emit(record: dict) -> None:
-        writer.write(record)
-        if on_step is not None:
-            on_step(record["step"])
+    def emit(self, record: dict) -> None:
+        self.writer.write(record)
+        if self.on_step is not None:
+            self.on_step(record["step"])
 
-    def data_position() -> dict:
-        return row_positions(train_iter, rows)
+    def tokens_per_s(self) -> float:
+        return self.timed_tokens / self.timed_seconds if self.timed_seconds else 0.0
 
-    data_ended = False
+
+def _eval_and_sample(config: Config, run: _Setup, eval_step, state, record: dict) -> float:
+    """Adds the eval loss (with an eval split) and the prompt's sample (with `train.sample_prompt`)
+    to `record`; returns the seconds it took."""
+    jax.block_until_ready(state)  # the step's own time ends here
+    started = time.perf_counter()
+    if run.eval_data is not None:
+        record["eval_loss"] = evaluate(run.training, eval_step, run.eval_data, state.params, config.train.eval_batches)
+    if run.prompt_ids is not None:
+        record["sample"] = sample(run.training, state.params, run.tokenizer, run.prompt_ids)
+        if jax.process_index() == 0:
+            logger.info("sample at step %d: %r -> %r", record["step"], config.train.sample_prompt, record["sample"])
+    return time.perf_counter() - started
+
+
+def _checkpoint(config: Config, run: _Setup, records: StepRecords, state, record: dict, *, final: bool) -> None:
+    """Saves the step when it is due (or `final`, or a preemption notice asks for it). A step that
+    is checkpointed has its record written now, not a step late, so that a resumed run finds the
+    record of every step it resumes after."""
+    save_due = final or record["step"] % config.checkpoint.every_steps == 0
+    if save_due:
+        jax.block_until_ready(state)  # so that save_block_s is the save's own time, not the step's
+        records.finish(write=False)
+    started = time.perf_counter()
+    if run.checkpointer.save(record["step"], state, data_position=run.data_position, force=final):
+        record["save_block_s"] = time.perf_counter() - started  # the loop's share of an async save
+        records.exclude(record["save_block_s"])
+    if save_due:
+        records.emit(record)
+        records.writer.flush()
+
+
+def _train(config: Config, run: _Setup, records: StepRecords, notice: PreemptionNotice) -> tuple[Any, bool, bool]:
+    """The loop: batch, step, eval and sample when due, checkpoint when due; until `train.steps`,
+    a preemption notice, or the end of finite data. Returns (state, preempted, data ended)."""
+    training, state = run.training, run.state
+    eval_step = jax.jit(make_eval_step(training.graphdef, loss_chunk=config.train.loss_chunk),
+                        in_shardings=(training.state_shardings.params, training.batch_sharding))
+    for step in range(run.start, config.train.steps):
+        local_batch = next(run.train_iter, None)
+        if _data_ended(local_batch is None, finite=config.data.epochs is not None):
+            logger.warning("the training data ended after data.epochs=%s at step %d of train.steps=%d: stopping",
+                           config.data.epochs, step, config.train.steps)
+            run.checkpointer.save(step, state, data_position=run.data_position, force=True)
+            return state, False, True
+        batch = to_global_batch(local_batch, training.batch_sharding, config.train.batch_size)
+        if step == run.start:
+            compile_then_meet(training.step, state, batch, timeout_s=config.cluster.startup_timeout_s)
+        state, metrics = training.step(state, batch)
+        record = {"step": step + 1}
+        records.step_done(record, metrics, timed=step > run.start)
+        if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
+            records.exclude(_eval_and_sample(config, run, eval_step, state, record))
+        preempted = notice.reached(step + 1)
+        _checkpoint(config, run, records, state, record, final=preempted or step + 1 == config.train.steps)
+        if preempted:
+            return state, True, False
+    return state, False, False
+
+
+def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Callable[[int], None] | None,
+         inputs: Inputs | None) -> RunResult:
+    run = _set_up(config, run_dir, inputs or check_inputs(config, run_dir))
+    writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0, total_steps=config.train.steps,
+                           start_step=run.start)
+    records = StepRecords(config, writer, on_step)
     try:
-        for step in range(start, config.train.steps):
-            local_batch = next(train_iter, None)
-            if _data_ended(local_batch is None, finite=config.data.epochs is not None):
-                logger.warning("the training data ended after data.epochs=%s at step %d of train.steps=%d: stopping",
-                               config.data.epochs, step, config.train.steps)
-                checkpointer.save(step, state, data_position=data_position, force=True)
-                data_ended = True
-                break
-            batch = to_global_batch(local_batch, training.batch_sharding, config.train.batch_size)
-            if step == start:
-                compile_then_meet(training.step, state, batch, timeout_s=config.cluster.startup_timeout_s)
-            state, metrics = training.step(state, batch)
-            if pending is not None:
-                finish(*pending)
-            record = {"step": step + 1}
-            if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
-                jax.block_until_ready(state)  # the step's own time ends here
-                eval_started = time.perf_counter()
-                if eval_data is not None:
-                    record["eval_loss"] = evaluate(training, eval_step, eval_data, state.params,
-                                                   config.train.eval_batches)
-                if prompt_ids is not None:
-                    record["sample"] = sample(training, state.params, tokenizer, prompt_ids)
-                    if is_main:
-                        logger.info("sample at step %d: %r -> %r", step + 1, config.train.sample_prompt,
-                                    record["sample"])
-                excluded += time.perf_counter() - eval_started
-            pending = (record, metrics, step > start)
-            preempted = notice.reached(step + 1)
-            final = preempted or step + 1 == config.train.steps
-            save_due = final or (step + 1) % config.checkpoint.every_steps == 0
-            if save_due:
-                jax.block_until_ready(state)  # so that save_block_s is the save's own time, not the step's
-                finish(*pending, write=False)
-                pending = None
-            save_started = time.perf_counter()
-            if checkpointer.save(step + 1, state, data_position=data_position, force=final):
-                record["save_block_s"] = time.perf_counter() - save_started  # the loop's share of an async save
-                excluded += record["save_block_s"]
-            if save_due:  # written now, not a step late: a resumed run finds every checkpointed step's record
-                emit(record)
-                writer.flush()
-            if preempted:
-                break
+        state, preempted, data_ended = _train(config, run, records, notice)
     except BaseException:
         if jax.process_count() == 1:  # an exception or a second Ctrl-C: a save in flight still completes
-            checkpointer.close()
+            run.checkpointer.close()
             writer.close()
         raise
-    if pending is not None:
-        finish(*pending)
-    first_loss, last_loss = (losses[0], losses[-1]) if losses else (None, None)
-    checkpointer.wait()
-    last_checkpoint = checkpointer.latest_step()
-    checkpointer.close()
+    records.finish()
+    run.checkpointer.wait()
+    last_checkpoint = run.checkpointer.latest_step()
+    run.checkpointer.close()
     writer.close()
-    return RunResult(run_dir, start, int(state.step), first_loss, last_loss,
-                     timed_tokens / timed_seconds if timed_seconds else 0.0, last_checkpoint, preempted, data_ended)
+    losses = records.losses
+    return RunResult(run_dir, run.start, int(state.step), losses[0] if losses else None,
+                     losses[-1] if losses else None, records.tokens_per_s(), last_checkpoint, preempted, data_ended)

@@ -27,7 +27,7 @@ DEFAULT_RULES: dict[str, str | list[str] | None] = {
     "head_dim": None,
     "mlp": "tp",
     "experts": "ep",
-    "q_lora": "fsdp",  # DeepSeek-V3 up-projections (L, rank, heads, dim): 12 GiB per device replicated at 671B
+    "q_lora": "fsdp",  # DeepSeek-V3 up-projections (L, rank, heads, dim): among its largest arrays if replicated
     "kv_lora": "fsdp",
     "norm": None,
     # activations

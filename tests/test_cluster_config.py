@@ -13,7 +13,8 @@ import pytest
 
 from podtrain.orchestrator.cluster import driver
 from podtrain.orchestrator.cluster import protocol as p
-from podtrain.orchestrator.cluster.driver import Budgets, _normalise, next_attempt, worker_config
+from podtrain.orchestrator.cluster.driver import _normalise, next_attempt, worker_config
+from podtrain.orchestrator.cluster.outcomes import Budgets
 from podtrain.orchestrator.cluster.reserve import (
     ReservationError,
     _bundles,

@@ -170,7 +170,8 @@ def test_bad_deepseek_settings_name_the_key(overrides, needle):
         ("model.rope_theta", "model.rope.theta"),
         ("data.eos", "data.eos_token"),
         ("model.num_layer", "model.num_layers"),
-        ("max_new_token", None),  # nothing close in the config: no hint rather than a wrong one
+        ("max_new_token", "generate.max_new_tokens"),  # a command's setting is a section of the schema
+        ("warp_speed", None),  # nothing close in the config: no hint rather than a wrong one
     ],
 )
 def test_closest_key_prefers_the_same_section_and_the_last_part(key, meant):

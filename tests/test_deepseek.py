@@ -131,16 +131,14 @@ def test_capacity_factor_drops_tokens_and_reports_them(checkpoint):
     assert not np.allclose(np.asarray(logits), np.asarray(dropless), atol=1e-4)
 
 
-@pytest.mark.parametrize("reads", ["filled", "all", "kernel"])
-def test_cached_decode_of_both_stacks_equals_the_full_forward(reads):
+def test_cached_decode_of_both_stacks_equals_the_full_forward():
     """Prefill then token-by-token decode through the dense and the MoE stack's cache pairs; the
-    cache holds MLA's latent and rotary key, `kv_lora_rank + qk_rope_head_dim` values per token;
-    decode steps read the filled blocks or every slot in one pass."""
+    cache holds MLA's latent and rotary key, `kv_lora_rank + qk_rope_head_dim` values per token."""
     config = load_config("deepseek-v3-tiny", ["model.num_layers=2"]).model
     model = DeepseekV3(config, rngs=nnx.Rngs(0))
     ids = jnp.asarray(_tokens(config.vocab_size, 10))
     full = np.asarray(jax.jit(lambda m, ids: m(ids))(model, ids))
-    cache = model.init_cache(batch=BATCH, max_len=16, reads=reads)
+    cache = model.init_cache(batch=BATCH, max_len=16)
     step = jax.jit(lambda m, ids, cache: m(ids, kv_cache=cache))
     assert [k.shape for k in cache.k] == [(1, BATCH, 16, 1, 32)] * 2
     assert cache.bytes_per_token() == 2 * (32 + 16) * 4

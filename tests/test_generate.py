@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import sys
 import warnings
 
 import jax
@@ -15,18 +13,9 @@ import torch
 from flax import nnx
 from hf_fixtures import save_hf_model
 
-from podtrain.models import Llama, ModelConfig, kernels
-from podtrain.models.generate import (
-    ONE_PASS_MAX_LAYER_BYTES,
-    Sampling,
-    auto_cache_reads,
-    auto_layer_weights,
-    generate,
-    greedy,
-    sample,
-)
-from podtrain.models.hf import from_hf
-from podtrain.models.runner import split_stack
+from podtrain.models import Llama, ModelConfig
+from podtrain.models.generate import Sampling, generate, greedy, sample
+from podtrain.models.hf_read import from_hf
 from podtrain.sharding import DEFAULT_RULES, build_mesh, use_rules
 
 PROMPT_LENGTHS = (7, 3, 12, 5)
@@ -140,9 +129,6 @@ def test_greedy_picks_the_first_maximum_as_argmax_does():
     (dict(sampling=Sampling(top_p=0.0)), "top_p"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_len=8), "max_len"),
-    (dict(layer_weights="flat"), "layer_weights: expected one of auto, split, stacked, found 'flat'"),
-    (dict(cache_reads="some"), "cache_reads: expected one of auto, filled, all, kernel, found 'some'"),
-    (dict(decode_matmuls="eigen"), "decode_matmuls: expected one of auto, xla, kernel, found 'eigen'"),
 ])
 def test_generate_rejects_bad_arguments(bad, message):
     model = Llama(TINY, rngs=nnx.Rngs(0))
@@ -150,136 +136,18 @@ def test_generate_rejects_bad_arguments(bad, message):
         generate(model, _prompts(TINY.vocab_size), **{"max_new_tokens": 4, **bad})
 
 
-def test_auto_layer_weights_copies_the_layers_only_where_the_copy_fits(monkeypatch):
-    """On CPU `auto` reads per-layer copies unless a second copy of the layer weights would take
-    more than half of the host's available memory (a big model on a small host)."""
-    model = Llama(TINY, rngs=nnx.Rngs(0))
-    layer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model.layers)))
-    module = sys.modules["podtrain.models.generate"]  # `models.generate` is also the function's name
-    monkeypatch.setattr(module, "_available_host_bytes", lambda: 2 * layer_bytes)
-    assert auto_layer_weights(model) == "split"
-    monkeypatch.setattr(module, "_available_host_bytes", lambda: 2 * layer_bytes - 2)
-    assert auto_layer_weights(model) == "stacked"
-    monkeypatch.setattr(module, "_available_host_bytes", lambda: None)  # not Linux: copy
-    assert auto_layer_weights(model) == "split"
-
-
-def test_auto_cache_reads_picks_the_kernel_on_one_cpu_device_and_one_pass_on_small_gpu_caches(monkeypatch):
-    """`auto` reads with the C++ kernel on one CPU device with a float32 cache (else the
-    filled-block loop: several devices, bfloat16, no kernel, TPU); on GPU it reads every slot in
-    one pass while a layer's slots take at most ONE_PASS_MAX_LAYER_BYTES (TINY: 256 bytes per
-    batch row and slot)."""
-    model = Llama(TINY, rngs=nnx.Rngs(0))
-    fits = ONE_PASS_MAX_LAYER_BYTES // (2 * TINY.num_kv_heads * TINY.head_dim * 4 * 4)  # slots at batch 4
-    assert auto_cache_reads(model, 4, 128) == "kernel"  # this machine: CPU, one device
-    half = Llama(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
-    assert auto_cache_reads(half, 4, 128) == "filled"
-    module = sys.modules["podtrain.models.generate"]  # `models.generate` is also the function's name
-    with monkeypatch.context() as patch:
-        patch.setattr(module, "_devices", lambda state: 2)
-        assert auto_cache_reads(model, 4, 128) == "filled"
-    with monkeypatch.context() as patch:
-        patch.setattr(module, "_kernel_missing", lambda: True)
-        assert auto_cache_reads(model, 4, 128) == "filled"
-    for platform in ("tpu", "gpu"):
-        monkeypatch.setattr(module, "_platform", lambda state, platform=platform: platform)
-        assert auto_cache_reads(model, 4, 128) == ("all" if platform == "gpu" else "filled")
-        assert auto_cache_reads(model, 4, fits) == ("all" if platform == "gpu" else "filled")
-        assert auto_cache_reads(model, 4, fits + 1) == "filled"
-
-
-def test_kernel_reads_say_why_they_cannot_run(monkeypatch):
-    """`cache_reads=kernel` where the kernel cannot run is an error naming the reason; `auto`
-    falls back to the block loop with one warning that says why."""
-    module = sys.modules["podtrain.models.generate"]
-    prompts = _prompts(TINY.vocab_size)
-    half = Llama(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"cache_reads=kernel: the kernel reads a float32 cache; .*\['bfloat16'\]"):
-        generate(half, prompts, max_new_tokens=2, cache_reads="kernel")
-    model = Llama(TINY, rngs=nnx.Rngs(0))
-    monkeypatch.setattr(kernels, "kernel_error", lambda: "no working C++ compiler ('c++')")
-    with pytest.raises(ValueError, match=r"kernel is not available: no working C\+\+ compiler"):
-        generate(model, prompts, max_new_tokens=2, cache_reads="kernel")
-    with pytest.warns(UserWarning, match=r"without the C\+\+ decode-attention kernel \(no working C\+\+ compiler"):
-        assert module._kernel_missing.__wrapped__() is True
-    monkeypatch.setattr(module, "_platform", lambda state: "gpu")
-    with pytest.raises(ValueError, match="the decode-attention kernel runs on CPU; the params are on gpu"):
-        generate(model, prompts, max_new_tokens=2, cache_reads="kernel")
-
-
-def test_kernel_reads_and_matmuls_give_xlas_tokens():
-    """Greedy and sampled tokens with the kernels' decode steps (attention, matmuls, both) equal
-    those of XLA's block loop and dots."""
-    model = Llama(TINY, rngs=nnx.Rngs(0))
-    prompts = _prompts(TINY.vocab_size)
-    def run(reads, matmuls, sampling):
-        return generate(model, prompts, max_new_tokens=NEW_TOKENS, sampling=sampling, cache_reads=reads,
-                        decode_matmuls=matmuls)
-
-    for sampling in (Sampling(), Sampling(temperature=0.8, top_k=20)):
-        expected = run("filled", "xla", sampling)
-        assert run("kernel", "xla", sampling) == run("filled", "kernel", sampling) == expected
-        assert run("kernel", "kernel", sampling) == expected
-
-
-def test_auto_decode_matmuls_and_their_refusals(monkeypatch):
-    """`auto` multiplies in the kernel on one CPU device with a float32 model, else in XLA;
-    `decode_matmuls=kernel` where it cannot run says why."""
-    module = sys.modules["podtrain.models.generate"]
-    model = Llama(TINY, rngs=nnx.Rngs(0))
-    half = Llama(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
-    assert module.auto_decode_matmuls(model) == "kernel"
-    assert module.auto_decode_matmuls(half) == "xla"
-    with pytest.raises(ValueError, match="decode_matmuls=kernel: the kernel multiplies float32; this model has dtype "
-                                         "bfloat16 and param_dtype float32"):
-        generate(half, _prompts(TINY.vocab_size), max_new_tokens=2, decode_matmuls="kernel")
-    with monkeypatch.context() as patch:
-        patch.setattr(module, "_devices", lambda state: 4)
-        assert module.auto_decode_matmuls(model) == "xla"
-    monkeypatch.setattr(module, "_platform", lambda state: "tpu")
-    assert module.auto_decode_matmuls(model) == "xla"
-    with pytest.raises(ValueError, match="the matmul kernel runs on CPU; the params are on tpu"):
-        generate(model, _prompts(TINY.vocab_size), max_new_tokens=2, decode_matmuls="kernel")
-
-
-def test_one_pass_decode_step_has_no_data_dependent_loop():
-    """With `reads="all"` a compiled decode step holds one loop, the layer scan (whose trip count
-    XLA knows), and no loop over the cache blocks (whose trip count comes from the data: a
-    device-to-host read per trip on GPU); its logits equal the block loop's, and prompts (more
-    than one token) still loop over the filled blocks."""
-    model = Llama(TINY, rngs=nnx.Rngs(0))
-    step = jax.jit(lambda m, ids, cache: m(ids, kv_cache=cache))
-    prompt, token = jnp.asarray([[5, 7, 9], [3, 4, 1]]), jnp.asarray([[8], [2]])
-    loops, logits = {}, {}
-    for reads in ("filled", "all"):
-        _, cache = step(model, prompt, model.init_cache(2, 64, reads=reads))
-        assert len(re.findall(r" while\(", step.lower(model, prompt, cache).compile().as_text())) == 2
-        compiled = step.lower(model, token, cache).compile()
-        loops[reads] = len(re.findall(r" while\(", compiled.as_text()))
-        logits[reads] = compiled(model, token, cache)[0]
-    assert loops == {"filled": 2, "all": 1}
-    np.testing.assert_allclose(logits["all"], logits["filled"], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
 def test_sharded_decode_equals_single_device(kind, tmp_path):
-    """Greedy tokens with params and cache sharded over (fsdp=2, tp=2) equal one device's, with
-    the decode steps reading the layers' weights from per-layer copies (CPU's default) or from
-    the stacked arrays (TPU's and GPU's)."""
+    """Greedy tokens with params and cache sharded over (fsdp=2, tp=2) equal one device's."""
     save_hf_model(kind, tmp_path)
     _, single = from_hf(tmp_path)
     prompts = _prompts(128, seed=5)
     expected = generate(single, prompts, max_new_tokens=NEW_TOKENS)
-    assert generate(single, prompts, max_new_tokens=NEW_TOKENS, layer_weights="stacked") == expected
     mesh = build_mesh(dict(fsdp=2, tp=2), jax.devices()[:4])
     _, sharded = from_hf(tmp_path, mesh=mesh)
     assert len(sharded.embed[...].sharding.device_set) == 4
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
         assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS) == expected
-        assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS, layer_weights="stacked") == expected
-        assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS, cache_reads="all") == expected
-        # The kernel has no sharding rule: XLA gives it whole operands (correct, not fast).
-        assert generate(sharded, prompts, max_new_tokens=NEW_TOKENS, cache_reads="kernel") == expected
     if kind == "deepseek_v3":  # one prompt over fsdp x ep: a batch the token axes do not divide
         expected = generate(single, prompts[:1], max_new_tokens=NEW_TOKENS)
         mesh = build_mesh(dict(fsdp=2, ep=2), jax.devices()[:4])
@@ -288,13 +156,11 @@ def test_sharded_decode_equals_single_device(kind, tmp_path):
             assert generate(sharded, prompts[:1], max_new_tokens=NEW_TOKENS) == expected
 
 
-@pytest.mark.parametrize("reads", ["filled", "all"])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_tensor_parallel_cached_attention_needs_no_collective(tokens, reads):
+def test_tensor_parallel_cached_attention_needs_no_collective(tokens):
     """With the query and kv heads sharded over tp=2, cached attention (a decode step's one token,
-    and a prefill chunk; the filled blocks looped over or every slot in one pass) compiles to a
-    program without any collective: each device reads only its own kv heads' cache slots, never
-    another device's."""
+    and a prefill chunk) compiles to a program without any collective: each device reads only its
+    own kv heads' cache slots, never another device's."""
     from podtrain.models.layers import cached_attention
 
     mesh = build_mesh(dict(tp=2), jax.devices()[:2])
@@ -312,7 +178,7 @@ def test_tensor_parallel_cached_attention_needs_no_collective(tokens, reads):
     def attend(q, k, v, k_cache, v_cache, layer):
         return cached_attention([q], [k], v, [k_cache], v_cache, layer=layer, positions_BT=positions,
                                 key_positions_BT=positions, cache_positions_BS=cache_positions,
-                                cache_used=jnp.int32(40), block=16, reads=reads)
+                                cache_used=jnp.int32(40), block=16)
 
     arrays = (queries, new_keys, new_values, key_cache, value_cache)
     shardings = tuple(heads_on_tp(a.ndim) for a in arrays)
@@ -324,21 +190,14 @@ def test_tensor_parallel_cached_attention_needs_no_collective(tokens, reads):
     np.testing.assert_allclose(sharded(*arrays, jnp.int32(1)), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("layer_weights, reads", [("stacked", "filled"), ("split", "filled"), ("split", "kernel")])
-def test_decode_step_updates_the_stacked_cache_in_place(layer_weights, reads):
+def test_decode_step_updates_the_stacked_cache_in_place():
     """A compiled decode step at max_len 4096: no copy of a whole stacked cache (the output cache
-    aliases the donated input), and temporaries far below one layer's share of it; with the
-    weights read from the stacks or (CPU's default) from per-layer copies picked by `lax.switch`,
-    and the cache read by the block loop or (CPU's default) the C++ kernel."""
+    aliases the donated input), and temporaries far below one layer's share of it."""
     config = TINY.replace(num_layers=4)
     model = Llama(config, rngs=nnx.Rngs(0))
-    cache = model.init_cache(2, 4096, reads=reads)
-    states = [split_stack(stack) for stack in model.stacks()] if layer_weights == "split" else None
-    step = jax.jit(lambda m, token, cache, states: m(token, kv_cache=cache, layer_states=states), donate_argnums=2)
-    compiled = step.lower(model, jnp.zeros((2, 1), jnp.int32), cache, states).compile()
-    if layer_weights == "split":
-        assert "conditional(" in compiled.as_text()
-    assert (reads == "kernel") == ("podtrain_decode_attention" in compiled.as_text())
+    cache = model.init_cache(2, 4096)
+    step = jax.jit(lambda m, token, cache: m(token, kv_cache=cache), donate_argnums=2)
+    compiled = step.lower(model, jnp.zeros((2, 1), jnp.int32), cache).compile()
     cache_shape = ",".join(map(str, cache.k[0].shape))
     copies = re.findall(rf"f32\[{cache_shape}\]\S* (?:copy|fusion)\(", compiled.as_text())
     # The only full-cache-shaped results: the in-place writes of k and v (dynamic-update-slice fusions).
@@ -348,10 +207,10 @@ def test_decode_step_updates_the_stacked_cache_in_place(layer_weights, reads):
     cache_bytes = 2 * cache.k[0].nbytes
     assert memory.alias_size_in_bytes >= cache_bytes
     assert memory.temp_size_in_bytes < cache.k[0].nbytes // config.num_layers
-    # Two steps from a prompt token: the same logits as the layers run on the stacked weights.
+    # Two steps from a prompt token: the same logits as the uncompiled model's.
     tokens = jnp.asarray([[5], [9]], jnp.int32)
-    logits, cache = compiled(model, tokens, cache, states)
-    logits_2, _ = compiled(model, tokens + 1, cache, states)
+    logits, cache = compiled(model, tokens, cache)
+    logits_2, _ = compiled(model, tokens + 1, cache)
     want, want_cache = model(tokens, kv_cache=model.init_cache(2, 4096))
     want_2, _ = model(tokens + 1, kv_cache=want_cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)

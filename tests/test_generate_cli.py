@@ -44,7 +44,7 @@ def test_training_samples_at_evals_and_generate_continues_its_checkpoint_greedil
     config = load_config(CONFIG[1], CONFIG[2:])
     training = build_training(config)
     with Checkpointer(run_dir / "checkpoints", config.checkpoint) as checkpointer:
-        params, _, _ = checkpointer.restore_params(training.abstract_state(), step=1)
+        params, _, _ = checkpointer.restore_params(training.abstract_params, step=1)
     tokenizer = ByteTokenizer()
     with jax.set_mesh(training.mesh), use_rules(config.sharding.rules):
         [tokens] = generate(nnx.merge(training.graphdef, params), [tokenizer.encode(PROMPT).tolist()],
@@ -82,12 +82,9 @@ def test_generate_from_an_hf_directory_batches_prompts_with_its_tokenizer(tmp_pa
     (tmp_path / "prompts.txt").write_text("\n".join(prompts[1:]) + "\n")
     capsys.readouterr()
     assert main(["generate", "-c", "llama3-tiny", f"checkpoint={tmp_path}", f"prompt={prompts[0]}",
-                 f"prompts_file={tmp_path / 'prompts.txt'}", "max_new_tokens=5", "layer_weights=stacked",
-                 "cache_reads=all"]) == 0
+                 f"prompts_file={tmp_path / 'prompts.txt'}", "max_new_tokens=5"]) == 0
     out = capsys.readouterr().out
-    # As the command does: the weights on the preset's mesh (fsdp over all devices), BOS first, EOS
-    # stops (the command read the stacked weights and every cache slot in one pass, this reads
-    # per-layer copies and the filled cache blocks: the same tokens).
+    # As the command does: the weights on the preset's mesh (fsdp over all devices), BOS first, EOS stops.
     mesh = build_mesh(resolve_axis_sizes({"fsdp": -1}, jax.device_count()))
     _, model = from_hf(tmp_path, mesh=mesh)
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
@@ -97,12 +94,6 @@ def test_generate_from_an_hf_directory_batches_prompts_with_its_tokenizer(tmp_pa
         assert f"--- prompt {i} ---\n{prompt}\n--- completion {i} ({len(tokens)} tokens" in out
         assert f" ---\n{tokenizer.decode(tokens)}\n" in out
     assert f"generated {sum(map(len, want))} tokens for 3 prompts" in out
-    # The C++ kernel reads float32 caches only: asked for on bfloat16, one line naming why.
-    assert main(["generate", "-c", "llama3-tiny", f"checkpoint={tmp_path}", "prompt=w5", "max_new_tokens=2",
-                 "cache_reads=kernel", "model.dtype=bfloat16"]) == 2
-    err = capsys.readouterr().err
-    assert "cache_reads=kernel: the kernel reads a float32 cache; this model's cache is ['bfloat16']" in err, err
-    assert err.count("\n") == 1
 
 
 def test_generate_on_an_hf_directory_takes_runtime_model_keys_only(tmp_path, capsys):
@@ -161,26 +152,38 @@ def test_generate_names_a_damaged_tokenizer_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["prompt=hi"], "checkpoint= expects"),
-    (["checkpoint=."], "prompt= expects a non-empty prompt"),
-    (["checkpoint=.", "prompt=hi", "temperature=-1"], "temperature= expects a number >= 0"),
-    (["checkpoint=.", "prompt=hi", "top_p=1.5"], "top_p= expects a number in (0, 1], found '1.5'"),
-    (["checkpoint=.", "prompt=hi", "max_new_tokens=many"], "max_new_tokens= expects a positive integer"),
-    (["checkpoint=.", "prompt=hi", "stop=2,eos"], "stop= expects comma-separated token ids"),
-    (["checkpoint=.", "prompts_file=missing.txt"], "prompts_file=missing.txt: no such file"),
-    (["checkpoint=.", "prompt=hi", "layer_weights=flat"],
-     "layer_weights= expects one of auto, split, stacked, found 'flat'"),
-    (["checkpoint=.", "prompt=hi", "cache_reads=some"],
-     "cache_reads= expects one of auto, filled, all, kernel, found 'some'"),
-    (["checkpoint=.", "prompt=hi", "decode_matmuls=some"],
-     "decode_matmuls= expects one of auto, xla, kernel, found 'some'"),
+    (["prompt=hi"], "generate.checkpoint: expects"),
+    (["checkpoint=."], "generate.prompts: expects a non-empty prompt"),
+    (["checkpoint=.", "prompt=hi", "prompt="], "generate.prompts: expects a non-empty prompt"),
+    (["checkpoint=.", "prompt=hi", "temperature=-1"], "generate.temperature: expects a number >= 0"),
+    (["checkpoint=.", "prompt=hi", "top_p=1.5"], "generate.top_p: expects a number in (0, 1], found 1.5"),
+    (["checkpoint=.", "prompt=hi", "max_new_tokens=0"], "generate.max_new_tokens: expects a positive integer"),
+    (["checkpoint=.", "prompt=hi", "max_new_tokens=many"], "key 'generate.max_new_tokens' expects int, found 'many'"),
+    (["checkpoint=.", "prompt=hi", "stop=2,eos"], "generate.stop: expects comma-separated token ids"),
+    (["checkpoint=.", "prompts_file=missing.txt"], "generate.prompts_file=missing.txt: no such file"),
     (["checkpoint=no/such/dir", "prompt=hi"], "checkpoint=no/such/dir: no such directory"),
     (["checkpoint=.", "prompt=hi", "max_new_token=3"], "unknown key 'max_new_token'; did you mean 'max_new_tokens'?"),
+    (["checkpoint=.", "prompt=hi", "seed=1", "seed=2"], "override 'generate.seed' is given twice"),
 ])
 def test_bad_generate_input_is_one_line_and_exit_code_2(args, needle, capsys):
     assert main(["generate", "-c", "llama3-tiny", *args]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_generate_keys_are_the_generate_section_and_prompts_are_taken_as_typed():
+    """`prompt=` values are collected in order and kept as typed (no YAML, no interpolation);
+    `stop=` lists ids (alone: none; not given: the tokenizer's EOS); other keys stay overrides."""
+    from podtrain.launch.generate import generate_overrides
+
+    texts = ["a: b", "yes", "123", "echo ${HOME}", "\\${x} \\\\${y}", "[1, 2]", "# x", "é 😀"]
+    args = ["checkpoint=run 1", *[f"prompt={text}" for text in texts], "stop=2, 7", "top_k=5", "model.num_layers=2"]
+    config = load_config("llama3-tiny", generate_overrides(args))
+    assert config.generate.prompts == texts and config.generate.checkpoint == "run 1"
+    assert (config.generate.stop, config.generate.top_k, config.model.num_layers) == ([2, 7], 5, 2)
+    assert config.generate.sampling().top_k == 5
+    assert load_config("llama3-tiny", generate_overrides(["stop="])).generate.stop == []
+    assert load_config("llama3-tiny", generate_overrides([])).generate.stop is None
 
 
 @pytest.mark.parametrize("overrides, needle", [

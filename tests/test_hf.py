@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -20,9 +21,11 @@ from safetensors.torch import load_file as load_torch_file
 from safetensors.torch import save_file as save_torch_file
 from transformers import AutoModelForCausalLM
 
-import podtrain.models.hf
+import podtrain.models.hf_write
+from podtrain.models import config_from_hf, config_to_hf, from_hf, to_hf
 from podtrain.models.deepseek import DeepseekV3
-from podtrain.models.hf import INDEX_FILE, config_from_hf, config_to_hf, from_hf, to_hf
+from podtrain.models.hf_mapping import from_hf_block, hf_shape, to_hf_layout
+from podtrain.models.hf_read import INDEX_FILE
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.rules import DEFAULT_RULES, use_rules
 
@@ -146,6 +149,16 @@ def test_to_hf_export_loads_in_transformers(kind, tmp_path):
     np.testing.assert_array_equal(
         hf_logits(reloaded, input_ids, attention_mask), hf_logits(hf_model, input_ids, attention_mask)
     )
+
+
+@pytest.mark.parametrize("axes", [((1, 2), (0,)), ((2,), (0, 1)), ((0, 1),)], ids=["heads_in", "heads_out", "heads"])
+def test_each_block_read_from_the_hf_layout_is_that_block_of_the_array(axes):
+    shape = (4, 6, 8)[: sum(map(len, axes))]
+    x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    hf = to_hf_layout(x, axes)
+    assert hf.shape == hf_shape(shape, axes)
+    for index in itertools.product(*[(slice(0, n), slice(n // 2, n), slice(1, n // 2)) for n in shape]):
+        np.testing.assert_array_equal(from_hf_block(hf, shape, axes, index), x[index], err_msg=str(index))
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)
@@ -437,7 +450,7 @@ def test_to_hf_failure_leaves_no_directory(tmp_path, monkeypatch):
         written.append(file)
         save_file(tensors, file, metadata=metadata)
 
-    monkeypatch.setattr(podtrain.models.hf, "save_file", fail_on_second_file)
+    monkeypatch.setattr(podtrain.models.hf_write, "save_file", fail_on_second_file)
     with pytest.raises(OSError, match="disk full"):
         to_hf(model, config, tmp_path / "exported", max_shard_bytes=30_000)
     assert written

@@ -75,18 +75,15 @@ def test_scan_equals_plain_layer_loop(remat):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("reads", ["filled", "all", "kernel"])
-def test_cached_decode_equals_full_forward(reads):
+def test_cached_decode_equals_full_forward():
     """Right-padded prompts of different lengths prefilled together, then one token at a time from
-    each row's own position: every step's logits equal the full forward over that row's sequence,
-    with decode steps reading the filled cache blocks or every slot in one pass."""
+    each row's own position: every step's logits equal the full forward over that row's sequence."""
     model = Llama(TINY, rngs=nnx.Rngs(2))
     lengths = np.array([6, 3])
     ids = np.asarray(tokens(seq=10, seed=2))
     prompts = np.where(np.arange(6)[None] < lengths[:, None], ids[:, :6], 0)
-    cache = model.init_cache(batch=2, max_len=16, reads=reads)
-    assert isinstance(cache, KVCache) and cache.k[0].shape == (3, 2, 16, 2, 24) and cache.reads == reads
-    assert cache.layer_bytes() == 2 * 2 * 16 * 2 * 24 * 4
+    cache = model.init_cache(batch=2, max_len=16)
+    assert isinstance(cache, KVCache) and cache.k[0].shape == (3, 2, 16, 2, 24)
     run = jax.jit(lambda m, ids, positions, mask, cache: m(ids, positions, mask, kv_cache=cache))
     logits, cache = run(model, prompts, np.broadcast_to(np.arange(6), (2, 6)), np.arange(6)[None] < lengths[:, None],
                         cache)
@@ -100,22 +97,20 @@ def test_cached_decode_equals_full_forward(reads):
     for row in range(2):
         got = np.stack([step[row] for step in steps])
         np.testing.assert_allclose(got, full[row, lengths[row] - 1: lengths[row] + 4], rtol=1e-5, atol=1e-5)
-    assert int(cache.index) == 10 and cache.reads == reads
+    assert int(cache.index) == 10
 
 
-@pytest.mark.parametrize("reads", ["filled", "all", "kernel"])
 @pytest.mark.parametrize("kv_heads, group, dims, length, block, used", [
     (2, 4, (16,), 40, 16, 37),  # three blocks, the last one overlapping the second
     (4, 2, (32,), 128, 128, 64),  # one block (the benchmark's layout)
     (1, 8, (24, 8), 24, 8, 24),  # MLA: one latent "head", two key parts, every slot filled
-    (1, 4, (32, 16), 48, 16, 45),  # MLA with dims of whole 16-float vectors (the kernel's fast path)
+    (1, 4, (32, 16), 48, 16, 45),  # MLA with wider key parts, the last block partly filled
     (2, 2, (8,), 16, 8, 0),  # an empty cache: only the token itself
 ])
-def test_one_token_cached_attention_equals_a_dense_softmax(kv_heads, group, dims, length, block, used, reads):
+def test_one_token_cached_attention_equals_a_dense_softmax(kv_heads, group, dims, length, block, used):
     """`cached_attention` of one new token (a decode step) against a plain masked softmax over
     the layer's filled slots and the token itself: rows of different lengths, a padding token
-    (key position -1, which still attends but is not attended to), GQA and MLA's two key parts;
-    the filled blocks looped over, every slot read in one pass, or the C++ kernel."""
+    (key position -1, which still attends but is not attended to), GQA and MLA's two key parts."""
     from podtrain.models.layers import cached_attention
 
     rng = np.random.default_rng(7)
@@ -138,7 +133,7 @@ def test_one_token_cached_attention_equals_a_dense_softmax(kv_heads, group, dims
     got = cached_attention(as_jax(queries), as_jax(new_keys), jnp.asarray(new_values), as_jax(key_caches),
                            jnp.asarray(value_cache), layer=layer, positions_BT=jnp.asarray(positions),
                            key_positions_BT=jnp.asarray(key_positions), cache_positions_BS=jnp.asarray(cache_positions),
-                           cache_used=jnp.int32(used), block=block, reads=reads)
+                           cache_used=jnp.int32(used), block=block)
     assert got.shape == (batch, 1, heads, e)
     for row in range(batch):
         for head in range(heads):

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from podtrain.models.moe import MoE, balance_router_bias, route
 from podtrain.orchestrator.build import build_training
 from podtrain.orchestrator.config import ConfigError, load_config, validate
+from podtrain.orchestrator.synthetic import random_batch
 from podtrain.sharding.experts import capacity, routed_experts
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import create_sharded
@@ -181,7 +182,7 @@ def test_bias_balancing_moves_the_router_bias_towards_the_mean_load():
     training = build_training(config, jax.devices()[:2])
     state = training.init_state()
     before = np.asarray(state.params["moe_layers"]["mlp"]["router_bias"].get_value())
-    state, metrics = training.step(state, training.random_batch())
+    state, metrics = training.step(state, random_batch(training))
     load = np.asarray(metrics["expert_load"])
     assert load.shape == (config.model.num_moe_layers, E)
     np.testing.assert_array_equal(load.sum(-1), config.train.batch_size * config.train.seq_len * K)

@@ -13,6 +13,7 @@ from podtrain.models.runner import only_layer
 from podtrain.orchestrator.build import build_training, model_factory
 from podtrain.orchestrator.config import load_config
 from podtrain.orchestrator.plan import format_plan, make_plan, sharding_table
+from podtrain.orchestrator.synthetic import random_batch
 from podtrain.sharding import DEFAULT_RULES, build_mesh, logical_to_spec, resolve_axis_sizes
 from podtrain.sharding.mesh import device_grid, device_slices
 from podtrain.sharding.place import init_peak_bytes
@@ -41,7 +42,7 @@ def test_golden_sharding_file():
 def test_no_sharding_drift_after_train_steps():
     training = build_training(load_config("qwen3-tiny", GOLDEN_MESH + ["model.num_layers=2"]))
     state = training.init_state()
-    batch = training.random_batch()
+    batch = random_batch(training)
     for _ in range(2):
         state, metrics = training.step(state, batch)
     assert np.isfinite(float(metrics["loss"]))

@@ -8,7 +8,9 @@ from flax import nnx
 
 from podtrain.orchestrator.build import build_training
 from podtrain.orchestrator.config import ConfigError, load_config
-from podtrain.orchestrator.step import make_eval_step, make_schedule
+from podtrain.orchestrator.optimizer import make_schedule
+from podtrain.orchestrator.step import make_eval_step
+from podtrain.orchestrator.synthetic import random_batch
 from podtrain.orchestrator.train import evaluate
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
@@ -20,7 +22,7 @@ def run_steps(overrides, steps=2, same_batch=False):
     state = training.init_state()
     losses = []
     for i in range(steps):
-        batch = training.random_batch(seed=0 if same_batch else i)
+        batch = random_batch(training, seed=0 if same_batch else i)
         batch["weights"] = batch["weights"].at[0, 5:].set(0.0)  # uneven token counts per micro-batch
         state, metrics = training.step(state, batch)
         losses.append(float(metrics["loss"]))
@@ -63,7 +65,7 @@ def test_eval_loss_equals_the_train_steps_loss_on_an_expert_parallel_mesh():
                                               "mesh.fsdp=4", "mesh.ep=2", "model.moe.capacity_factor=1.0"])
     training = build_training(config)
     state = training.init_state()
-    batch = training.random_batch(seed=0)
+    batch = random_batch(training, seed=0)
     local = {k: np.asarray(v) for k, v in batch.items()}
     eval_step = jax.jit(make_eval_step(training.graphdef))
     evaluated = evaluate(training, eval_step, [local], state.params, num_batches=1)

@@ -316,7 +316,7 @@ def test_export_writes_the_trained_weights_as_hf_files_transformers_loads(tmp_pa
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, fsdp=1))
     training = build_training(config, jax.devices()[:1])
     with Checkpointer(run_dir / "checkpoints", config.checkpoint) as ckpt:
-        trained, _, _ = ckpt.restore_params(training.abstract_state(), step=2)
+        trained, _, _ = ckpt.restore_params(training.abstract_params, step=2)
     _, exported = from_hf(out)
     want = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(trained)}
     got = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(exported, nnx.Param))}
@@ -385,6 +385,7 @@ def test_export_errors_name_the_problem(tmp_path):
     ("a-file/hf", None, "out={out}: lies under {tmp_path}/a-file, which is a file; expected a new or empty directory"),
     ("/proc/podtrain/hf", None, "out={out}: cannot create a directory in /proc/podtrain (No such file or directory)"),
     ("hf", "4", "checkpoint={checkpoint} is the folder of step 2, but step=4; give the step folder or step=, not both"),
+    ("hf", "-1", "export.step: expects a step number >= 0 or null (the newest), found -1"),
 ])
 def test_export_errors_name_out_and_step_before_any_work(tmp_path, capsys, out, step, needle):
     from podtrain.launch.cli import main

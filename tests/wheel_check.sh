@@ -6,7 +6,13 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python3 -m pip wheel -q --no-deps "$root" -w "$work/dist"
+# From a copy of the source files git knows of (tracked, or new and not ignored), so that no build
+# output left in the working tree (a stale build/) can slip into the wheel.
+mkdir "$work/src"
+(cd "$root" && git ls-files -z --cached --others --exclude-standard \
+  | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done) \
+  | tar -C "$root" --null -T - -cf - | tar -C "$work/src" -xf -
+python3 -m pip wheel -q --no-deps "$work/src" -w "$work/dist"
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q "$work"/dist/podtrain-*.whl
 mkdir -p "$work/project/models"

@@ -1,9 +1,9 @@
 """XLA flags for the tests and for the processes they start."""
 
 # XLA:CPU's generated code built by LLVM without optimisation: a cold test run is mostly compiling,
-# and this compiles about a third faster on 2 cores (tests/test_model.py + test_moe.py, cold cache:
-# 178 s -> 119 s). What XLA decides (HLO passes, shardings, buffer assignment, so memory_analysis
-# and cost_analysis) is the same; the benchmarks and `make train` run at the default level.
+# and this compiles markedly faster. What XLA decides (HLO passes, shardings, buffer assignment, so
+# memory_analysis and cost_analysis) is the same; the benchmarks and `make train` run at the
+# default level.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 

@@ -36,7 +36,6 @@ is printed and written to `<run_dir>/job.json` (`attempts` counts this job's att
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import os
 import re
@@ -46,6 +45,15 @@ import time
 from pathlib import Path
 
 from podtrain.orchestrator.cluster import protocol as p
+from podtrain.orchestrator.cluster.outcomes import (
+    FAILURE_CLASSES,
+    PREEMPTION_CLASSES,
+    Budgets,
+    Ending,
+    JobResult,
+    JobStatus,
+    Outcome,
+)
 from podtrain.orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
 from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml, validate
 from podtrain.orchestrator.preflight import check_inputs
@@ -53,61 +61,10 @@ from podtrain.orchestrator.resume import committed_steps
 from podtrain.orchestrator.rundir import RunLock
 from podtrain.orchestrator.schema import Config
 
-
-class Ending(enum.StrEnum):
-    """How one attempt ended (the classes of the module doc)."""
-
-    DONE = "done"
-    STOPPED = "stopped"
-    PREEMPTED = "preempted"
-    NODE_LOST = "node_lost"
-    CRASH = "crash"
-    EXCEPTION = "exception"
-    HANG = "hang"
-    PORT = "port"
-    RESERVATION = "reservation"
-    CONFIG = "config"
-
-
-class JobStatus(enum.StrEnum):
-    """How a job ended."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-PREEMPTION_CLASSES = (Ending.PREEMPTED, Ending.NODE_LOST)
-FAILURE_CLASSES = (Ending.CRASH, Ending.EXCEPTION, Ending.HANG, Ending.RESERVATION)
 MAX_PORT_RETRIES = 5
 MEGASCALE_PORT = 8081  # the multi-slice coordinator's port on slice 0's first host (libtpu's default)
 POLL_S = 0.5
 _ERROR_LINE = re.compile(r"Traceback|Error|error:|FATAL|Fatal|Check failed|Aborted|Segmentation fault")
-
-
-@dataclasses.dataclass
-class Outcome:
-    """How one attempt ended."""
-
-    kind: Ending
-    rank: int | None = None
-    detail: str = ""
-    traceback: str | None = None
-
-
-@dataclasses.dataclass
-class JobResult:
-    status: JobStatus
-    reason: str
-    attempts: int
-    restarts: dict[str, int]
-    last_step: int | None
-    last_checkpoint: int | None
-    run_dir: str
-
-    @property
-    def exit_code(self) -> int:
-        return {JobStatus.SUCCEEDED: 0, JobStatus.STOPPED: p.EXIT_PREEMPTED}.get(self.status, 1)
 
 
 def connect(config: Config) -> None:
@@ -137,32 +94,6 @@ def _host_errors() -> tuple[type[Exception], ...]:
 def _lost(rank: int | None, error: Exception) -> Outcome:
     first_line = str(error).splitlines()[0] if str(error) else ""
     return Outcome(Ending.NODE_LOST, rank, f"host actor lost: {type(error).__name__}: {first_line}")
-
-
-@dataclasses.dataclass
-class Budgets:
-    """What the restarts so far have drawn on `cluster.max_failures` and `cluster.max_preemptions`."""
-
-    max_failures: int
-    max_preemptions: int
-    failures: int = 0
-    preemptions: int = 0
-    cause: Ending | None = None  # the class of the last attempt that was not a reservation failure
-
-    def charge(self, kind: Ending) -> str | None:
-        """Draws an attempt that ended as `kind` on its budget; returns why the job fails if that is spent."""
-        after_preemption = kind == Ending.RESERVATION and self.cause in PREEMPTION_CLASSES
-        if kind != Ending.RESERVATION:
-            self.cause = kind
-        if kind in PREEMPTION_CLASSES or after_preemption:
-            self.preemptions += 1
-            if self.preemptions > self.max_preemptions:
-                return f"{self.preemptions} preemptions, more than cluster.max_preemptions={self.max_preemptions}"
-            return None
-        self.failures += 1
-        if self.failures > self.max_failures:
-            return f"{self.failures} failures, more than cluster.max_failures={self.max_failures}"
-        return None
 
 
 def next_attempt(run_dir: Path) -> int:

@@ -30,7 +30,7 @@ def port_is_free(port: int, host: str = "") -> bool:
 
     IPv4 is the check that matters: gRPC (JAX's coordination service) binds `[::]` dual-stack and
     falls back to `0.0.0.0` when that fails, so a port held on IPv6 only does not stop it, while
-    one held on any IPv4 address (or dual-stack) does (measured with jax 0.10.2).
+    one held on any IPv4 address (or dual-stack) does.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

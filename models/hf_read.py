@@ -1,0 +1,262 @@
+"""Reading Hugging Face checkpoints: safetensors headers, each device's slice, FP8 dequantisation.
+
+`from_hf` reads each device's slice of each tensor straight from the safetensors files into its
+sharding, so a host never holds more than one parameter group. FP8 weights (`F8_E4M3` with block
+scales `<name>_scale_inv`, as in the DeepSeek-V3 release) are dequantised on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+from collections.abc import Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import ml_dtypes  # also registers bfloat16 with numpy, which safetensors' numpy reader needs
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from podtrain.models.architectures import ARCHITECTURES
+from podtrain.models.config import ModelConfig
+from podtrain.models.hf_config import config_from_hf
+from podtrain.models.hf_mapping import HFMapping, from_hf_block, hf_shape
+from podtrain.models.llama import Llama
+from podtrain.sharding.mesh import build_mesh
+from podtrain.sharding.place import abstract_model
+from podtrain.sharding.rules import Rules
+
+INDEX_FILE = "model.safetensors.index.json"
+FP8_SCALE_SUFFIX = "_scale_inv"
+
+
+def read_json_object(file: Path) -> dict:
+    """A JSON object file; ValueError naming the file when it is not one."""
+    try:
+        found = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{file}: expected a JSON object, found {type(found).__name__}")
+    return found
+
+
+class _Stored(NamedTuple):
+    """Where a tensor lies in a safetensors file: its shape, dtype and first data byte."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+
+
+def _read_headers(directory: Path) -> dict[str, _Stored]:
+    """Maps every tensor name in the checkpoint to where it is stored (headers only)."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: expected a 'weight_map' object of tensor name -> file, found "
+                             f"{type(weight_map).__name__ if weight_map is not None else 'none'}")
+        files = sorted({directory / f for f in weight_map.values()})
+        absent = [str(f) for f in files if not f.exists()]
+        if absent:
+            raise ValueError(f"{index}: weight_map names files that do not exist: {absent}")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory}: expected *.safetensors weights (or {INDEX_FILE}), found none")
+    found = {}
+    for file in files:
+        header, size = _safetensors_header(file)
+        for name, entry in header.items():
+            if name != "__metadata__":
+                found[name] = _Stored(file, tuple(entry["shape"]), entry["dtype"], 8 + size + entry["data_offsets"][0])
+    return found
+
+
+def _safetensors_header(file: Path) -> tuple[dict, int]:
+    """(JSON header, its length in bytes) of a safetensors file, checked against the file's size (a Git LFS pointer
+    or a cut-off download is a ValueError naming the file, not a huge read)."""
+    total = file.stat().st_size
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        raw = f.read(size) if 8 + size <= total else None
+    try:
+        if raw is None:
+            raise ValueError(f"a header of {size} bytes in a file of {total}")
+        header = json.loads(raw)
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        if 8 + size + max(ends, default=0) > total:
+            raise ValueError(f"its tensors need {8 + size + max(ends)} bytes, the file has {total} "
+                             "(a cut-off download?)")
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        pointer = " (a Git LFS pointer? run `git lfs pull`)" if total < 1024 else ""
+        raise ValueError(f"{file}: not a safetensors file: {e}{pointer}") from None
+    return header, size
+
+
+class _Fp8Weights:
+    """Dequantises `F8_E4M3` tensors with their `<name>_scale_inv` block scales to float32.
+
+    Each scale multiplies one (block_rows x block_cols) block of the weight, as in the DeepSeek-V3
+    release (`quantization_config.weight_block_size`). The safetensors readers cannot decode FP8,
+    so the bytes are mapped straight from the file.
+    """
+
+    def __init__(self, found: dict, block: tuple[int, int]):
+        self.found, self.block = found, block
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019  (one reader per load; a few tensors in flight)
+    def __call__(self, name: str) -> np.ndarray:
+        stored = self.found[name]
+        shape = stored.shape
+        raw = np.memmap(stored.file, dtype=ml_dtypes.float8_e4m3fn, mode="r", offset=stored.offset, shape=shape)
+        with safe_open(self.found[name + FP8_SCALE_SUFFIX].file, framework="numpy") as f:
+            scale = f.get_tensor(name + FP8_SCALE_SUFFIX).astype(np.float32)
+        rows, cols = self.block
+        full = np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)[: shape[0], : shape[1]]
+        return raw.astype(np.float32) * full
+
+
+def _fp8_block(hf_config: dict, source: str) -> tuple[int, int]:
+    quant = hf_config.get("quantization_config") or {}
+    block = quant.get("weight_block_size", [128, 128])
+    if len(block) != 2 or min(block) <= 0:
+        raise ValueError(f"{source}: quantization_config.weight_block_size: expected two positive sizes, found {block}")
+    return int(block[0]), int(block[1])
+
+
+def _fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The `_scale_inv` shape of a 2-D FP8 weight: one scale per (possibly partial) block."""
+    return tuple(math.ceil(n / b) for n, b in zip(shape, block, strict=True))
+
+
+def _fp8_companions(found: dict) -> set[str]:
+    """The `_scale_inv` tensors that belong to an FP8 weight (so they are not unexpected)."""
+    return {
+        name for name in found
+        if name.endswith(FP8_SCALE_SUFFIX)
+        and name.removesuffix(FP8_SCALE_SUFFIX) in found
+        and found[name.removesuffix(FP8_SCALE_SUFFIX)].dtype == "F8_E4M3"
+    }
+
+
+def _fp8_problems(fp8: list[str], found: dict, block: tuple[int, int]) -> list[str]:
+    """What stops the FP8 weights `fp8` from being dequantised: a missing or misshapen scale, a non-2-D weight."""
+    problems = []
+    for name in fp8:
+        shape, scale = found[name].shape, name + FP8_SCALE_SUFFIX
+        if len(shape) != 2:
+            problems.append(f"{name}: an FP8 tensor must be a 2-D weight to have block scales, found shape {shape}")
+        elif scale not in found:
+            problems.append(f"{name}: an FP8 tensor without its {scale} block scales")
+        elif found[scale].shape != _fp8_scale_shape(shape, block):
+            problems.append(
+                f"{scale} in {found[scale].file.name}: expected {_fp8_scale_shape(shape, block)} "
+                f"({block[0]}x{block[1]} blocks of a {shape} weight), found {found[scale].shape}"
+            )
+    return problems
+
+
+def _check_tensors(directory: Path, config: ModelConfig, mapping: HFMapping, expected: dict, found: dict,
+                   block: tuple[int, int]) -> None:
+    """One ValueError listing every missing, unexpected and misshapen tensor and every unusable FP8 weight."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(name for name in set(found) - set(expected) - _fp8_companions(found)
+                        if not mapping.skips(name, config))
+    wrong = [
+        f"{name} in {found[name].file.name}: expected {expected[name]}, found {found[name].shape}"
+        for name in sorted(set(expected) & set(found)) if found[name].shape != expected[name]
+    ]
+    fp8 = sorted(name for name in set(expected) & set(found) if found[name].dtype == "F8_E4M3")
+    report = []
+    if missing:
+        report.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        report.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if wrong:
+        report.append("wrong shapes:\n    " + "\n    ".join(wrong))
+    report += _fp8_problems(fp8, found, block)
+    if report:
+        raise ValueError(
+            f"{directory}: the weights do not match config.json ({config.model_type}, {config.num_layers} layers, "
+            f"tie_word_embeddings={config.tie_word_embeddings}); check that config.json belongs to these files:\n  "
+            + "\n  ".join(report)
+        )
+
+
+def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None,
+            runtime: Mapping[str, Any] | None = None) -> tuple[ModelConfig, Llama]:
+    """Loads a transformers Llama / Qwen3 / DeepSeek-V3 checkpoint, each tensor born in its sharding.
+
+    FP8 weights (`F8_E4M3` plus `<name>_scale_inv` block scales) are dequantised to `dtype`.
+
+    Args:
+        path: a directory with config.json and `*.safetensors` (sharded ones need their index).
+        mesh: the mesh to place the weights on; None places them on the first device.
+        dtype: parameter dtype; defaults to the checkpoint's (float32 for an FP8 checkpoint
+            without one).
+        rules: logical-to-mesh rules; None uses the active table.
+        runtime: model fields that change how the model runs, not its weights (`dtype` for the
+            compute dtype, `remat`, `scan_layers`), over the ones config.json implies.
+
+    Returns:
+        (config, model).
+
+    Raises:
+        ValueError: naming the file and key for a missing config.json, an unsupported config, or
+            weights that do not match it (every missing, unexpected and wrongly shaped tensor, and
+            every FP8 weight without block scales of the right shape).
+    """
+    directory = Path(path)
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{config_file}: not found; expected a Hugging Face checkpoint directory with config.json")
+    hf_config = read_json_object(config_file)
+    config = dataclasses.replace(config_from_hf(hf_config, dtype=dtype, source=str(config_file)), **(runtime or {}))
+    mesh = build_mesh({}, jax.devices()[:1]) if mesh is None else mesh
+    architecture = ARCHITECTURES[config.model_type]
+    graphdef, abstract = abstract_model(lambda: architecture.model_class(config, rngs=nnx.Rngs(0)), mesh, rules)
+    params = []
+    for path_keys, var in nnx.to_flat_state(abstract):
+        names, axes = architecture.hf_mapping.names(".".join(map(str, path_keys)), config, var.shape)
+        params.append((path_keys, var, names, axes))
+    expected = {
+        name: hf_shape(var.shape[names.ndim:], axes) for _, var, names, axes in params for name in names.flat
+    }
+    found = _read_headers(directory)
+    block = _fp8_block(hf_config, str(config_file))
+    _check_tensors(directory, config, architecture.hf_mapping, expected, found, block)
+    fp8 = _Fp8Weights(found, block)
+
+    loaded = []
+    with ExitStack() as stack:
+        files = {stored.file for stored in found.values()}
+        handles = {file: stack.enter_context(safe_open(file, framework="numpy")) for file in files}
+
+        def read(name, shape, axes, index):
+            file, _, hf_dtype, _ = found[name]
+            tensor = fp8(name) if hf_dtype == "F8_E4M3" else handles[file].get_slice(name)
+            return from_hf_block(tensor, shape, axes, index)
+
+        for path_keys, var, names, axes in params:
+            spec = var.get_value()
+
+            def load(index, names=names, axes=axes, spec=spec):
+                stacked = names.ndim
+                ranges = [range(n)[i] for n, i in zip(names.shape, index[:stacked], strict=True)]
+                blocks = [read(names[at], spec.shape[stacked:], axes, index[stacked:])
+                          for at in itertools.product(*ranges)]
+                block = np.stack(blocks).reshape(*map(len, ranges), *blocks[0].shape)
+                return block.astype(spec.dtype, copy=False)
+
+            array = jax.make_array_from_callback(spec.shape, spec.sharding, load, dtype=spec.dtype)
+            loaded.append((path_keys, var.replace(array)))
+    return config, nnx.merge(graphdef, nnx.from_flat_state(loaded))
