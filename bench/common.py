@@ -18,7 +18,7 @@ from podtrain.orchestrator.schema import Config
 from podtrain.orchestrator.synthetic import random_batch
 
 PRESET = "llama3-tiny"
-# The benchmark shape: llama3-tiny's model with batch 8 x seq 256 (the preset trains on seq 128).
+# The benchmark shape: llama3-tiny's model with batch 8 x seq 256 (the preset trains on seq 128).
 BENCH_SHAPE = ["train.batch_size=8", "train.seq_len=256"]
 MIB = 2**20
 

@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 from bench.common import PRESET, compile_stats, format_table, machine_description, table_row
 from podtrain.orchestrator.config import load_config
 
-# (batch, seq): the benchmark shape first.
+# (batch, seq): the benchmark shape first.
 SHAPES = ((8, 256), (8, 1024), (8, 2048), (2, 4096))
 GROWTH_TARGET = 0.25
 COLUMNS = [

@@ -109,7 +109,7 @@ def _status(ok: bool) -> str:
 
 
 def check_targets(step_rows: list[dict], compile_rows: list[dict]) -> list[dict]:
-    """One row per target of the issue: what was measured and whether it is met."""
+    """One row per target: what was measured and whether it is met."""
     best = max(step_rows, key=lambda r: r["mfu"])
     targets = [{
         "target": f"MFU >= {MFU_TARGET} (aim {MFU_AIM}), best remat",

@@ -5,8 +5,9 @@ large as the params whatever the policy. At the benchmark's shape (seq 256) the 
 of what grows with depth, so there the depth and policy bounds are asserted on the forward +
 backward program whose outputs are the gradients (its temp bytes are the activations and
 scratch), and the full train step is checked to stay within that plus the gradient bytes. At a
-long sequence (2048), where the activations full remat removes dominate, the issue's two bounds
-are asserted on the train step itself.
+long sequence (2048), where the activations full remat removes dominate, the two bounds (full
+remat at most 1/4 of none, at most 25% growth from 8 to 32 layers) are asserted on the train step
+itself.
 """
 
 import jax
@@ -17,7 +18,7 @@ from podtrain.models import causal_lm_loss
 from podtrain.orchestrator.build import build_training
 from podtrain.orchestrator.config import load_config
 
-# The issue's benchmark shape: llama3-tiny's model, batch 8 x seq 256, one device; at 8 and 32 layers.
+# The benchmark shape: llama3-tiny's model, batch 8 x seq 256, one device; at 8 and 32 layers.
 SHAPE = ["mesh.fsdp=1", "train.batch_size=8", "train.seq_len=256"]
 
 
@@ -51,19 +52,16 @@ def test_full_remat_bounds_backward_memory():
     assert full_32["grad"] - full_8["grad"] <= 1.05 * 24 * residual_bytes, (full_8, full_32)
     # The train step adds the gradients (one param-sized buffer) and the optimizer's scratch.
     assert full_32["train"] <= full_32["grad"] + 2 * full_32["param_bytes"], full_32
-    assert full_32["train"] <= none_32["train"] / 4, (full_32, none_32)  # the issue: at most 1/4
-    # The issue's target for this step (32 layers, full remat, bench shape, one device).
+    assert full_32["train"] <= none_32["train"] / 4, (full_32, none_32)  # at most 1/4
+    # The memory target for this step (32 layers, full remat, bench shape, one device).
     assert full_32["train"] <= 300 * 2**20, full_32
 
 
 @pytest.mark.slow
 def test_full_remat_train_step_flat_in_depth_at_long_sequence():
-    """The issue's bounds on the whole train step (gradients and optimizer included), at seq 2048.
-
-    Measured: 3540 MiB at 8 layers, 4014 MiB at 32 (+13%), 21653 MiB at 32 without remat. At seq
-    256 the same step grows +90% (153 -> 291 MiB), mostly the 3.75 MiB of gradients per layer that
-    global-norm clipping needs all at once: bench/RESULTS.md.
-    """
+    """The two bounds on the whole train step (gradients and optimizer included), at seq 2048. At
+    seq 256 the same step grows more with depth, mostly the gradients of every layer that
+    global-norm clipping needs all at once (bench/RESULTS.md, `bench/memory_depth.py`)."""
     shape = ["mesh.fsdp=1", "train.batch_size=8", "train.seq_len=2048"]
     full_8, full_32, none_32 = (compiled_temp_bytes(8, "full", shape), compiled_temp_bytes(32, "full", shape),
                                 compiled_temp_bytes(32, "none", shape))
