@@ -212,7 +212,7 @@ class Driver:
         first_attempt, checkpoint_at_start = next_attempt(self.run_dir), _last_checkpoint(self.config, self.run_dir)
 
         def result(status, reason):
-            return JobResult(status, reason, attempts, {k: v for k, v in restarts.items() if v}, self.last_step,
+            return JobResult(status, reason, attempts, {str(k): v for k, v in restarts.items() if v}, self.last_step,
                              _last_checkpoint(self.config, self.run_dir), str(self.run_dir))
 
         while True:
