@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,aot]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -41,6 +41,7 @@ bench: install
 	$(PY) bench/moe.py
 	$(PY) bench/generate.py
 	$(PY) bench/generate_tp.py
+	$(PY) bench/plan_targets.py
 	bash tests/netns.sh $(PY) bench/cluster.py
 
 clean:

@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
         if name == "plan":
             cmd.add_argument("--json", action="store_true", help="print one JSON object")
             cmd.add_argument("--no-compile", action="store_true", help="skip compiling the train step")
+            cmd.add_argument("--target", default=None,
+                             help="compile for this TPU slice or these GPU nodes instead of this machine's devices "
+                                  "(e.g. v5p-128, 2xv5p-64, v6e-256, h100x8, 4xh100x8; needs podtrain[aot])")
         if name == "check":
             cmd.add_argument("--steps", type=int, default=2, help="train steps to run")
         if name == "submit":
@@ -61,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"podtrain: error: --cpu-devices: expected a positive number of devices, found {args.cpu_devices}",
               file=sys.stderr)
         return 2
+    if getattr(args, "target", None) and "JAX_PLATFORMS" not in __import__("os").environ:
+        # compile-only devices of the target: this machine's accelerators (if any) stay untouched
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
     if args.cpu_devices:
         import jax
 

@@ -68,6 +68,9 @@ def run_command(args) -> int:
         raise ConfigError("submit needs --address http://HEAD:8265 (or RAY_ADDRESS)")
     working_dir = Path(args.working_dir)
     job_id = config.run.name or resolve_preset(args.config).stem
+    from podtrain.orchestrator.launch_check import check_before_launch
+
+    checked = check_before_launch(config)  # before Ray is asked anything
     try:
         client = JobSubmissionClient(address)
         jobs = client.list_jobs()
@@ -82,6 +85,9 @@ def run_command(args) -> int:
         if os.environ.get(name):
             env_vars[name] = os.environ[name]
     overrides = absolute_run_dir(config, args.overrides)
+    if checked:  # the job need not compile it again
+        overrides = [item for item in overrides if item.partition("=")[0].strip() != "plan.check_before_launch"]
+        overrides.append("plan.check_before_launch=false")
     command = entrypoint(args.config, overrides, working_dir)
     client.submit_job(
         entrypoint=command, submission_id=job_id,

@@ -227,6 +227,14 @@ def load_config(preset: str | None, overrides: list[str] = (), *, hint_keys: Ite
     return config
 
 
+def apply_overrides(config: Config, overrides: list[str]) -> Config:
+    """`config` with `overrides` applied as on the command line, validated again."""
+    merged = _merge(OmegaConf.structured(config), parse_overrides(list(overrides)), _schema_keys(Config), "override")
+    result = OmegaConf.to_object(merged)
+    validate(result)
+    return result
+
+
 def validate(config: Config, num_devices: int | None = None) -> dict[str, int] | None:
     """Cross-field rules; with `num_devices`, also the mesh against the devices present.
 
@@ -238,6 +246,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
         config.data.validate()
         config.checkpoint.validate()
         config.cluster.validate()
+        config.plan.validate()
         config.generate.validate()
         config.export.validate()
         check_rules(config.sharding.rules)

@@ -10,6 +10,7 @@ from flax import nnx
 
 from podtrain.models import flops_per_token
 from podtrain.orchestrator.build import Training
+from podtrain.orchestrator.targets import verdict_line
 from podtrain.sharding.experts import capacity
 from podtrain.sharding.mesh import describe_mesh
 from podtrain.sharding.place import path_str
@@ -150,4 +151,51 @@ def format_plan(plan: dict) -> str:
         ]
         if "note" in mem:
             lines.append(f"  note: {mem['note']}")
+    return "\n".join(lines)
+
+
+def _gib(n: float | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def _bytes(n: float) -> str:
+    return _human(n) + "B"
+
+
+def format_target(report: dict) -> str:
+    """The compiled-for-target part of a plan: memory and verdict, traffic, ideal, roofline."""
+    lines = [
+        f"target     {report['target']}: {report['devices']} {report['chip']} devices in {report['hosts']} host(s); "
+        f"compiled in {report['compile_s']:.1f} s, checked by {report['checked_by']}",
+        f"memory     per device: params {_gib(report['params_bytes'])}, optimizer {_gib(report['optimizer_bytes'])}, "
+        f"temp {_gib(report['temp_bytes'])}, peak {_gib(report['peak_bytes'])} of {_gib(report['hbm_bytes'])}",
+        f"verdict    {verdict_line(report)}",
+    ]
+    comm = report.get("communication")
+    if comm:
+        kinds = ", ".join(f"{kind} {_bytes(v['traffic_bytes'])} ({v['ops']} ops, {v['executions']} runs)"
+                          for kind, v in comm["by_kind"].items()) or "none"
+        axes = ", ".join(f"{a} {_bytes(v)}" for a, v in comm["by_axes"].items()) or "none"
+        ideal = ", ".join(f"{kind} {_bytes(v)}" for kind, v in comm["ideal"]["by_kind"].items()) or "none"
+        lines += [
+            f"traffic    sent per device per step {_bytes(comm['traffic_bytes'])}: {kinds}; by mesh axes: {axes}",
+            f"ideal      {_bytes(comm['ideal']['traffic_bytes'])}: {ideal}",
+            "  " + "; ".join(f"{key}: {_bytes(v['measured'])} (ideal {_bytes(v['ideal'])})"
+                             for key, v in comm["by_category"].items()),
+        ]
+        if comm["unexplained"]:
+            lines.append("not in the ideal (largest first):")
+            for c in comm["unexplained"]:
+                lines.append(f"  {c['kind']:<18} {c['shape'][:48]:<48} over {'+'.join(c['axes']) or '-':<8} "
+                             f"x{c['executions']:<4} {_bytes(c['traffic']):>8}  {c['op_name'][-60:]} {c['source']}")
+    r = report.get("roofline")
+    if r:
+        lines.append(
+            f"estimate   step {r['step_s'] * 1e3:,.1f} ms bound by {r['bound_by']} "
+            f"(compute {r['compute_s'] * 1e3:,.1f} ms, "
+            f"HBM {r['hbm_s'] * 1e3:,.1f} ms, ICI {r['ici_s'] * 1e3:,.1f} ms, DCN {r['dcn_s'] * 1e3:,.1f} ms): "
+            f"{_human(r['tokens_per_s'])} tokens/s, MFU {r['mfu']:.0%} -- a roofline estimate at the chip's peaks, "
+            "not a measurement")
     return "\n".join(lines)

@@ -204,6 +204,7 @@ class RunConfig:
 
 
 CLUSTER_KINDS = ("local", "tpu", "gpu", "none")
+GPU_TYPES = ("h100", "h200", "a100-80gb")  # the GPUs of orchestrator/targets.py
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,8 @@ class ClusterConfig:
     - `local`: `num_hosts` simulated hosts on this machine, each its own process with
       `devices_per_host` CPU devices (the default, and the test path).
     - `tpu`: `num_slices` whole pod slices of `tpu_type` (e.g. v5p-64), one process per TPU VM.
-    - `gpu`: `num_nodes` nodes of `gpus_per_node` GPUs, one process per node owning all its GPUs.
+    - `gpu`: `num_nodes` nodes of `gpus_per_node` GPUs, one process per node owning all its GPUs;
+      `gpu_type` (h100, h200, a100-80gb) names them for the plan check before launch (`plan`).
     - `none`: no orchestrator: train in this process on its own devices (what each worker runs).
 
     `address` is the Ray cluster to use: empty means the one the job runs in (`ray job submit`,
@@ -233,6 +235,7 @@ class ClusterConfig:
     num_slices: int = 1
     num_nodes: int = 1
     gpus_per_node: int = 8
+    gpu_type: str = ""
     cpus_per_host: float = 1.0
     max_failures: int = 3
     max_preemptions: int = 100
@@ -259,11 +262,36 @@ class ClusterConfig:
                      "heartbeat_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{prefix}.{name}: expected a positive number of seconds, found {getattr(self, name)}")
+        if self.gpu_type and self.gpu_type not in GPU_TYPES:
+            raise ValueError(f"{prefix}.gpu_type: expected one of {list(GPU_TYPES)} (or empty), "
+                             f"found {self.gpu_type!r}")
         if self.kind == "tpu":
             version, _, chips = self.tpu_type.partition("-")
             if not (version.startswith("v") and chips.isdigit()):
                 raise ValueError(f"{prefix}.tpu_type: expected a TPU type such as 'v5p-64' or 'v6e-16', "
                                  f"found {self.tpu_type!r}")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What `podtrain plan --target` and the check before a launch do.
+
+    With `check_before_launch`, `podtrain train` and `podtrain submit` of `cluster.kind=tpu|gpu`
+    compile the train step for the reservation's target (`cluster.tpu_type` x `cluster.num_slices`,
+    or `cluster.num_nodes` nodes of `cluster.gpus_per_node` `cluster.gpu_type` GPUs) before anything
+    is reserved, and refuse a step that does not fit the devices' memory. It needs the `aot` extra
+    (without it the check is skipped with a warning), and is skipped when `cluster.env` sets
+    JAX_PLATFORMS (the workers use other devices than the target's). When a step does not fit, at
+    most `max_fit_compiles` changes are compiled to find one that does.
+    """
+
+    check_before_launch: bool = True
+    max_fit_compiles: int = 4
+
+    def validate(self, prefix: str = "plan") -> None:
+        if self.max_fit_compiles < 0:
+            raise ValueError(f"{prefix}.max_fit_compiles: expected a number of compiles >= 0, "
+                             f"found {self.max_fit_compiles}")
 
 
 @dataclass(frozen=True)
@@ -346,5 +374,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)

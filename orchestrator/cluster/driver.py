@@ -56,6 +56,7 @@ from podtrain.orchestrator.cluster.outcomes import (
 )
 from podtrain.orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
 from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml, validate
+from podtrain.orchestrator.launch_check import check_before_launch
 from podtrain.orchestrator.preflight import check_inputs
 from podtrain.orchestrator.resume import committed_steps
 from podtrain.orchestrator.rundir import RunLock
@@ -430,7 +431,8 @@ def run_job(config: Config, run_dir: Path, out=None) -> JobResult:
 
     Before anything starts (Ray included) and anything is written, the inputs are checked
     (`preflight`; the data too for `local` hosts, which share this machine's files, while the hosts
-    of a pod slice or GPU nodes check it themselves) and the run directory is locked for this job.
+    of a pod slice or GPU nodes check it themselves), the step is compiled for a TPU or GPU target
+    to check that it fits (`launch_check`), and the run directory is locked for this job.
 
     Raises:
         ConfigError: a mistake in the input (the mesh does not fit the gang's devices, a data path,
@@ -443,5 +445,6 @@ def run_job(config: Config, run_dir: Path, out=None) -> JobResult:
         except ConfigError as e:
             raise ConfigError(f"{e} (in the gang of cluster.kind={config.cluster.kind}, before starting it)") from None
     check_inputs(config, run_dir, data=config.cluster.kind == "local")
+    check_before_launch(config)
     with RunLock(run_dir, f"podtrain train cluster={config.cluster.kind}"):
         return Driver(config, run_dir, out).run()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 from typing import Any
 
@@ -19,28 +18,13 @@ from podtrain.orchestrator.cluster.host import HostActor
 from podtrain.orchestrator.cluster.protocol import ENV_LOCAL_DEVICE_IDS
 from podtrain.orchestrator.config import ConfigError
 from podtrain.orchestrator.schema import ClusterConfig
+from podtrain.orchestrator.targets import ray_tpu_version, tpu_chips, tpu_topology
 
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host
-# TPU generations whose type names count TensorCores (two per chip); the others count chips.
-_CORES_NAMED = ("v2", "v3", "v4", "v5p")
-_TWO_D = ("v2", "v3", "v5e", "v5litepod", "v6e")  # 2-D tori (v4 and v5p are 3-D)
-# Names Ray's TPU support does not take, as it spells them (GCP calls v5e slices `v5litepod-N`).
-_RAY_VERSIONS = {"v5e": "v5litepod"}
 
 
 class ReservationError(RuntimeError):
     """The cluster could not give the whole gang in time (nothing of it is kept)."""
-
-
-def tpu_chips(tpu_type: str) -> int:
-    version, _, count = tpu_type.lower().partition("-")
-    return int(count) // 2 if version in _CORES_NAMED else int(count)
-
-
-def ray_tpu_version(tpu_type: str) -> str:
-    """The TPU generation of `tpu_type` as Ray names it (`v5e-16` -> `v5litepod`)."""
-    version = tpu_type.lower().partition("-")[0]
-    return _RAY_VERSIONS.get(version, version)
 
 
 def gang_devices(cluster: ClusterConfig) -> int | None:
@@ -55,18 +39,6 @@ def gang_devices(cluster: ClusterConfig) -> int | None:
     if cluster.kind == "tpu" and not per_core and "JAX_PLATFORMS" not in cluster.env:
         return tpu_chips(cluster.tpu_type) * cluster.num_slices
     return None
-
-
-def tpu_topology(tpu_type: str) -> str:
-    """The default topology of a TPU type: `v4-8` -> 2x2x1, `v5p-64` -> 2x4x4, `v6e-16` -> 4x4."""
-    version = tpu_type.lower().partition("-")[0]
-    chips = tpu_chips(tpu_type)
-    if chips < 1 or chips & (chips - 1):
-        raise ValueError(f"cluster.tpu_type={tpu_type!r}: expected a power-of-two chip count, found {chips}")
-    dims = [1, 1] if version in _TWO_D else [1, 1, 1]
-    while math.prod(dims) < chips:  # double the smallest dimension, keeping the shape balanced
-        dims[dims.index(min(dims))] *= 2
-    return "x".join(map(str, sorted(dims, key=lambda d: (d == 1, d))))  # GCP's order: 2x2x1, 2x4x4, 4x8
 
 
 @dataclasses.dataclass

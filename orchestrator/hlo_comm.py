@@ -1,0 +1,255 @@
+"""Bytes a compiled step moves between devices, read from its optimized HLO text.
+
+Each collective is counted once per execution: a collective inside a `while` body runs once per
+iteration, so it is multiplied by the trip counts of the loops around it (read from the loop's
+`known_trip_count`, else from the constant its condition compares the counter with). A collective's
+`traffic` is what one device sends for it with a ring (or direct) algorithm on a group of `g`:
+all-gather `out * (g-1)/g`, reduce-scatter `out * (g-1)`, all-reduce `2 * size * (g-1)/g`,
+all-to-all `size * (g-1)/g`, collective-permute its operand from each device that sends. The TPU
+compiler rewrites many FSDP all-gathers and reduce-scatters into loops of collective-permutes that
+overlap with matmuls ("windowed einsums"); counted this way they move the bytes the collective they
+replace would.
+
+The replica groups name logical devices: positions in `mesh.devices.flat`. A group's mesh axes are
+those along which its devices' coordinates differ.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "ragged-all-to-all")
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128|f8e\w+)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
+_HEADER = re.compile(r"^(ENTRY )?%?(\S+) .*\{\s*$")
+
+
+@dataclass
+class Collective:
+    kind: str
+    name: str
+    shape: str
+    bytes: int  # the data of one execution, per device (the gathered, reduced or exchanged arrays)
+    group: int
+    axes: tuple[str, ...]
+    executions: int
+    traffic: float  # bytes one device sends per step, all executions together
+    op_name: str
+    source: str
+
+
+def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(m[1], tuple(int(d) for d in m[2].split(",") if d)) for m in _ARRAY.finditer(text)]
+
+
+def _nbytes(arrays) -> int:
+    return int(sum(math.prod(dims) * _DTYPE_BYTES.get(dtype, 1) for dtype, dims in arrays))
+
+
+def _iota(spec: str) -> np.ndarray:
+    """`[g...]<=[r...]T(p...)` (or `[r...]T(p...)`): iota over r, transposed by p, reshaped to g."""
+    m = re.fullmatch(r"\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?", spec.strip())
+    if not m:
+        raise ValueError(f"unrecognised iota {spec!r}")
+    shape = [int(x) for x in m[1].split(",")]
+    source = [int(x) for x in m[2].split(",")] if m[2] else shape
+    ids = np.arange(math.prod(source)).reshape(source)
+    if m[3]:
+        ids = ids.transpose([int(x) for x in m[3].split(",")])
+    return ids.reshape(shape)
+
+
+def replica_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
+    """The groups of a collective's `replica_groups` (explicit, iota or mesh form); None without."""
+    if m := re.search(r"replica_groups=\{(\{[0-9,{} ]*\})\}", attrs):
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9, ]*)\}", m[1])]
+    if m := re.search(r"replica_groups=(\[[0-9,]+\](?:<=\[[0-9,]+\])?(?:T\([0-9,]+\))?)", attrs):
+        return _iota(m[1]).tolist()
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))?\s*(\{[^}]*\})?", attrs):
+        axes = re.findall(r"'([^']+)'=(\d+)", m[1])
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        ids = _iota(m[2]) if m[2] else np.arange(math.prod(sizes))
+        ids = ids.reshape(sizes)
+        chosen = re.findall(r"'([^']+)'", m[3]) if m[3] else names
+        inner = [names.index(a) for a in chosen]
+        outer = [i for i in range(len(names)) if i not in inner]
+        size = math.prod(sizes[i] for i in inner)
+        return ids.transpose(outer + inner).reshape(-1, size).tolist()
+    if "replica_groups={}" in attrs or "replica_groups" not in attrs:
+        return [list(range(num_devices))]
+    return None
+
+
+def _axes(ids: list[int], mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> tuple[str, ...]:
+    coords = np.array(np.unravel_index(np.asarray(ids), mesh_shape)).T
+    return tuple(name for i, name in enumerate(axis_names) if len(set(coords[:, i].tolist())) > 1)
+
+
+def _tables(hlo: str) -> dict[str, dict[int, str]]:
+    """The HLO text's source tables (FileNames, FunctionNames, FileLocations, StackFrames) by id."""
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and (m := re.match(r"^(\d+) (.*)$", line)):
+            current[int(m[1])] = m[2]
+        elif line.startswith(("HloModule", "%", "ENTRY")) or not line.strip():
+            current = None
+    return tables
+
+
+def _source(frame: int, tables: dict[str, dict[int, str]]) -> str:
+    """`file:line (function)` of the innermost frame of `frame` outside JAX and other libraries."""
+    frames, locations = tables.get("StackFrames", {}), tables.get("FileLocations", {})
+    files, functions = tables.get("FileNames", {}), tables.get("FunctionNames", {})
+    seen = set()
+    while frame in frames and frame not in seen:
+        seen.add(frame)
+        f = dict(re.findall(r"(\w+)=(\d+)", frames[frame]))
+        loc = dict(re.findall(r"(\w+)=(\d+)", locations.get(int(f.get("file_location_id", 0)), "")))
+        path = files.get(int(loc.get("file_name_id", 0)), "").strip('"')
+        if path and "site-packages" not in path and "/jax/" not in path:
+            name = functions.get(int(loc.get("function_name_id", 0)), "").strip('"')
+            return f"{'/'.join(path.split('/')[-2:])}:{loc.get('line')} ({name})"
+        frame = int(f.get("parent_frame_id", frame))
+    return ""
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    computations: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        if current is None:
+            if (m := _HEADER.match(line)) and "=" not in line.split("(")[0]:
+                current = m[2]
+                computations[current] = []
+                if m[1]:
+                    entry = current
+        elif line.startswith("}"):
+            current = None
+        else:
+            computations[current].append(line)
+    return computations, entry
+
+
+def _trip_count(attrs: str, computations: dict[str, list[str]]) -> int | None:
+    if m := re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs):
+        return int(m[1])
+    cond = re.search(r"condition=%?([^\s,]+)", attrs)
+    lines = computations.get(cond[1], []) if cond else []
+    constants = {}
+    for line in lines:
+        if (m := _INSTRUCTION.match(line)) and m[3] == "constant":
+            constants[m[1]] = re.match(r"([-0-9]+)\)", m[4])
+    for line in lines:
+        if (m := _INSTRUCTION.match(line)) and m[3] == "compare":
+            operands = re.findall(r"%([^\s,)]+)", m[4].split(")")[0])
+            direction = re.search(r"direction=(\w+)", m[4])
+            bound = next((constants[o] for o in operands if constants.get(o)), None)
+            if bound and direction:
+                value = int(bound[1])
+                return {"LT": value, "LE": value + 1, "GT": value, "GE": value + 1, "NE": value}.get(direction[1])
+    return None
+
+
+def _multipliers(computations: dict[str, list[str]], entry: str) -> tuple[dict[str, int], list[str]]:
+    """How many times each computation runs per step (loop bodies by their trip counts)."""
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)  # callee -> (caller, times per call)
+    unknown = []
+    for name, lines in computations.items():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            rest = m[4]
+            if m[3] == "while":
+                body = re.search(r"body=%?([^\s,]+)", rest)
+                trips = _trip_count(rest, computations)
+                if trips is None:
+                    unknown.append(m[1])
+                calls[body[1]].append((name, trips or 1))
+                continue
+            for callee in re.findall(r"(?:calls|true_computation|false_computation)=%?([^\s,}]+)", rest):
+                calls[callee].append((name, 1))
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", rest):
+                for callee in re.findall(r"%?([^\s,]+)", group):
+                    calls[callee].append((name, 1))
+    memo: dict[str, int] = {entry: 1}
+
+    def times(name: str, depth: int = 0) -> int:
+        if name not in memo:
+            memo[name] = 0 if depth > 64 else sum(n * times(caller, depth + 1) for caller, n in calls.get(name, []))
+        return memo[name]
+
+    return {name: times(name) for name in computations}, unknown
+
+
+def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> list[Collective]:
+    """Every collective of the optimized HLO `hlo` with its bytes, group, mesh axes and executions."""
+    computations, entry = _computations(hlo)
+    times, _ = _multipliers(computations, entry)
+    tables = _tables(hlo)
+    num_devices = math.prod(mesh_shape)
+    found = []
+    for comp, lines in computations.items():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m or m[3].removesuffix("-start") not in KINDS:
+                continue
+            kind, shape, rest = m[3].removesuffix("-start"), m[2], m[4]
+            arrays = [a for a in _arrays(shape)]
+            if m[3].endswith("-start") and kind in ("all-gather", "collective-permute", "all-reduce"):
+                arrays = [a for a in arrays if a[0] != "u32" or a[1]]  # drop the async context scalars
+                if kind != "all-reduce" and len(arrays) > 1:  # (operands..., outputs...)
+                    arrays = arrays[len(arrays) // 2:] if kind == "all-gather" else arrays[:len(arrays) // 2]
+            size = _nbytes(arrays)
+            if kind == "collective-permute":
+                listed = rest.split("source_target_pairs=")[1].split("}}")[0] + "}"
+                pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", listed)]
+                senders = sorted({s for s, t in pairs if s != t})
+                ids = sorted({i for p in pairs if p[0] != p[1] for i in p})
+                group, share = len(ids), len(senders) / num_devices
+                axes = _axes(ids, mesh_shape, axis_names) if ids else ()
+                per_run = size * share
+            else:
+                groups = replica_groups(rest, num_devices) or [list(range(num_devices))]
+                group = len(groups[0])
+                axes = _axes(groups[0], mesh_shape, axis_names)
+                fraction = (group - 1) / group if group else 0.0
+                per_run = {"all-gather": size * fraction, "reduce-scatter": size * (group - 1),
+                           "all-reduce": 2 * size * fraction}.get(kind, size * fraction)
+            op_name = re.search(r'op_name="([^"]*)"', rest)
+            frame = re.search(r"stack_frame_id=(\d+)", rest)
+            executions = times.get(comp, 1)
+            found.append(Collective(
+                kind=kind, name=m[1], shape=" ".join(f"{d}[{','.join(map(str, s))}]" for d, s in arrays),
+                bytes=size, group=group, axes=axes, executions=executions, traffic=per_run * executions,
+                op_name=op_name[1] if op_name else "",
+                source=_source(int(frame[1]), tables) if frame else ""))
+    return found
+
+
+def summarize(found: list[Collective]) -> dict:
+    """Traffic per device per step by kind and by mesh axes, with op and execution counts."""
+    by_kind: dict[str, dict] = {}
+    by_axes: dict[str, float] = defaultdict(float)
+    for c in found:
+        entry = by_kind.setdefault(c.kind, {"ops": 0, "executions": 0, "traffic_bytes": 0.0})
+        entry["ops"] += 1
+        entry["executions"] += c.executions
+        entry["traffic_bytes"] += c.traffic
+        by_axes["+".join(c.axes) or "(none)"] += c.traffic
+    return {"by_kind": by_kind, "by_axes": dict(by_axes),
+            "traffic_bytes": sum(c.traffic for c in found)}
+
+
+def as_rows(found: list[Collective]) -> list[dict]:
+    return [asdict(c) | {"axes": list(c.axes)} for c in found]

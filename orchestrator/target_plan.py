@@ -1,0 +1,251 @@
+"""The train step compiled for a real target (a TPU slice, GPU nodes) on compile-only devices: does
+it fit, how close is it, what it communicates, and a roofline estimate of a step.
+
+The step is the one `podtrain train` runs (`build_training`: shardings, remat, micro-batches,
+optimizer state, loss chunking). The TPU compiler checks memory itself and refuses a step that does
+not fit (`RESOURCE_EXHAUSTED`, with the bytes it needed); the GPU compiler does not, so its peak is
+compared with the GPU's memory here. When the step does not fit, `find_fit` compiles a bounded
+number of changes (more micro-batches, full remat, fsdp over dp) and reports the first that fits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+
+import jax
+import numpy as np
+from flax import nnx
+
+from podtrain.models import flops_per_token
+from podtrain.orchestrator.build import Training, build_training
+from podtrain.orchestrator.config import ConfigError, apply_overrides
+from podtrain.orchestrator.hlo_comm import as_rows, collectives, summarize
+from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.targets import Target, compile_devices
+from podtrain.sharding.rules import axes_of, logical_to_spec
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SMALL = 64 * 2**10  # traffic below this (scalars, norms of a tiny model) is noise to the comparison
+# The TPU compiler's two ways of saying how much a step needed and how much the chip has.
+_OOM = (re.compile(r"Used ([0-9.]+)([KMGT]?) of ([0-9.]+)([KMGT]?) hbm"),
+        re.compile(r"required for [^(]*\(([0-9.]+)([KMGT]?)\) exceeds available HBM \(([0-9.]+)([KMGT]?)\)"))
+
+
+def _shard_bytes(leaves) -> int:
+    total = 0
+    for leaf in leaves:
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return int(total)
+
+
+def _compile(training: Training):
+    """(compiled, None) or (None, (needed, capacity) bytes) when the TPU compiler ran out of HBM."""
+    try:
+        return training.step.lower(training.abstract_state(), training.abstract_batch()).compile(), None
+    except Exception as error:  # XlaRuntimeError; its text is all it says
+        text = str(error)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        m = next((found for pattern in _OOM if (found := pattern.search(text))), None)
+        if not m:
+            raise
+        return None, (int(float(m[1]) * _UNITS[m[2]]), int(float(m[3]) * _UNITS[m[4]]))
+
+
+def category(kind: str, axes) -> str:
+    """What a collective is compared by: all-gathers, reduce-scatters and the collective-permutes the
+    TPU compiler decomposes them into are one kind ("gather/scatter"), per mesh axes."""
+    group = "gather/scatter" if kind in ("all-gather", "reduce-scatter", "collective-permute") else kind
+    return f"{group} over {'+'.join(axes) or '-'}"
+
+
+def ideal_traffic(training: Training) -> dict:
+    """Bytes per device per step of an ideal program for this mesh, by kind and by category.
+
+    FSDP: every parameter gathered (in the compute dtype) along the batch axes that shard it, once
+    for the forward and once for the backward pass of each micro-batch, its gradient reduce-scattered
+    once per micro-batch; gradients all-reduced over the batch axes that do not shard the parameter.
+    Routed experts stay where they are (their dimension sharded over `ep` is not gathered). Tensor
+    parallelism (`tp`): per layer two activation all-reduces in the forward pass, two in the
+    backward, two more when full remat recomputes the forward; one each for the embedding and the
+    LM head's input gradient.
+    """
+    config, mesh = training.config, training.mesh
+    sizes = dict(mesh.shape)
+    order = list(mesh.axis_names)
+    rules = config.sharding.rules
+    batch_axes = set(axes_of(logical_to_spec(("batch",), sizes, rules=rules)[0]))
+    itemsize = np.dtype(config.model.dtype).itemsize
+    accum = config.train.grad_accum
+    by_kind: dict[str, float] = defaultdict(float)
+    by_category: dict[str, float] = defaultdict(float)
+
+    def add(kind: str, axes, value: float) -> None:
+        if value:
+            by_kind[kind] += value * accum
+            by_category[category(kind, sorted(axes, key=order.index))] += value * accum
+
+    for _, var in nnx.to_flat_state(training.abstract_params):
+        value = var.get_value()
+        names = list(var.get_metadata().get("out_sharding") or [None] * value.ndim)
+        spec = list(value.sharding.spec) + [None] * (value.ndim - len(value.sharding.spec))
+        gathered_axes, kept = [], 1
+        for name, entry in zip(names, spec, strict=True):
+            for axis in axes_of(entry):
+                if axis in batch_axes and name != "experts":
+                    gathered_axes.append(axis)
+                else:
+                    kept *= sizes[axis]
+        gathered = math.prod(sizes[a] for a in gathered_axes)
+        full = math.prod(value.shape) * itemsize / kept  # its size on a device once gathered
+        add("all-gather", gathered_axes, 2 * full * (gathered - 1) / gathered)
+        add("reduce-scatter", gathered_axes, full * (gathered - 1) / gathered)
+        replica_axes = batch_axes - {a for entry in spec for a in axes_of(entry)}
+        replicas = math.prod(sizes[a] for a in replica_axes)
+        add("all-reduce", replica_axes, 2 * (full / gathered) * (replicas - 1) / replicas)
+    tp = sizes.get("tp", 1)
+    if tp > 1:
+        m = config.model
+        token_shards = math.prod(sizes[a] for a in batch_axes)
+        tokens = config.train.batch_size * config.train.seq_len / token_shards / accum
+        count = (4 + (2 if m.remat == "full" else 0)) * m.num_layers + 2
+        add("all-reduce", ["tp"], count * 2 * tokens * m.hidden_size * itemsize * (tp - 1) / tp)
+    return {"by_kind": dict(by_kind), "by_category": dict(by_category), "traffic_bytes": sum(by_kind.values())}
+
+
+def roofline(training: Training, target: Target, traffic: list[dict]) -> dict:
+    """A step-time and MFU estimate: the largest of compute, HBM and communication time, each at the
+    chip's peak (assuming they overlap). An estimate, not a measurement."""
+    config, chip = training.config, target.chip
+    model_flops = flops_per_token(config.model, config.train.seq_len) * config.train.batch_size * config.train.seq_len
+    recompute = 4 / 3 if config.model.remat == "full" else 1.0  # full remat runs the forward pass twice
+    compute_s = model_flops * recompute / (target.devices * chip.peak_flops)
+    params = sum(math.prod(v.get_value().shape) for _, v in nnx.to_flat_state(training.abstract_params))
+    itemsize = np.dtype(config.model.dtype).itemsize
+    tp = dict(training.mesh.shape).get("tp", 1)
+    # Weights read by forward, recompute and both backward matmuls per micro-batch; AdamW reading and
+    # writing params, moments and gradients (float32) once per step; layer inputs saved and re-read.
+    weight_bytes = (3 + (recompute > 1)) * params * itemsize / tp * config.train.grad_accum
+    optimizer_bytes = 7 * 4 * params / target.devices
+    tokens = config.train.batch_size * config.train.seq_len / target.devices * tp
+    activation_bytes = 2 * tokens * config.model.hidden_size * itemsize * config.model.num_layers
+    hbm_s = (weight_bytes + optimizer_bytes + activation_bytes) / chip.hbm_bandwidth
+    ici = sum(c["traffic"] for c in traffic if not c["crosses"]) / chip.ici_bandwidth
+    dcn = sum(c["traffic"] for c in traffic if c["crosses"]) / chip.dcn_bandwidth
+    step_s = max(compute_s, hbm_s, ici + dcn)
+    bound = {compute_s: "compute", hbm_s: "HBM bandwidth", ici + dcn: "communication"}[step_s]
+    return {"estimate": True, "model_flops_per_step": model_flops, "compute_s": compute_s, "hbm_s": hbm_s,
+            "ici_s": ici, "dcn_s": dcn, "step_s": step_s, "bound_by": bound,
+            "tokens_per_s": config.train.batch_size * config.train.seq_len / step_s,
+            "mfu": model_flops / (step_s * target.devices * chip.peak_flops)}
+
+
+def _group_of(device, target: Target) -> int:
+    """The slice (TPU) or node (GPU) a device is in."""
+    if target.chip.platform == "tpu":
+        return int(getattr(device, "slice_index", 0) or 0)
+    return int(device.process_index)
+
+
+def plan_on_target(config: Config, target: Target, devices=None) -> dict:
+    """Compiles `config`'s train step for `target`: memory, verdict, communication, roofline."""
+    devices = compile_devices(target) if devices is None else devices
+    training = build_training(config, devices)
+    params = _shard_bytes(jax.tree.leaves(training.abstract_state().params))
+    optimizer = _shard_bytes(jax.tree.leaves(training.abstract_state().opt_state))
+    start = time.perf_counter()
+    compiled, oom = _compile(training)
+    seconds = time.perf_counter() - start
+    chip = target.chip
+    report = {"target": target.name, "chip": chip.name, "devices": target.devices, "hosts": target.hosts,
+              "hbm_bytes": chip.hbm_bytes, "compile_s": seconds, "params_bytes": params,
+              "optimizer_bytes": optimizer, "mesh": dict(training.mesh.shape)}
+    if oom:
+        needed, capacity = oom
+        report.update(fits=False, peak_bytes=needed, temp_bytes=None, headroom_bytes=capacity - needed,
+                      hbm_bytes=capacity, checked_by="the TPU compiler (RESOURCE_EXHAUSTED)")
+        return report
+    mem = compiled.memory_analysis()
+    peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or int(
+        mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+    report.update(fits=peak <= chip.hbm_bytes, peak_bytes=peak, temp_bytes=int(mem.temp_size_in_bytes),
+                  headroom_bytes=chip.hbm_bytes - peak,
+                  checked_by="the TPU compiler" if chip.platform == "tpu" else "podtrain (peak vs the GPU's memory)")
+    mesh = training.mesh
+    flat = list(mesh.devices.flat)
+    found = collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
+    rows = as_rows(found)
+    groups = [_group_of(d, target) for d in flat]
+    for row in rows:
+        row["crosses"] = bool(row["axes"]) and len({groups[i] for i in _members(row, mesh)}) > 1
+    ideal = ideal_traffic(training)
+    measured: dict[str, float] = defaultdict(float)
+    for row in rows:
+        measured[category(row["kind"], row["axes"])] += row["traffic"]
+    compared = {key: {"measured": measured.get(key, 0.0), "ideal": ideal["by_category"].get(key, 0.0)}
+                for key in sorted(set(measured) | set(ideal["by_category"]))}
+    # A category moving more than its ideal (beyond a rounding margin): its collectives, largest first.
+    over = {key for key, v in compared.items() if v["measured"] > v["ideal"] * 1.01 + _SMALL}
+    unexplained = sorted((r for r in rows if category(r["kind"], r["axes"]) in over), key=lambda r: -r["traffic"])
+    report["communication"] = summarize(found) | {"ideal": ideal, "by_category": compared,
+                                                  "unexplained": unexplained[:12]}
+    report["roofline"] = roofline(training, target, rows)
+    return report
+
+
+def _members(row: dict, mesh) -> list[int]:
+    """Logical device positions along a collective's axes through position 0 (enough to tell
+    whether its group leaves a slice or node: groups along the same axes are alike)."""
+    names = list(mesh.axis_names)
+    shape = mesh.devices.shape
+    ids = np.arange(mesh.devices.size).reshape(shape)
+    index = tuple(slice(None) if n in row["axes"] else 0 for n in names)
+    return ids[index].ravel().tolist()
+
+
+def _candidates(config: Config, target: Target, report: dict):
+    """Changes that lower the memory of a step, cheapest first: more micro-batches, full remat,
+    both, then the dp axis folded into fsdp (kept at one per slice). When parameters, gradients and
+    optimizer state alone exceed the device's memory, only sharding them further can help."""
+    t, m, mesh = config.train, config.model, config.mesh
+    static = 2 * report["params_bytes"] + report["optimizer_bytes"]
+    if static < target.chip.hbm_bytes:
+        for accum in (2, 4, 8):
+            if accum > t.grad_accum and t.batch_size % (accum * max(1, mesh.dp)) == 0:
+                yield [f"train.grad_accum={accum}"]
+        if m.remat != "full":
+            yield ["model.remat=full"]
+            if t.batch_size % 4 == 0 and t.grad_accum < 4:
+                yield ["model.remat=full", "train.grad_accum=4"]
+    if mesh.dp > target.groups:
+        fsdp = -1 if mesh.fsdp == -1 else mesh.fsdp * mesh.dp // target.groups
+        yield [f"mesh.dp={target.groups}", f"mesh.fsdp={fsdp}"]
+
+
+def find_fit(config: Config, target: Target, devices, max_compiles: int, report: dict) -> dict | None:
+    """The first change from `_candidates` whose compiled step fits, trying at most `max_compiles`."""
+    for tried, overrides in enumerate(_candidates(config, target, report)):
+        if tried >= max_compiles:
+            break
+        try:
+            candidate = apply_overrides(config, overrides)
+            result = plan_on_target(candidate, target, devices)
+        except ConfigError:
+            continue
+        if result["fits"]:
+            return {"overrides": overrides, "peak_bytes": result["peak_bytes"],
+                    "headroom_bytes": result["headroom_bytes"], "compiles": tried + 1}
+    return None
+
+
+def check(config: Config, target: Target, *, suggest: bool = True, devices=None) -> dict:
+    """`plan_on_target`, and when the step does not fit, `find_fit`'s suggestion."""
+    devices = compile_devices(target) if devices is None else devices
+    report = plan_on_target(config, target, devices)
+    if not report["fits"] and suggest and config.plan.max_fit_compiles:
+        report["suggestion"] = find_fit(config, target, devices, config.plan.max_fit_compiles, report)
+    return report

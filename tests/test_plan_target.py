@@ -1,0 +1,145 @@
+"""`podtrain plan --target` compiles the real train step for TPU slices and GPU nodes on compile-only
+devices; `train`/`submit` refuse a TPU or GPU launch whose step does not fit, before any Ray call.
+
+The plans run as the CLI does, in a child process without the tests' CPU compile flags."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from podtrain.launch import cli
+from podtrain.orchestrator.config import ConfigError
+from podtrain.orchestrator.targets import CHIPS, parse_target, verdict_line
+
+pytestmark = pytest.mark.slow
+needs_tpu = pytest.mark.skipif(not __import__("importlib").util.find_spec("libtpu"), reason="needs podtrain[aot]")
+GiB = 2**30
+# A model whose params, gradients and AdamW state, replicated over 8 chips (mesh.dp=8), need more
+# than a v5e's 16 GiB, and fit when sharded (fsdp).
+REPLICATED_TOO_BIG = ["mesh.dp=8", "mesh.fsdp=1", "model.hidden_size=4096", "model.intermediate_size=11008",
+                      "model.num_layers=6", "model.num_heads=32", "model.num_kv_heads=8", "model.head_dim=128",
+                      "model.vocab_size=32000"]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    return env | {"JAX_PLATFORMS": "cpu"}
+
+
+def podtrain(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "podtrain.launch.cli", *args], capture_output=True, text=True,
+                          env=_env(), timeout=timeout)
+
+
+def plan(target, *overrides, preset="llama3-tiny", code=0):
+    done = podtrain("plan", "-c", preset, "--target", target, "--json", *overrides)
+    assert done.returncode == code, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_target_names_parse_to_slices_and_nodes():
+    t = parse_target("2xv5p-64")
+    assert (t.chip.name, t.groups, t.per_group, t.topology, t.devices, t.hosts) == ("v5p", 2, 32, "2x4x4", 64, 16)
+    assert (parse_target("v6e-256").topology, parse_target("v4-32").per_group) == ("16x16", 16)
+    g = parse_target("4xh100x8")
+    assert (g.chip.name, g.groups, g.per_group, g.hosts) == ("h100", 4, 8, 4)
+    assert parse_target("a100-80gbx8").chip.hbm_bytes == 80 * GiB
+    with pytest.raises(ConfigError, match=r"^--target='v9x-8': not a known target; expected TPU slices .*v5p.* h100"):
+        parse_target("v9x-8")
+    with pytest.raises(ConfigError, match="v5p-24 is not a TPU slice"):
+        parse_target("v5p-24")
+
+
+def test_unknown_target_is_one_line_listing_the_known_ones(capsys):
+    assert cli.main(["plan", "--target", "tpu9000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--target='tpu9000': not a known target" in err[0]
+    for example in ("v4", "v5e", "v5p", "v6e", "h100", "h200", "a100-80gb"):
+        assert example in err[0]
+
+
+@needs_tpu
+def test_v5p_plan_of_llama3_tiny_reports_memory_traffic_and_estimate():
+    out = plan("v5p-16")
+    t = out["target"]
+    assert (t["devices"], t["hosts"], t["chip"], t["fits"]) == (8, 2, "v5p", True)
+    assert t["checked_by"] == "the TPU compiler" and t["hbm_bytes"] == CHIPS["v5p"].hbm_bytes
+    assert t["params_bytes"] == sum(row["bytes_per_device"] for row in out["sharding"])
+    assert 0 < t["peak_bytes"] < t["hbm_bytes"] and t["headroom_bytes"] == t["hbm_bytes"] - t["peak_bytes"]
+    comm = t["communication"]
+    assert comm["traffic_bytes"] == pytest.approx(sum(v["traffic_bytes"] for v in comm["by_kind"].values()))
+    assert set(comm["by_axes"]) == {"fsdp"}  # the only mesh axis of size > 1
+    r = t["roofline"]
+    assert r["estimate"] and r["step_s"] == max(r["compute_s"], r["hbm_s"], r["ici_s"] + r["dcn_s"])
+    tokens = 8 * 128
+    assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / (r["step_s"] * 8 * CHIPS["v5p"].peak_flops))
+    assert r["tokens_per_s"] == pytest.approx(tokens / r["step_s"])
+
+
+@needs_tpu
+def test_a_step_over_the_chips_memory_does_not_fit_and_the_suggested_change_fits():
+    t = plan("v5e-8", *REPLICATED_TOO_BIG, code=1)["target"]
+    assert not t["fits"] and t["checked_by"] == "the TPU compiler (RESOURCE_EXHAUSTED)"
+    assert (t["peak_bytes"], t["hbm_bytes"]) == (int(21.53 * GiB), int(15.75 * GiB))  # the compiler's figures
+    # Parameters, gradients and AdamW moments replicated: only sharding them helps, found by one compile.
+    fit = t["suggestion"]
+    assert fit["overrides"] == ["mesh.dp=1", "mesh.fsdp=8"] and fit["compiles"] == 1
+    assert 0 < fit["peak_bytes"] < t["hbm_bytes"] and fit["headroom_bytes"] == 16 * GiB - fit["peak_bytes"]
+    assert verdict_line(t) == ("does not fit on v5e-8: peak 21.53 GiB of 15.75 GiB per device (over by 5.78 GiB); "
+                               f"fits with mesh.dp=1 mesh.fsdp=8 (peak {fit['peak_bytes'] / GiB:.2f} GiB)")
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("jax_plugins.xla_cuda12"), reason="needs podtrain[aot]")
+def test_h100x8_plan_compiles_and_podtrain_compares_the_peak_with_the_gpus_memory():
+    t = plan("h100x8")["target"]
+    assert (t["devices"], t["hosts"], t["chip"]) == (8, 1, "h100")
+    assert t["checked_by"].startswith("podtrain")
+    assert t["fits"] and t["headroom_bytes"] == 80 * GiB - t["peak_bytes"] and t["peak_bytes"] > t["params_bytes"]
+    # The GPU compiler accepts any size: the comparison is ours (peak = arguments + outputs - aliased + temp).
+    deeper = [o for o in REPLICATED_TOO_BIG if not o.startswith("model.num_layers")] + ["model.num_layers=30"]
+    big = plan("h100x8", *deeper, "plan.max_fit_compiles=1", code=1)["target"]
+    assert not big["fits"] and big["peak_bytes"] > 80 * GiB and big["headroom_bytes"] == 80 * GiB - big["peak_bytes"]
+    assert big["peak_bytes"] >= big["params_bytes"] + big["optimizer_bytes"]
+    assert big["suggestion"]["overrides"] == ["mesh.dp=1", "mesh.fsdp=8"] and big["suggestion"]["peak_bytes"] < 80 * GiB
+
+
+@needs_tpu
+def test_train_on_a_tpu_slice_that_cannot_fit_refuses_before_any_ray_call(tmp_path, monkeypatch, capsys):
+    import podtrain.orchestrator.cluster.driver as driver
+
+    monkeypatch.setattr(driver, "Driver", lambda *a, **k: pytest.fail("the driver started"))
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    args = ["train", "cluster=tpu", "cluster.tpu_type=v5e-8", f"run.dir={tmp_path / 'runs'}",
+            "plan.max_fit_compiles=0", *REPLICATED_TOO_BIG]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("podtrain: error: plan check: does not fit on v5e-8: peak 21.53 GiB of 15.75 GiB")
+    assert "nothing was reserved" in err[0] and not (tmp_path / "runs").exists()
+
+
+@needs_tpu
+def test_submit_refuses_a_step_that_cannot_fit_before_asking_ray():
+    done = podtrain("submit", "--address", "http://127.0.0.1:9", "cluster=tpu", "cluster.tpu_type=v5e-8",
+                    "plan.max_fit_compiles=0", *REPLICATED_TOO_BIG)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("podtrain: error: plan check: does not fit on v5e-8")
+    assert "cannot reach Ray" not in done.stderr
+
+
+def test_the_check_is_skipped_for_cpu_stand_ins_and_unnamed_gpus():
+    from podtrain.orchestrator.config import load_config
+    from podtrain.orchestrator.launch_check import check_before_launch
+
+    said = []
+    stand_in = load_config("llama3-tiny", ["cluster=tpu", "cluster.tpu_type=v4-16", "cluster.env.JAX_PLATFORMS=cpu"])
+    assert not check_before_launch(stand_in, said.append)
+    gpu = load_config("llama3-tiny", ["cluster=gpu"])
+    assert not check_before_launch(gpu, said.append)
+    off = load_config("llama3-tiny", ["cluster=tpu", "cluster.tpu_type=v5p-16", "plan.check_before_launch=false"])
+    assert not check_before_launch(off, said.append)
+    assert [s.split(":")[0] for s in said] == ["plan check skipped"] * 2 and "cluster.gpu_type" in said[1]
