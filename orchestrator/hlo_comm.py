@@ -192,8 +192,13 @@ def _multipliers(computations: dict[str, list[str]], entry: str) -> tuple[dict[s
     return {name: times(name) for name in computations}, unknown
 
 
-def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> list[Collective]:
-    """Every collective of the optimized HLO `hlo` with its bytes, group, mesh axes and executions."""
+def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], *,
+                num_slices: int = 1, slice_axes: tuple[str, ...] = ()) -> list[Collective]:
+    """Every collective of the optimized HLO `hlo` with its bytes, group, mesh axes and executions.
+
+    Between TPU slices the compiler sends data over the data-centre network with `send`s to the
+    MegaScale runtime (`_xla_megascale_transfer_type`): each is counted as that collective over the
+    `num_slices` slices, along `slice_axes` (the mesh axes that span slices)."""
     computations, entry = _computations(hlo)
     times, _ = _multipliers(computations, entry)
     tables = _tables(hlo)
@@ -202,7 +207,13 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
     for comp, lines in computations.items():
         for line in lines:
             m = _INSTRUCTION.match(line)
-            if not m or m[3].removesuffix("-start") not in KINDS:
+            if not m:
+                continue
+            dcn = re.search(r'_xla_megascale_transfer_type="(\w+)"', m[4]) if m[3] == "send" else None
+            if dcn:
+                found.append(_megascale(m, dcn[1], num_slices, slice_axes, times.get(comp, 1), tables))
+                continue
+            if m[3].removesuffix("-start") not in KINDS:
                 continue
             kind, shape, rest = m[3].removesuffix("-start"), m[2], m[4]
             arrays = [a for a in _arrays(shape)]
@@ -217,7 +228,8 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
                 senders = sorted({s for s, t in pairs if s != t})
                 ids = sorted({i for p in pairs if p[0] != p[1] for i in p})
                 group, share = len(ids), len(senders) / num_devices
-                axes = _axes(ids, mesh_shape, axis_names) if ids else ()
+                moved = {a for src, dst in pairs if src != dst for a in _axes([src, dst], mesh_shape, axis_names)}
+                axes = tuple(a for a in axis_names if a in moved)  # the axes a pair's ends differ along
                 per_run = size * share
             else:
                 groups = replica_groups(rest, num_devices) or [list(range(num_devices))]
@@ -235,6 +247,20 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
                 op_name=op_name[1] if op_name else "",
                 source=_source(int(frame[1]), tables) if frame else ""))
     return found
+
+
+def _megascale(m, transfer: str, num_slices: int, slice_axes, executions: int, tables) -> Collective:
+    kind = transfer.lower().replace("_", "-")
+    arrays = [a for a in _arrays(m[2]) if a[0] != "u32" or a[1]][:1]  # (data, context, token)
+    size = _nbytes(arrays)
+    g = max(num_slices, 1)
+    per_run = {"all-reduce": 2 * size * (g - 1) / g, "reduce-scatter": size * (g - 1)}.get(kind, size * (g - 1) / g)
+    op_name = re.search(r'op_name="([^"]*)"', m[4])
+    frame = re.search(r"stack_frame_id=(\d+)", m[4])
+    return Collective(kind=kind, name=m[1], shape=" ".join(f"{d}[{','.join(map(str, s))}]" for d, s in arrays),
+                      bytes=size, group=g, axes=tuple(slice_axes), executions=executions,
+                      traffic=per_run * executions, op_name=op_name[1] if op_name else "",
+                      source=_source(int(frame[1]), tables) if frame else "")
 
 
 def summarize(found: list[Collective]) -> dict:

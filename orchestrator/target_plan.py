@@ -177,9 +177,13 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
                   checked_by="the TPU compiler" if chip.platform == "tpu" else "podtrain (peak vs the GPU's memory)")
     mesh = training.mesh
     flat = list(mesh.devices.flat)
-    found = collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
-    rows = as_rows(found)
     groups = [_group_of(d, target) for d in flat]
+    grid = np.asarray(groups).reshape(mesh.devices.shape)  # the slice or node of each mesh position
+    slice_axes = tuple(name for i, name in enumerate(mesh.axis_names)
+                       if (grid.max(axis=i) != grid.min(axis=i)).any())
+    found = collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names,
+                        num_slices=len(set(groups)) if target.chip.platform == "tpu" else 1, slice_axes=slice_axes)
+    rows = as_rows(found)
     for row in rows:
         row["crosses"] = bool(row["axes"]) and len({groups[i] for i in _members(row, mesh)}) > 1
     ideal = ideal_traffic(training)

@@ -221,6 +221,8 @@ def compile_devices(target: Target) -> list:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        slice_type = target.name.split("x", 1)[1] if target.groups > 1 else target.name
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", ray_tpu_version(slice_type) + "-" + slice_type.partition("-")[2])
         name = f"{chip.tpu_generation}:{target.topology}"
         description = topologies.get_topology_desc(
             platform="tpu", topology_name=name, chip_config_name=chip.chip_config,

@@ -143,3 +143,14 @@ def test_the_check_is_skipped_for_cpu_stand_ins_and_unnamed_gpus():
     off = load_config("llama3-tiny", ["cluster=tpu", "cluster.tpu_type=v5p-16", "plan.check_before_launch=false"])
     assert not check_before_launch(off, said.append)
     assert [s.split(":")[0] for s in said] == ["plan check skipped"] * 2 and "cluster.gpu_type" in said[1]
+
+
+@needs_tpu
+def test_two_slices_reduce_gradients_over_the_data_centre_network_along_dp():
+    t = plan("2xv5p-16", "mesh.dp=2", "train.batch_size=16")["target"]
+    assert (t["devices"], t["hosts"]) == (16, 4)
+    comm, r = t["communication"], t["roofline"]
+    assert comm["by_axes"]["dp"] > 0 and comm["by_category"]["all-reduce over dp"]["ideal"] > 0
+    # The roofline sends what crosses slices at the DCN's bandwidth, the rest at the ICI's.
+    assert r["dcn_s"] == pytest.approx(comm["by_axes"]["dp"] / CHIPS["v5p"].dcn_bandwidth)
+    assert r["ici_s"] == pytest.approx((comm["traffic_bytes"] - comm["by_axes"]["dp"]) / CHIPS["v5p"].ici_bandwidth)
