@@ -5,12 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from podtrain.models.config import ModelConfig
 from podtrain.models.kv_cache import KVCache, write_tokens
 from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, make_attention_mask, param
 from podtrain.models.runner import run_layers, stack_layers
-from podtrain.sharding.rules import constrain
+from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -27,6 +28,32 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     matmul_params = c.num_layers * layer_params + c.hidden_size * c.vocab_size
     attention = 3 * seq_len * c.num_heads * 2 * c.head_dim * c.num_layers
     return 6.0 * matmul_params + attention
+
+
+def embed_tokens(table_VD: jax.Array, ids_BT: jax.Array, dtype) -> jax.Array:
+    """Rows `ids_BT` of the (vocab, hidden) table, in the compute `dtype`, sharded over the batch.
+
+    The table is not gathered (that would move vocab x hidden per device and step): it stays sharded
+    over its hidden dimension, each device takes from its shard the rows of all tokens of its group
+    along those mesh axes, and one all-to-all hands every device its own tokens' whole rows. Pinning
+    the rows to that layout after the cast keeps the all-to-all and its transpose in `dtype` (left to
+    itself, XLA casts the cotangent to float32 before moving it) and the batch sharded over the other
+    axes; the tp devices, which hold the same tokens, then need not sum the table's gradient. The
+    gradient is summed in the table's dtype, as for a plain `take(table, ids).astype(dtype)`.
+    """
+    # Gathering rows from a vocab-sharded table would make XLA replicate it: unshard vocab first.
+    table = constrain(table_VD, (None, "embed"))
+    mesh = jax.sharding.get_abstract_mesh()
+    hidden = None if mesh is None or mesh.empty else logical_to_spec(("embed",), dict(mesh.shape))[0]
+    if hidden is not None:
+        # Gather the ids only over the hidden dimension's mesh axes: the other batch axes keep theirs.
+        batch_axes = [a for a in axes_of(logical_to_spec(("batch",), dict(mesh.shape))[0]) if a not in axes_of(hidden)]
+        batch = tuple(batch_axes) or None
+        ids_BT = jax.lax.with_sharding_constraint(ids_BT, PartitionSpec(batch, None))
+    h = jnp.take(table, ids_BT, axis=0).astype(dtype)
+    if hidden is not None:
+        h = jax.lax.with_sharding_constraint(h, PartitionSpec(batch, None, hidden))
+    return constrain(h, ("batch", "seq", "act_embed"))
 
 
 class Llama(nnx.Module):
@@ -97,10 +124,7 @@ class Llama(nnx.Module):
         positions = positions.astype(jnp.int32)
         # A padding token gets position -1 as a key, so nothing attends to it.
         key_positions = positions if attention_mask is None else jnp.where(attention_mask > 0, positions, -1)
-        # Gathering rows from a vocab-sharded table would make XLA replicate it: unshard vocab first.
-        table = constrain(self.embed[...], (None, "embed"))
-        h = jnp.take(table, input_ids, axis=0).astype(dtype)
-        h = constrain(h, ("batch", "seq", "act_embed"))
+        h = embed_tokens(self.embed[...], input_ids, dtype)
         stacks = self.stacks()
         if kv_cache is None:
             mask = make_attention_mask(positions, key_positions, segment_ids, segment_ids)

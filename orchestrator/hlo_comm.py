@@ -8,7 +8,9 @@ all-gather `out * (g-1)/g`, reduce-scatter `out * (g-1)`, all-reduce `2 * size *
 all-to-all `size * (g-1)/g`, collective-permute its operand from each device that sends. The TPU
 compiler rewrites many FSDP all-gathers and reduce-scatters into loops of collective-permutes that
 overlap with matmuls ("windowed einsums"); counted this way they move the bytes the collective they
-replace would.
+replace would. It writes other reduce-scatters as a fusion of an all-reduce and a slice (counted as
+the reduce-scatter), and on some groups (all three axes of a 3-D torus) as a plain all-reduce and a
+slice (counted as the all-reduce it is).
 
 The replica groups name logical devices: positions in `mesh.devices.flat`. A group's mesh axes are
 those along which its devices' coordinates differ.
@@ -45,7 +47,7 @@ class Collective:
     source: str
 
 
-def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+def arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(m[1], tuple(int(d) for d in m[2].split(",") if d)) for m in _ARRAY.finditer(text)]
 
 
@@ -202,6 +204,11 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
     computations, entry = _computations(hlo)
     times, _ = _multipliers(computations, entry)
     tables = _tables(hlo)
+    callers = {}  # a fused computation -> the attributes of the fusion calling it (its op name, source)
+    for lines in computations.values():
+        for line in lines:
+            if (m := _INSTRUCTION.match(line)) and m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4])):
+                callers[c[1]] = m[4]
     num_devices = math.prod(mesh_shape)
     found = []
     for comp, lines in computations.items():
@@ -216,12 +223,15 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
             if m[3].removesuffix("-start") not in KINDS:
                 continue
             kind, shape, rest = m[3].removesuffix("-start"), m[2], m[4]
-            arrays = [a for a in _arrays(shape)]
+            # The TPU compiler writes a reduce-scatter as a fusion of an all-reduce and a slice (a
+            # computation named all-reduce-scatter...): it moves what a reduce-scatter does.
+            fused_scatter = kind == "all-reduce" and comp.startswith("all-reduce-scatter")
+            data = arrays(shape)
             if m[3].endswith("-start") and kind in ("all-gather", "collective-permute", "all-reduce"):
-                arrays = [a for a in arrays if a[0] != "u32" or a[1]]  # drop the async context scalars
-                if kind != "all-reduce" and len(arrays) > 1:  # (operands..., outputs...)
-                    arrays = arrays[len(arrays) // 2:] if kind == "all-gather" else arrays[:len(arrays) // 2]
-            size = _nbytes(arrays)
+                data = [a for a in data if a[0] != "u32" or a[1]]  # drop the async context scalars
+                if kind != "all-reduce" and len(data) > 1:  # (operands..., outputs...)
+                    data = data[len(data) // 2:] if kind == "all-gather" else data[:len(data) // 2]
+            size = _nbytes(data)
             if kind == "collective-permute":
                 listed = rest.split("source_target_pairs=")[1].split("}}")[0] + "}"
                 pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", listed)]
@@ -236,13 +246,16 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
                 group = len(groups[0])
                 axes = _axes(groups[0], mesh_shape, axis_names)
                 fraction = (group - 1) / group if group else 0.0
+                if fused_scatter:
+                    kind, size = "reduce-scatter", size // group
                 per_run = {"all-gather": size * fraction, "reduce-scatter": size * (group - 1),
                            "all-reduce": 2 * size * fraction}.get(kind, size * fraction)
-            op_name = re.search(r'op_name="([^"]*)"', rest)
-            frame = re.search(r"stack_frame_id=(\d+)", rest)
+            where = callers.get(comp, rest) if fused_scatter else rest
+            op_name = re.search(r'op_name="([^"]*)"', where)
+            frame = re.search(r"stack_frame_id=(\d+)", where)
             executions = times.get(comp, 1)
             found.append(Collective(
-                kind=kind, name=m[1], shape=" ".join(f"{d}[{','.join(map(str, s))}]" for d, s in arrays),
+                kind=kind, name=m[1], shape=" ".join(f"{d}[{','.join(map(str, s))}]" for d, s in data),
                 bytes=size, group=group, axes=axes, executions=executions, traffic=per_run * executions,
                 op_name=op_name[1] if op_name else "",
                 source=_source(int(frame[1]), tables) if frame else ""))
@@ -251,13 +264,13 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
 
 def _megascale(m, transfer: str, num_slices: int, slice_axes, executions: int, tables) -> Collective:
     kind = transfer.lower().replace("_", "-")
-    arrays = [a for a in _arrays(m[2]) if a[0] != "u32" or a[1]][:1]  # (data, context, token)
-    size = _nbytes(arrays)
+    data = [a for a in arrays(m[2]) if a[0] != "u32" or a[1]][:1]  # (data, context, token)
+    size = _nbytes(data)
     g = max(num_slices, 1)
     per_run = {"all-reduce": 2 * size * (g - 1) / g, "reduce-scatter": size * (g - 1)}.get(kind, size * (g - 1) / g)
     op_name = re.search(r'op_name="([^"]*)"', m[4])
     frame = re.search(r"stack_frame_id=(\d+)", m[4])
-    return Collective(kind=kind, name=m[1], shape=" ".join(f"{d}[{','.join(map(str, s))}]" for d, s in arrays),
+    return Collective(kind=kind, name=m[1], shape=" ".join(f"{d}[{','.join(map(str, s))}]" for d, s in data),
                       bytes=size, group=g, axes=tuple(slice_axes), executions=executions,
                       traffic=per_run * executions, op_name=op_name[1] if op_name else "",
                       source=_source(int(frame[1]), tables) if frame else "")
