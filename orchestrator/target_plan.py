@@ -69,27 +69,33 @@ def ideal_traffic(training: Training) -> dict:
     FSDP: every parameter gathered (in the compute dtype) along the batch axes that shard it, once
     for the forward and once for the backward pass of each micro-batch, its gradient reduce-scattered
     once per micro-batch; gradients all-reduced over the batch axes that do not shard the parameter.
-    Routed experts stay where they are (their dimension sharded over `ep` is not gathered). Tensor
-    parallelism (`tp`): per layer two activation all-reduces in the forward pass, two in the
-    backward, two more when full remat recomputes the forward; one each for the embedding and the
-    LM head's input gradient.
+    Routed experts stay where they are (their dimension sharded over `ep` is not gathered). The
+    token embedding is not gathered: its rows are looked up where the table is, and one all-to-all
+    along the axes sharding its hidden dimension hands them to their tokens (and back in the
+    backward pass); along `tp` its vocabulary is gathered once. Tensor parallelism: per layer two
+    activation all-reduces in the forward pass and two in the backward, one more when remat
+    recomputes the attention output projection; one for the LM head's input gradient, and the
+    loss's three reductions over the vocabulary (float32).
     """
     config, mesh = training.config, training.mesh
+    m = config.model
     sizes = dict(mesh.shape)
     order = list(mesh.axis_names)
     rules = config.sharding.rules
     batch_axes = set(axes_of(logical_to_spec(("batch",), sizes, rules=rules)[0]))
-    itemsize = np.dtype(config.model.dtype).itemsize
+    itemsize = np.dtype(m.dtype).itemsize
     accum = config.train.grad_accum
+    token_shards = math.prod(sizes[a] for a in batch_axes)
+    tokens = config.train.batch_size * config.train.seq_len / token_shards / accum  # per micro-batch
     by_kind: dict[str, float] = defaultdict(float)
     by_category: dict[str, float] = defaultdict(float)
 
-    def add(kind: str, axes, value: float) -> None:
+    def add(kind: str, axes, value: float, times: int = accum) -> None:
         if value:
-            by_kind[kind] += value * accum
-            by_category[category(kind, sorted(axes, key=order.index))] += value * accum
+            by_kind[kind] += value * times
+            by_category[category(kind, sorted(axes, key=order.index))] += value * times
 
-    for _, var in nnx.to_flat_state(training.abstract_params):
+    for path, var in nnx.to_flat_state(training.abstract_params):
         value = var.get_value()
         names = list(var.get_metadata().get("out_sharding") or [None] * value.ndim)
         spec = list(value.sharding.spec) + [None] * (value.ndim - len(value.sharding.spec))
@@ -102,18 +108,26 @@ def ideal_traffic(training: Training) -> dict:
                     kept *= sizes[axis]
         gathered = math.prod(sizes[a] for a in gathered_axes)
         full = math.prod(value.shape) * itemsize / kept  # its size on a device once gathered
-        add("all-gather", gathered_axes, 2 * full * (gathered - 1) / gathered)
-        add("reduce-scatter", gathered_axes, full * (gathered - 1) / gathered)
-        replica_axes = batch_axes - {a for entry in spec for a in axes_of(entry)}
+        spec_axes = {a for entry in spec for a in axes_of(entry)}
+        replica_axes = batch_axes - spec_axes
         replicas = math.prod(sizes[a] for a in replica_axes)
+        if tuple(path) == ("embed",):  # the token table: rows move, the table does not
+            add("all-to-all", gathered_axes, 2 * tokens * m.hidden_size * itemsize * (gathered - 1) / gathered)
+            vocab_axes = [a for a in axes_of(spec[0]) if a not in batch_axes]
+            along = math.prod(sizes[a] for a in vocab_axes)
+            param_bytes = math.prod(value.shape) * itemsize / gathered  # cast to the compute dtype first
+            add("all-gather", vocab_axes, param_bytes * (along - 1) / along, times=1)
+        else:
+            add("all-gather", gathered_axes, 2 * full * (gathered - 1) / gathered)
+            add("reduce-scatter", gathered_axes, full * (gathered - 1) / gathered)
         add("all-reduce", replica_axes, 2 * (full / gathered) * (replicas - 1) / replicas)
     tp = sizes.get("tp", 1)
     if tp > 1:
-        m = config.model
-        token_shards = math.prod(sizes[a] for a in batch_axes)
-        tokens = config.train.batch_size * config.train.seq_len / token_shards / accum
-        count = (4 + (2 if m.remat == "full" else 0)) * m.num_layers + 2
-        add("all-reduce", ["tp"], count * 2 * tokens * m.hidden_size * itemsize * (tp - 1) / tp)
+        recompute = 1 if m.remat in ("full", "save_attn_out", "save_qkv_attn_out") else 0
+        count = (4 + recompute) * m.num_layers + 1
+        share = 2 * (tp - 1) / tp
+        add("all-reduce", ["tp"], count * share * tokens * m.hidden_size * itemsize)
+        add("all-reduce", ["tp"], 3 * share * tokens * 4)
     return {"by_kind": dict(by_kind), "by_category": dict(by_category), "traffic_bytes": sum(by_kind.values())}
 
 
