@@ -75,7 +75,7 @@ def ideal_traffic(training: Training) -> dict:
     backward pass); along `tp` its vocabulary is gathered once. Tensor parallelism: per layer two
     activation all-reduces in the forward pass and two in the backward, one more when remat
     recomputes the attention output projection; one for the LM head's input gradient, and the
-    loss's three reductions over the vocabulary (float32).
+    loss's reductions over the vocabulary (the logits' max, two float32 sums).
     """
     config, mesh = training.config, training.mesh
     m = config.model
@@ -127,7 +127,7 @@ def ideal_traffic(training: Training) -> dict:
         count = (4 + recompute) * m.num_layers + 1
         share = 2 * (tp - 1) / tp
         add("all-reduce", ["tp"], count * share * tokens * m.hidden_size * itemsize)
-        add("all-reduce", ["tp"], 3 * share * tokens * 4)
+        add("all-reduce", ["tp"], share * tokens * (itemsize + 2 * 4))  # the logits' max; two float32 sums
     return {"by_kind": dict(by_kind), "by_category": dict(by_category), "traffic_bytes": sum(by_kind.values())}
 
 
@@ -210,7 +210,7 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
     over = {key for key, v in compared.items() if v["measured"] > v["ideal"] * 1.01 + _SMALL}
     unexplained = sorted((r for r in rows if category(r["kind"], r["axes"]) in over), key=lambda r: -r["traffic"])
     report["communication"] = summarize(found) | {"ideal": ideal, "by_category": compared,
-                                                  "unexplained": unexplained[:12]}
+                                                  "unexplained": unexplained[:12], "collectives": rows}
     report["roofline"] = roofline(training, target, rows)
     return report
 

@@ -154,3 +154,45 @@ def test_two_slices_reduce_gradients_over_the_data_centre_network_along_dp():
     # The roofline sends what crosses slices at the DCN's bandwidth, the rest at the ICI's.
     assert r["dcn_s"] == pytest.approx(comm["by_axes"]["dp"] / CHIPS["v5p"].dcn_bandwidth)
     assert r["ici_s"] == pytest.approx((comm["traffic_bytes"] - comm["by_axes"]["dp"]) / CHIPS["v5p"].ici_bandwidth)
+
+
+def _layer_weights(m) -> int:
+    """Elements of one decoder layer's matmul weights: q, k, v, o and the three MLP matrices."""
+    return (2 * m["num_heads"] + 2 * m["num_kv_heads"]) * m["head_dim"] * m["hidden_size"] + \
+        3 * m["hidden_size"] * m["intermediate_size"]
+
+
+@needs_tpu
+def test_fsdp_traffic_equals_the_ideal_computed_by_hand():
+    out = plan("v5p-8", "model.dtype=bfloat16", "model.hidden_size=1024", "mesh.fsdp=4")
+    m, t = out["config"]["model"], out["config"]["train"]
+    comm = out["target"]["communication"]
+    rows = comm["collectives"]
+    layers, share = m["num_layers"], 3 / 4  # a ring over 4 devices sends 3/4 of the gathered array
+    weights = layers * _layer_weights(m) * 2  # bytes, bfloat16
+    in_loop = [r for r in rows if r["executions"] == layers and r["axes"] == ["fsdp"]]
+    # Each layer's weights reduce-scattered once, gathered once for the forward pass and once for the
+    # backward iteration (which recomputes the forward).
+    assert sum(r["traffic"] for r in in_loop if r["kind"] == "reduce-scatter") == weights * share
+    assert sum(r["traffic"] for r in in_loop if r["kind"] == "all-gather") == 2 * weights * share
+    # Token rows, not the table: one all-to-all each way of the (tokens, hidden) rows of a device.
+    tokens = t["batch_size"] * t["seq_len"] / 4
+    assert comm["by_category"]["all-to-all over fsdp"]["measured"] == 2 * tokens * m["hidden_size"] * 2 * share
+
+
+@needs_tpu
+def test_tp_traffic_equals_the_ideal_computed_by_hand():
+    out = plan("v5p-8", "model.dtype=bfloat16", "mesh.fsdp=1", "mesh.tp=4")
+    m, t = out["config"]["model"], out["config"]["train"]
+    comm = out["target"]["communication"]
+    arrays = [r for r in comm["collectives"] if "[]" not in r["shape"]]  # without the metrics' scalars
+    tokens, share = t["batch_size"] * t["seq_len"], 2 * 3 / 4  # an all-reduce over 4 sends 2 x 3/4
+    # Per layer: attention and MLP outputs in the forward pass, the attention output again in the
+    # recompute (full remat), the two input gradients in the backward pass; the LM head's input gradient.
+    activations = (5 * m["num_layers"] + 1) * tokens * m["hidden_size"] * 2
+    softmax = tokens * (2 + 4 + 4)  # the loss over vocabulary shards: the logits' max, two float32 sums
+    measured = sum(r["traffic"] for r in arrays if r["kind"] == "all-reduce" and r["axes"] == ["tp"])
+    assert measured == share * (activations + softmax)
+    assert comm["ideal"]["by_category"]["all-reduce over tp"] == share * (activations + softmax)
+    # The vocabulary-sharded table gathered once along tp, in the compute dtype.
+    assert comm["by_category"]["gather/scatter over tp"]["measured"] == m["vocab_size"] * m["hidden_size"] * 2 * 3 / 4
