@@ -227,10 +227,10 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
             # computation named all-reduce-scatter...): it moves what a reduce-scatter does.
             fused_scatter = kind == "all-reduce" and comp.startswith("all-reduce-scatter")
             data = arrays(shape)
-            if m[3].endswith("-start") and kind in ("all-gather", "collective-permute", "all-reduce"):
+            if m[3].endswith("-start"):
                 data = [a for a in data if a[0] != "u32" or a[1]]  # drop the async context scalars
-                if kind != "all-reduce" and len(data) > 1:  # (operands..., outputs...)
-                    data = data[len(data) // 2:] if kind == "all-gather" else data[:len(data) // 2]
+                if kind != "all-reduce" and len(data) > 1:  # (operands..., outputs...): the outputs
+                    data = data[len(data) // 2:]
             size = _nbytes(data)
             if kind == "collective-permute":
                 listed = rest.split("source_target_pairs=")[1].split("}}")[0] + "}"

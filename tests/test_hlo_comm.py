@@ -32,6 +32,8 @@ ENTRY %main (a: bf16[8,256], b: f32[1024]) -> f32[1024] {
   %ar = f32[1024]{0} all-reduce(%b), channel_id=3, replica_groups={{0,1},{2,3},{4,5},{6,7}}, use_global_device_ids=true, to_apply=%add
   %rs = f32[256]{0} reduce-scatter(%b), channel_id=4, replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}
   %a2a = bf16[8,256]{1,0} all-to-all(%a), channel_id=5, replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0','axis_1'}, dimensions={0}
+  %rss = (f32[1024]{0}, f32[256]{0}) reduce-scatter-start(%b), channel_id=6, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
+  %rsd = f32[256]{0} reduce-scatter-done(%rss)
   ROOT %out = f32[1024]{0} copy(%ar)
 }
 """
@@ -58,9 +60,12 @@ def test_bytes_axes_and_loop_trip_counts():
     assert (rs.axes, rs.group) == (("fsdp",), 4) and rs.traffic == 1024 * 3  # its output times (g - 1)
     assert (a2a.axes, a2a.group) == (("fsdp", "tp"), 8) and a2a.traffic == pytest.approx(4096 * 7 / 8)
     assert ag.op_name == "jit(step)/while/body/dot_general"
+    # An async collective's shape pairs operands with outputs: it moves its outputs.
+    assert (found["rss"].kind, found["rss"].bytes, found["rss"].traffic) == ("reduce-scatter", 256 * 4, 256 * 4 * 3)
+    assert "rsd" not in found
     summary = summarize(list(found.values()))
     assert summary["by_kind"]["all-gather"] == {"ops": 1, "executions": 6, "traffic_bytes": ag.traffic}
-    assert summary["by_axes"]["fsdp"] == pytest.approx(ag.traffic + cp.traffic + rs.traffic)
+    assert summary["by_axes"]["fsdp"] == pytest.approx(ag.traffic + cp.traffic + rs.traffic + found["rss"].traffic)
     assert summary["traffic_bytes"] == pytest.approx(sum(c.traffic for c in found.values()))
 
 
