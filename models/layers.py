@@ -6,6 +6,7 @@ mesh axes. Activations are constrained by logical names only.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -13,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from podtrain.models.config import ModelConfig, RopeConfig
-from podtrain.sharding.rules import constrain
+from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
 NEG_INF = float(np.finfo(np.float32).min)
 
@@ -30,6 +32,54 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     in_size = math.prod(w.shape[:n_in])
     y = x.reshape(-1, in_size) @ w.reshape(in_size, -1)
     return y.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(w, whole: PartitionSpec, sharded: PartitionSpec):
+    """`w` itself; differentiated, `w` pinned to `whole` and its cotangent to `sharded` (see `weight`)."""
+    return w
+
+
+def _gathered_fwd(w, whole, sharded):
+    return jax.lax.with_sharding_constraint(w, whole), None
+
+
+def _gathered_bwd(whole, sharded, _, d_w):
+    return (jax.lax.with_sharding_constraint(d_w, sharded),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def weight(w: nnx.Variable, dtype) -> jax.Array:
+    """The weight `w` cast to `dtype`; when differentiated, gathered once for all the matmuls that read it.
+
+    GSPMD gathers a weight sharded over the batch axes (FSDP) at each matmul that reads it, so under
+    remat the recomputed forward matmul and the backward one would each gather it again. Pinning the
+    cast weight to its layout without the batch axes makes it one value that both read; the
+    cotangent is pinned to the weight's own layout, so the gradient is reduce-scattered (a plain
+    sharding constraint would transpose to a replicated, all-reduced gradient).
+    """
+    return gathered(w[...].astype(dtype), w.get_metadata().get("out_sharding"))
+
+
+def gathered(w: jax.Array, names) -> jax.Array:
+    """`weight` for an array `w` whose dimensions have the logical `names` (a leading "layers" name
+    beyond `w`'s dimensions is that of the stack `w` is one layer of).
+
+    Undifferentiated (inference), without a mesh or for expert weights (kept sharded over their
+    expert axis: `sharding.experts` gathers what it needs) `w` is returned as it is.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or not names or "experts" in names:
+        return w
+    sizes = dict(mesh.shape)
+    spec = list(logical_to_spec(names, sizes))[len(names) - w.ndim:]
+    batch = set(axes_of(logical_to_spec(("batch",), sizes)[0]))
+    kept = [tuple(a for a in axes_of(entry) if a not in batch) for entry in spec]
+    whole = PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in kept))
+    sharded = PartitionSpec(*spec)
+    return w if whole == sharded else _gathered(w, whole, sharded)
 
 
 def _batched_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -309,7 +359,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def _project(self, x, w, b, name):
-        y = dense(x, w[...].astype(self.dtype))
+        y = dense(x, weight(w, self.dtype))
         if b is not None:
             y = y + b[...].astype(self.dtype)
         return checkpoint_name(y, name)
@@ -340,7 +390,7 @@ class Attention(nnx.Module):
             out = cached_attention([q * scale], [k], v, kv[:1], kv[1], layer=layer, positions_BT=positions_BT,
                                    **cache_kwargs)
         new_kv = None if kv is None else (k, v)
-        out = dense(out, self.wo[...].astype(self.dtype), n_in=2)
+        out = dense(out, weight(self.wo, self.dtype), n_in=2)
         if self.bo is not None:
             out = out + self.bo[...].astype(self.dtype)
         return checkpoint_name(out, "attn_out"), new_kv
@@ -367,7 +417,7 @@ class MLP(nnx.Module):
             self.b_gate = self.b_up = self.b_down = None
 
     def _dense(self, x, w, b):
-        y = dense(x, w[...].astype(self.dtype))
+        y = dense(x, weight(w, self.dtype))
         return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x_BTD):

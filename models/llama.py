@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec
 
 from podtrain.models.config import ModelConfig
 from podtrain.models.kv_cache import KVCache, write_tokens
-from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, make_attention_mask, param
+from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, gathered, make_attention_mask, param
 from podtrain.models.runner import run_layers, stack_layers
 from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
@@ -156,8 +156,10 @@ class Llama(nnx.Module):
         """The output projection (hidden, vocab) (the embedding when tied): in the compute dtype, or
         with `compute_dtype=False` in the param dtype (for a caller that casts it where it is used, so
         that its gradient is summed in the param dtype)."""
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return head.astype(dtype_of(self.config.dtype)) if compute_dtype else head
+        w = self.embed if self.lm_head is None else self.lm_head
+        names = tuple(w.get_metadata().get("out_sharding") or ())
+        head, names = (w[...].T, names[::-1]) if self.lm_head is None else (w[...], names)
+        return gathered(head.astype(dtype_of(self.config.dtype)), names) if compute_dtype else head
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache of `max_len` slots per sequence, in the compute dtype unless `dtype` says."""

@@ -20,6 +20,7 @@ from podtrain.models.layers import (
     rope_attention_factor,
     rope_inv_freq,
     softmax_scale,
+    weight,
 )
 from podtrain.sharding.rules import constrain
 
@@ -70,7 +71,7 @@ class MLAttention(nnx.Module):
         self.wo = param(rngs, init, (h, m.v_head_dim, d), ("heads", "head_dim", "embed"), pdt)
 
     def _w(self, w) -> jax.Array:
-        return w[...].astype(self.dtype)
+        return weight(w, self.dtype)
 
     def _rope(self, x, positions_BT):
         if self.interleave:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.models.config import ModelConfig, MoEConfig
-from podtrain.models.layers import MLP, dtype_of, param
+from podtrain.models.layers import MLP, dtype_of, param, weight
 from podtrain.sharding.experts import EXPERT_DOWN_NAMES, EXPERT_GATE_NAMES, routed_experts
 
 
@@ -61,7 +61,7 @@ class MoE(nnx.Module):
         self.shared = MLP(c, rngs=rngs, intermediate_size=shared) if shared else None
 
     def __call__(self, x_BTD):
-        weights, experts = route(x_BTD, self.router[...], self.router_bias[...], self.config)
+        weights, experts = route(x_BTD, weight(self.router, jnp.float32), self.router_bias[...], self.config)
         w = [p[...].astype(self.dtype) for p in (self.w_gate, self.w_up, self.w_down)]
         y, load, dropped = routed_experts(x_BTD, experts, weights, *w, capacity_factor=self.config.capacity_factor)
         y = y.astype(x_BTD.dtype)

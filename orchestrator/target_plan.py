@@ -66,9 +66,10 @@ def category(kind: str, axes) -> str:
 def ideal_traffic(training: Training) -> dict:
     """Bytes per device per step of an ideal program for this mesh, by kind and by category.
 
-    FSDP: every parameter gathered (in the compute dtype) along the batch axes that shard it, once
-    for the forward and once for the backward pass of each micro-batch, its gradient reduce-scattered
-    once per micro-batch; gradients all-reduced over the batch axes that do not shard the parameter.
+    FSDP: every parameter gathered (in the compute dtype) along the batch axes that shard it, a
+    layer's once for its forward and once for its backward iteration of each micro-batch (the other
+    parameters, used once, kept gathered for the backward pass), its gradient reduce-scattered once
+    per micro-batch; gradients all-reduced over the batch axes that do not shard the parameter.
     Routed experts stay where they are (their dimension sharded over `ep` is not gathered). The
     token embedding is not gathered: its rows are looked up where the table is, and one all-to-all
     along the axes sharding its hidden dimension hands them to their tokens (and back in the
@@ -118,7 +119,8 @@ def ideal_traffic(training: Training) -> dict:
             param_bytes = math.prod(value.shape) * itemsize / gathered  # cast to the compute dtype first
             add("all-gather", vocab_axes, param_bytes * (along - 1) / along, times=1)
         else:
-            add("all-gather", gathered_axes, 2 * full * (gathered - 1) / gathered)
+            passes = 2 if names[:1] == ["layers"] else 1  # a layer's again in its backward iteration
+            add("all-gather", gathered_axes, passes * full * (gathered - 1) / gathered)
             add("reduce-scatter", gathered_axes, full * (gathered - 1) / gathered)
         add("all-reduce", replica_axes, 2 * (full / gathered) * (replicas - 1) / replicas)
     tp = sizes.get("tp", 1)

@@ -102,3 +102,36 @@ def test_weight_gradients_are_reduce_scattered():
     all_reduced = [(c, dims) for c in backward if c.kind == "all-reduce" for _, dims in floats(c)
                    if math.prod(dims) in whole and whole[math.prod(dims)] <= set(c.axes)]
     assert not all_reduced, f"weight gradients all-reduced whole: {all_reduced}"
+
+
+def _layer_weight_elements(training) -> int:
+    """Elements one device holds of one layer's weights once they are gathered along the batch axes
+    (the stacked weights sharded over one of them)."""
+    sizes = dict(training.mesh.shape)
+    batch = set(axes_of(logical_to_spec(("batch",), sizes, rules=training.config.sharding.rules)[0]))
+    total = 0
+    for _, var in nnx.to_flat_state(training.abstract_params):
+        value, names = var.get_value(), var.get_metadata().get("out_sharding") or ()
+        over = [a for entry in value.sharding.spec for a in axes_of(entry) if a in batch]
+        if names[:1] == ("layers",) and over:
+            total += math.prod(value.sharding.shard_shape(value.shape)[1:]) * math.prod(sizes[a] for a in over)
+    return total
+
+
+@pytest.mark.parametrize("overrides", [("mesh.fsdp=4", "mesh.tp=2", "model.hidden_size=1024"),
+                                       ("mesh.fsdp=8", "model.dtype=bfloat16")])
+def test_full_remat_gathers_each_layer_weight_twice(overrides):
+    """With full remat a layer's weights are gathered once for its forward pass and once for its
+    backward pass: the recomputed forward matmuls and the backward ones read the same gathered weight
+    (GSPMD would otherwise gather it again at each matmul that reads it). Counted in elements: the
+    TPU compiler may gather a float32 weight in bfloat16."""
+    training, found = compiled("llama3-tiny", *overrides)
+    assert training.config.model.remat == "full"
+    layers = training.config.model.num_layers
+    in_loop = [c for c in found if c.kind == "all-gather" and "while/body" in c.op_name and c.executions == layers]
+    assert in_loop
+    gathered = sum(math.prod(dims) for c in in_loop for _, dims in floats(c))
+    weights = _layer_weight_elements(training)
+    assert gathered <= 2 * weights, (
+        f"{gathered} elements gathered per layer, {weights} in its gathered weights: "
+        + "; ".join(f"{c.shape} {c.op_name}" for c in in_loop))
