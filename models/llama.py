@@ -159,7 +159,8 @@ class Llama(nnx.Module):
         w = self.embed if self.lm_head is None else self.lm_head
         names = tuple(w.get_metadata().get("out_sharding") or ())
         head, names = (w[...].T, names[::-1]) if self.lm_head is None else (w[...], names)
-        return gathered(head.astype(dtype_of(self.config.dtype)), names) if compute_dtype else head
+        # Gathered here, once: a caller that loops over chunks would otherwise gather it in each chunk.
+        return gathered(head.astype(dtype_of(self.config.dtype)) if compute_dtype else head, names)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache of `max_len` slots per sequence, in the compute dtype unless `dtype` says."""
