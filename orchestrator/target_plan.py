@@ -233,9 +233,11 @@ def _candidates(config: Config, target: Target, report: dict):
     optimizer state alone exceed the device's memory, only sharding them further can help."""
     t, m, mesh = config.train, config.model, config.mesh
     static = 2 * report["params_bytes"] + report["optimizer_bytes"]
+    sizes = report["mesh"]
+    shards = math.prod(sizes[a] for a in axes_of(logical_to_spec(("batch",), sizes, rules=config.sharding.rules)[0]))
     if static < target.chip.hbm_bytes:
-        for accum in (2, 4, 8):
-            if accum > t.grad_accum and t.batch_size % (accum * max(1, mesh.dp)) == 0:
+        for accum in (2, 4, 8):  # each micro-batch must still give every batch shard a whole row
+            if accum > t.grad_accum and t.batch_size % (accum * shards) == 0:
                 yield [f"train.grad_accum={accum}"]
         if m.remat != "full":
             yield ["model.remat=full"]
@@ -248,17 +250,18 @@ def _candidates(config: Config, target: Target, report: dict):
 
 def find_fit(config: Config, target: Target, devices, max_compiles: int, report: dict) -> dict | None:
     """The first change from `_candidates` whose compiled step fits, trying at most `max_compiles`."""
-    for tried, overrides in enumerate(_candidates(config, target, report)):
-        if tried >= max_compiles:
+    compiles = 0
+    for overrides in _candidates(config, target, report):
+        if compiles >= max_compiles:
             break
         try:
-            candidate = apply_overrides(config, overrides)
-            result = plan_on_target(candidate, target, devices)
-        except ConfigError:
+            result = plan_on_target(apply_overrides(config, overrides), target, devices)
+        except ConfigError:  # not a valid config for this target (found before compiling)
             continue
+        compiles += 1
         if result["fits"]:
             return {"overrides": overrides, "peak_bytes": result["peak_bytes"],
-                    "headroom_bytes": result["headroom_bytes"], "compiles": tried + 1}
+                    "headroom_bytes": result["headroom_bytes"], "compiles": compiles}
     return None
 
 
