@@ -36,7 +36,8 @@ def check_before_launch(config: Config, say=None) -> bool:
         ConfigError: the step does not fit (with the figures and the change that fits, if one was
             found), or the config cannot be compiled for the target.
     """
-    say = say or (lambda line: print(f"podtrain: {line}", file=sys.stderr, flush=True))
+    # Notices go where the driver's progress lines go (stdout): stderr is for the one-line errors.
+    say = say or (lambda line: print(f"podtrain: {line}", flush=True))
     cluster = config.cluster
     if not config.plan.check_before_launch or cluster.kind not in ("tpu", "gpu"):
         return False

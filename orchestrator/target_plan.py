@@ -70,10 +70,12 @@ def ideal_traffic(training: Training) -> dict:
     layer's once for its forward and once for its backward iteration of each micro-batch (the other
     parameters, used once, kept gathered for the backward pass), its gradient reduce-scattered once
     per micro-batch; gradients all-reduced over the batch axes that do not shard the parameter.
-    Routed experts stay where they are (their dimension sharded over `ep` is not gathered). The
-    token embedding is not gathered: its rows are looked up where the table is, and one all-to-all
-    along the axes sharding its hidden dimension hands them to their tokens (and back in the
-    backward pass); along `tp` its vocabulary is gathered once. Tensor parallelism: per layer two
+    Routed experts stay where they are (their dimension sharded over `ep` is not gathered): each
+    token's hidden state goes to its `num_experts_per_tok` experts and back by all-to-all along the
+    expert axes, in every pass over a MoE layer. The token embedding is not gathered: its rows are
+    looked up where the table is, and one all-to-all along the axes sharding its hidden dimension
+    hands them to their tokens (and back in the backward pass); along `tp` its vocabulary is
+    gathered once. Tensor parallelism: per layer two
     activation all-reduces in the forward pass and two in the backward, one more when remat
     recomputes the attention output projection; one for the LM head's input gradient, and the
     loss's reductions over the vocabulary (the logits' max, two float32 sums).
@@ -123,6 +125,14 @@ def ideal_traffic(training: Training) -> dict:
             add("all-gather", gathered_axes, passes * full * (gathered - 1) / gathered)
             add("reduce-scatter", gathered_axes, full * (gathered - 1) / gathered)
         add("all-reduce", replica_axes, 2 * (full / gathered) * (replicas - 1) / replicas)
+    ep = math.prod(sizes[a] for a in axes_of(logical_to_spec(("experts",), sizes, rules=rules)[0]))
+    if m.num_moe_layers and ep > 1:
+        # Each token's hidden state to its routed experts and back (dispatch and combine), in the
+        # forward pass, the remat recompute and the backward pass.
+        passes = 3 if m.remat == "full" else 2
+        routed = tokens * m.moe.num_experts_per_tok * m.hidden_size * itemsize * (ep - 1) / ep
+        experts_axes = axes_of(logical_to_spec(("experts",), sizes, rules=rules)[0])
+        add("all-to-all", experts_axes, m.num_moe_layers * 2 * passes * routed)
     tp = sizes.get("tp", 1)
     if tp > 1:
         recompute = 1 if m.remat in ("full", "save_attn_out", "save_qkv_attn_out") else 0
