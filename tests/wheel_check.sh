@@ -26,4 +26,10 @@ grep -q "param" plan.txt
   model.intermediate_size=128 model.head_dim=16 train.batch_size=4 train.seq_len=32 train.eval_every=0 \
   checkpoint.every_steps=3 > train.txt
 grep -q "steps 0 -> 3" train.txt
+# Without the aot extra, --target says what to install (one line, exit code 2).
+set +e
+"$work/venv/bin/podtrain" plan -c llama3-tiny --target v5p-8 2> target.txt
+code=$?
+set -e
+[ "$code" = 2 ] && grep -q "pip install 'podtrain\[aot\]'" target.txt && [ "$(wc -l < target.txt)" = 1 ]
 echo "wheel check: plan and train ran from the installed wheel beside a decoy models/ and sharding.py"
