@@ -142,6 +142,15 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
+def _instructions(computations: dict[str, list[str]]):
+    """(computation name, instruction match) of every instruction: groups 1 name, 2 shape, 3 opcode,
+    4 operands and attributes."""
+    for name, lines in computations.items():
+        for line in lines:
+            if m := _INSTRUCTION.match(line):
+                yield name, m
+
+
 def _trip_count(attrs: str, computations: dict[str, list[str]]) -> int | None:
     if m := re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs):
         return int(m[1])
@@ -166,24 +175,20 @@ def _multipliers(computations: dict[str, list[str]], entry: str) -> tuple[dict[s
     """How many times each computation runs per step (loop bodies by their trip counts)."""
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)  # callee -> (caller, times per call)
     unknown = []
-    for name, lines in computations.items():
-        for line in lines:
-            m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            rest = m[4]
-            if m[3] == "while":
-                body = re.search(r"body=%?([^\s,]+)", rest)
-                trips = _trip_count(rest, computations)
-                if trips is None:
-                    unknown.append(m[1])
-                calls[body[1]].append((name, trips or 1))
-                continue
-            for callee in re.findall(r"(?:calls|true_computation|false_computation)=%?([^\s,}]+)", rest):
+    for name, m in _instructions(computations):
+        rest = m[4]
+        if m[3] == "while":
+            body = re.search(r"body=%?([^\s,]+)", rest)
+            trips = _trip_count(rest, computations)
+            if trips is None:
+                unknown.append(m[1])
+            calls[body[1]].append((name, trips or 1))
+            continue
+        for callee in re.findall(r"(?:calls|true_computation|false_computation)=%?([^\s,}]+)", rest):
+            calls[callee].append((name, 1))
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", rest):
+            for callee in re.findall(r"%?([^\s,]+)", group):
                 calls[callee].append((name, 1))
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", rest):
-                for callee in re.findall(r"%?([^\s,]+)", group):
-                    calls[callee].append((name, 1))
     memo: dict[str, int] = {entry: 1}
 
     def times(name: str, depth: int = 0) -> int:
@@ -205,60 +210,55 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
     times, _ = _multipliers(computations, entry)
     tables = _tables(hlo)
     callers = {}  # a fused computation -> the attributes of the fusion calling it (its op name, source)
-    for lines in computations.values():
-        for line in lines:
-            if (m := _INSTRUCTION.match(line)) and m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4])):
-                callers[c[1]] = m[4]
+    for _, m in _instructions(computations):
+        if m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4])):
+            callers[c[1]] = m[4]
     num_devices = math.prod(mesh_shape)
     found = []
-    for comp, lines in computations.items():
-        for line in lines:
-            m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            dcn = re.search(r'_xla_megascale_transfer_type="(\w+)"', m[4]) if m[3] == "send" else None
-            if dcn:
-                found.append(_megascale(m, dcn[1], num_slices, slice_axes, times.get(comp, 1), tables))
-                continue
-            if m[3].removesuffix("-start") not in KINDS:
-                continue
-            kind, shape, rest = m[3].removesuffix("-start"), m[2], m[4]
-            # The TPU compiler writes a reduce-scatter as a fusion of an all-reduce and a slice (a
-            # computation named all-reduce-scatter...): it moves what a reduce-scatter does.
-            fused_scatter = kind == "all-reduce" and comp.startswith("all-reduce-scatter")
-            data = arrays(shape)
-            if m[3].endswith("-start"):
-                data = [a for a in data if a[0] != "u32" or a[1]]  # drop the async context scalars
-                if kind != "all-reduce" and len(data) > 1:  # (operands..., outputs...): the outputs
-                    data = data[len(data) // 2:]
-            size = _nbytes(data)
-            if kind == "collective-permute":
-                listed = rest.split("source_target_pairs=")[1].split("}}")[0] + "}"
-                pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", listed)]
-                senders = sorted({s for s, t in pairs if s != t})
-                ids = sorted({i for p in pairs if p[0] != p[1] for i in p})
-                group, share = len(ids), len(senders) / num_devices
-                moved = {a for src, dst in pairs if src != dst for a in _axes([src, dst], mesh_shape, axis_names)}
-                axes = tuple(a for a in axis_names if a in moved)  # the axes a pair's ends differ along
-                per_run = size * share
-            else:
-                groups = replica_groups(rest, num_devices) or [list(range(num_devices))]
-                group = len(groups[0])
-                axes = _axes(groups[0], mesh_shape, axis_names)
-                fraction = (group - 1) / group if group else 0.0
-                if fused_scatter:
-                    kind, size = "reduce-scatter", size // group
-                per_run = {"all-gather": size * fraction, "reduce-scatter": size * (group - 1),
-                           "all-reduce": 2 * size * fraction}.get(kind, size * fraction)
-            where = callers.get(comp, rest) if fused_scatter else rest
-            op_name = re.search(r'op_name="([^"]*)"', where)
-            frame = re.search(r"stack_frame_id=(\d+)", where)
-            executions = times.get(comp, 1)
-            found.append(Collective(
-                kind=kind, name=m[1], shape=" ".join(f"{d}[{','.join(map(str, s))}]" for d, s in data),
-                bytes=size, group=group, axes=axes, executions=executions, traffic=per_run * executions,
-                op_name=op_name[1] if op_name else "",
-                source=_source(int(frame[1]), tables) if frame else ""))
+    for comp, m in _instructions(computations):
+        dcn = re.search(r'_xla_megascale_transfer_type="(\w+)"', m[4]) if m[3] == "send" else None
+        if dcn:
+            found.append(_megascale(m, dcn[1], num_slices, slice_axes, times.get(comp, 1), tables))
+            continue
+        if m[3].removesuffix("-start") not in KINDS:
+            continue
+        kind, shape, rest = m[3].removesuffix("-start"), m[2], m[4]
+        # The TPU compiler writes a reduce-scatter as a fusion of an all-reduce and a slice (a
+        # computation named all-reduce-scatter...): it moves what a reduce-scatter does.
+        fused_scatter = kind == "all-reduce" and comp.startswith("all-reduce-scatter")
+        data = arrays(shape)
+        if m[3].endswith("-start"):
+            data = [a for a in data if a[0] != "u32" or a[1]]  # drop the async context scalars
+            if kind != "all-reduce" and len(data) > 1:  # (operands..., outputs...): the outputs
+                data = data[len(data) // 2:]
+        size = _nbytes(data)
+        if kind == "collective-permute":
+            listed = rest.split("source_target_pairs=")[1].split("}}")[0] + "}"
+            pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", listed)]
+            senders = sorted({s for s, t in pairs if s != t})
+            ids = sorted({i for p in pairs if p[0] != p[1] for i in p})
+            group, share = len(ids), len(senders) / num_devices
+            moved = {a for src, dst in pairs if src != dst for a in _axes([src, dst], mesh_shape, axis_names)}
+            axes = tuple(a for a in axis_names if a in moved)  # the axes a pair's ends differ along
+            per_run = size * share
+        else:
+            groups = replica_groups(rest, num_devices) or [list(range(num_devices))]
+            group = len(groups[0])
+            axes = _axes(groups[0], mesh_shape, axis_names)
+            fraction = (group - 1) / group if group else 0.0
+            if fused_scatter:
+                kind, size = "reduce-scatter", size // group
+            per_run = {"all-gather": size * fraction, "reduce-scatter": size * (group - 1),
+                       "all-reduce": 2 * size * fraction}.get(kind, size * fraction)
+        where = callers.get(comp, rest) if fused_scatter else rest
+        op_name = re.search(r'op_name="([^"]*)"', where)
+        frame = re.search(r"stack_frame_id=(\d+)", where)
+        executions = times.get(comp, 1)
+        found.append(Collective(
+            kind=kind, name=m[1], shape=" ".join(f"{d}[{','.join(map(str, s))}]" for d, s in data),
+            bytes=size, group=group, axes=axes, executions=executions, traffic=per_run * executions,
+            op_name=op_name[1] if op_name else "",
+            source=_source(int(frame[1]), tables) if frame else ""))
     return found
 
 

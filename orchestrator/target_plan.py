@@ -181,8 +181,8 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
     """Compiles `config`'s train step for `target`: memory, verdict, communication, roofline."""
     devices = compile_devices(target) if devices is None else devices
     training = build_training(config, devices)
-    params = _shard_bytes(jax.tree.leaves(training.abstract_state().params))
-    optimizer = _shard_bytes(jax.tree.leaves(training.abstract_state().opt_state))
+    state = training.abstract_state()
+    params, optimizer = _shard_bytes(jax.tree.leaves(state.params)), _shard_bytes(jax.tree.leaves(state.opt_state))
     start = time.perf_counter()
     compiled, oom = _compile(training)
     seconds = time.perf_counter() - start
