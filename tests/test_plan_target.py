@@ -196,3 +196,15 @@ def test_tp_traffic_equals_the_ideal_computed_by_hand():
     assert comm["ideal"]["by_category"]["all-reduce over tp"] == share * (activations + softmax)
     # The vocabulary-sharded table gathered once along tp, in the compute dtype.
     assert comm["by_category"]["gather/scatter over tp"]["measured"] == m["vocab_size"] * m["hidden_size"] * 2 * 3 / 4
+
+
+def test_the_fit_search_tries_only_micro_batches_that_leave_every_batch_shard_a_row():
+    from podtrain.orchestrator.config import load_config
+    from podtrain.orchestrator.target_plan import _candidates
+
+    config = load_config("llama3-tiny", ["train.batch_size=32", "model.remat=dots"])
+    report = {"params_bytes": 0, "optimizer_bytes": 0, "mesh": {"dp": 1, "fsdp": 8, "ep": 1, "tp": 1}}
+    tried = list(_candidates(config, parse_target("v5p-16"), report))
+    # 32 rows over 8 batch shards: 2 and 4 micro-batches keep a row per shard, 8 would not.
+    assert tried == [["train.grad_accum=2"], ["train.grad_accum=4"], ["model.remat=full"],
+                     ["model.remat=full", "train.grad_accum=4"]]
