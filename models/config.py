@@ -9,6 +9,7 @@ MODEL_TYPES = ("llama", "qwen3", "deepseek_v3")
 ROPE_TYPES = ("default", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out", "save_qkv_attn_out")
+ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class ModelConfig:
     `remat` names what the per-layer `jax.checkpoint` keeps for the backward pass (the policies
     are described in `models/runner.py`); `scan_layers=False` unrolls the layer loop (a reference
     and benchmark baseline); `dtype` is the compute dtype, `param_dtype` the storage dtype.
+    `attention` picks the self-attention backend (`models/attention.py`: auto, xla, splash, cudnn).
     """
 
     model_type: str = "llama"
@@ -111,6 +113,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "full"
+    attention: str = "auto"
     scan_layers: bool = True
     initializer_range: float = 0.02
     mla: MLAConfig = field(default_factory=MLAConfig)
@@ -143,6 +146,9 @@ class ModelConfig:
             raise ValueError(
                 f"{prefix}.remat: unknown remat policy {self.remat!r}; valid policies: {', '.join(REMAT_POLICIES)}"
             )
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"{prefix}.attention: expected one of {list(ATTENTION_BACKENDS)}, found {self.attention!r}")
         self._validate_rope(f"{prefix}.rope")
         if self.model_type == "deepseek_v3":
             self._validate_deepseek(prefix)

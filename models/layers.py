@@ -16,10 +16,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from podtrain.models.attention import NEG_INF, attention
 from podtrain.models.config import ModelConfig, RopeConfig
 from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
-
-NEG_INF = float(np.finfo(np.float32).min)
 
 
 def dtype_of(name: str):
@@ -70,80 +69,23 @@ def gathered(w: jax.Array, names) -> jax.Array:
     Undifferentiated (inference), without a mesh or for expert weights (kept sharded over their
     expert axis: `sharding.experts` gathers what it needs) `w` is returned as it is.
     """
+    specs = gather_specs(names, w.ndim)
+    return w if specs is None else _gathered(w, *specs)
+
+
+def gather_specs(names, ndim: int) -> tuple[PartitionSpec, PartitionSpec] | None:
+    """(whole, sharded): the layout of an `ndim`-dimensional weight with logical `names` once
+    gathered over the batch axes, and its own; None when there is nothing to gather."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not names or "experts" in names:
-        return w
+        return None
     sizes = dict(mesh.shape)
-    spec = list(logical_to_spec(names, sizes))[len(names) - w.ndim:]
+    spec = list(logical_to_spec(names, sizes))[len(names) - ndim:]
     batch = set(axes_of(logical_to_spec(("batch",), sizes)[0]))
     kept = [tuple(a for a in axes_of(entry) if a not in batch) for entry in spec]
     whole = PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in kept))
     sharded = PartitionSpec(*spec)
-    return w if whole == sharded else _gathered(w, whole, sharded)
-
-
-def _batched_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """(B, K, M, C) @ (B, K, C, N) -> (B, K, M, N) in float32."""
-    return jax.lax.dot_general(a, b, (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
-
-
-def _masked_scores(q, k_t, bias_BTS):
-    """q (B, K, G*T, D) @ k_t (B, K, D, S) plus the (B, T, S) bias broadcast over K and G."""
-    scores = _batched_matmul(q, k_t)
-    b, kv_heads, gt, s = scores.shape
-    t = bias_BTS.shape[1]
-    return (scores.reshape(b, kv_heads, gt // t, t, s) + bias_BTS[:, None, None]).reshape(scores.shape)
-
-
-@jax.custom_vjp
-def attend(q, k_t, v, bias_BTS):
-    """softmax(q k_t + bias) v for q (B, K, G*T, D), k_t (B, K, D, S), v (B, K, S, D); softmax in float32.
-
-    The backward pass recomputes the probabilities from the saved row logsumexp (as flash
-    attention does) instead of keeping them, and every (queries x keys) array is made and used
-    by canonical batched matmuls, so XLA never copies one into a transposed layout.
-    """
-    return _attend_fwd(q, k_t, v, bias_BTS)[0]
-
-
-def _attend_fwd(q, k_t, v, bias_BTS):
-    scores = _masked_scores(q, k_t, bias_BTS)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    unnormalised = jnp.exp(scores - row_max)
-    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
-    out = _batched_matmul((unnormalised / row_sum).astype(v.dtype), v).astype(v.dtype)
-    return out, (q, k_t, v, bias_BTS, out, row_max + jnp.log(row_sum))
-
-
-def _attend_bwd(residuals, d_out):
-    q, k_t, v, bias_BTS, out, logsumexp = residuals
-    probs = jnp.exp(_masked_scores(q, k_t, bias_BTS) - logsumexp)
-    d_v_t = _batched_matmul(jnp.swapaxes(d_out, 2, 3), probs.astype(d_out.dtype))
-    d_probs = _batched_matmul(d_out, jnp.swapaxes(v, 2, 3))
-    d_scores = probs * (d_probs - jnp.sum(d_out * out, axis=-1, keepdims=True, dtype=jnp.float32))
-    d_scores = d_scores.astype(q.dtype)
-    d_q = _batched_matmul(d_scores, jnp.swapaxes(k_t, 2, 3)).astype(q.dtype)
-    d_k_t = _batched_matmul(jnp.swapaxes(q, 2, 3), d_scores).astype(k_t.dtype)
-    return d_q, d_k_t, jnp.swapaxes(d_v_t, 2, 3).astype(v.dtype), None
-
-
-attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def attention(q_BTHD, k_BSKD, v_BSKE, mask_BTS, *, scale: float) -> jax.Array:
-    """Grouped-query attention, `scale` applied to q: (B, T, H, D) queries against (B, S, K, D)
-    keys and (B, S, K, E) values (H a multiple of K) -> (B, T, H, E).
-
-    Runs `attend` in head-major layout: (B, K, G*T, D) queries, one batched matmul per kv head.
-    """
-    b, t, heads, d = q_BTHD.shape
-    kv_heads = k_BSKD.shape[2]
-    group = heads // kv_heads
-    q = (q_BTHD * scale).reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)
-    bias_BTS = jnp.where(mask_BTS, 0.0, NEG_INF).astype(jnp.float32)
-    out = attend(q, k_BSKD.transpose(0, 2, 3, 1), v_BSKE.transpose(0, 2, 1, 3), bias_BTS)
-    e = out.shape[-1]
-    return out.reshape(b, kv_heads, group, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e)
+    return None if whole == sharded else (whole, sharded)
 
 
 def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
@@ -364,8 +306,8 @@ class Attention(nnx.Module):
             y = y + b[...].astype(self.dtype)
         return checkpoint_name(y, name)
 
-    def __call__(self, x_BTD, *, positions_BT, mask_BTS=None, kv=None, layer=None, **cache_kwargs):
-        """Attends `x` to itself (under `mask_BTS`), or to itself and a stacked cache.
+    def __call__(self, x_BTD, *, positions_BT, mask=None, kv=None, layer=None, **cache_kwargs):
+        """Attends `x` to itself (under `mask`, a `models.attention.Mask`), or to itself and a stacked cache.
 
         With a cache, `kv = (k, v)` are the whole stacks (L, B, S, K, D), read only; this is layer
         `layer`, and `cache_kwargs` are `cached_attention`'s `key_positions_BT`,
@@ -385,7 +327,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions_BT, inv_freq, self.rope_scale)
         scale = self.head_dim**-0.5
         if kv is None:
-            out = attention(q, k, v, mask_BTS, scale=scale)
+            out = attention(q, k, v, mask, scale=scale)
         else:
             out = cached_attention([q * scale], [k], v, kv[:1], kv[1], layer=layer, positions_BT=positions_BT,
                                    **cache_kwargs)

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from podtrain.models.attention import backend_for, make_mask
 from podtrain.models.config import ModelConfig
 from podtrain.models.kv_cache import KVCache, write_tokens
-from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, gathered, make_attention_mask, param
+from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, gathered, param
 from podtrain.models.runner import run_layers, stack_layers
 from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
@@ -127,8 +128,9 @@ class Llama(nnx.Module):
         h = embed_tokens(self.embed[...], input_ids, dtype)
         stacks = self.stacks()
         if kv_cache is None:
-            mask = make_attention_mask(positions, key_positions, segment_ids, segment_ids)
-            pairs, remat, kwargs = [None] * len(stacks), c.remat, {"mask_BTS": mask}
+            backend = backend_for(c.attention, jax.default_backend(), c.dtype, t)
+            mask = make_mask(backend, positions, key_positions, segment_ids, padded=attention_mask is not None)
+            pairs, remat, kwargs = [None] * len(stacks), c.remat, {"mask": mask}
         else:
             pairs, remat = kv_cache.split(), "none"
             kwargs = {"key_positions_BT": key_positions, "cache_positions_BS": kv_cache.positions,
@@ -152,15 +154,15 @@ class Llama(nnx.Module):
             result += (stats,)
         return result[0] if len(result) == 1 else result
 
-    def head(self, *, compute_dtype: bool = True) -> jax.Array:
-        """The output projection (hidden, vocab) (the embedding when tied): in the compute dtype, or
-        with `compute_dtype=False` in the param dtype (for a caller that casts it where it is used, so
-        that its gradient is summed in the param dtype)."""
+    def head(self, *, stored: bool = False) -> jax.Array:
+        """The output projection (hidden, vocab) (the embedding when tied), logical axes ("embed",
+        "vocab"): in the compute dtype, gathered here once (a caller looping over chunks would
+        otherwise gather it in each); with `stored`, as stored (param dtype, own sharding), for
+        `chunked_causal_lm_loss`, which gathers it a vocabulary slice at a time."""
         w = self.embed if self.lm_head is None else self.lm_head
         names = tuple(w.get_metadata().get("out_sharding") or ())
         head, names = (w[...].T, names[::-1]) if self.lm_head is None else (w[...], names)
-        # Gathered here, once: a caller that loops over chunks would otherwise gather it in each chunk.
-        return gathered(head.astype(dtype_of(self.config.dtype)) if compute_dtype else head, names)
+        return head if stored else gathered(head.astype(dtype_of(self.config.dtype)), names)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache of `max_len` slots per sequence, in the compute dtype unless `dtype` says."""

@@ -7,6 +7,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from podtrain.models.attention import NEG_INF
+from podtrain.models.layers import dense, gather_specs
+from podtrain.sharding.rules import constrain
+
+_HEAD_NAMES = ("embed", "vocab")
+
 
 def causal_lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array | None = None):
     """Mean next-token cross-entropy in float32 over the positions whose weight is non-zero.
@@ -41,12 +47,17 @@ def chunked_causal_lm_loss(
 ):
     """`causal_lm_loss(h @ head, ...)` without materialising the (B, T, vocab) logits.
 
-    A rematerialised scan over sequence chunks of `chunk` positions computes each chunk's logits,
-    log-partition and target logit; the backward pass recomputes them chunk by chunk. The batch
-    axis stays whole in every chunk, so its sharding is untouched. `head_DV` is cast to the dtype of
-    `h_BTD` inside each chunk: give it in the param dtype (float32), so that the backward pass sums
-    its gradient over the chunks in float32, not in a bfloat16 compute dtype (whose error grows
-    with the number of chunks).
+    The vocabulary is cut into n = T / `chunk` slices (slice j: columns j, j + n, j + 2n, ...), so
+    each slice's logits are as large as those of `chunk` positions over the whole vocabulary. A
+    first pass over the slices keeps each token's running log-partition and its target logit; the
+    backward pass recomputes one slice's logits at a time. A slice's gradient is complete after that
+    one pass over all tokens, so with the head sharded over the batch axes (FSDP) each slice is
+    gathered and its gradient reduce-scattered once, and nothing of the head's size is ever held
+    whole. (Chunking the sequence instead sums the head's gradient over the chunks: reduced in every
+    chunk, or a whole unreduced copy per device.)
+
+    `head_DV` is the head in its own sharding and dtype, logical axes ("embed", "vocab"); each slice
+    is cast to the dtype of `h_BTD` for its matmuls.
 
     Returns:
         (loss, num_tokens), as `causal_lm_loss`.
@@ -55,19 +66,82 @@ def chunked_causal_lm_loss(
     if t % chunk:
         raise ValueError(f"train.loss_chunk={chunk} must divide the sequence length {t}")
     weights_BT = jnp.ones((b, t), jnp.float32) if weights_BT is None else weights_BT.astype(jnp.float32)
-    n = t // chunk
-    h_NBCD = h_BTD.reshape(b, n, chunk, d).swapaxes(0, 1)
-    targets_NBC = targets_BT.reshape(b, n, chunk).swapaxes(0, 1)
-    weights_NBC = weights_BT.reshape(b, n, chunk).swapaxes(0, 1)
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def one_chunk(total, xs):
-        h, targets, weights = xs
-        logits = (h @ head_DV.astype(h.dtype)).astype(jnp.float32)
-        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
-        return total + _weighted_sum(nll, weights), None
-
-    total, _ = jax.lax.scan(one_chunk, jnp.zeros((), jnp.float32), (h_NBCD, targets_NBC, weights_NBC))
+    total = _sliced_nll_sum(h_BTD, head_DV, targets_BT, weights_BT, t // chunk)
     num_tokens = jnp.sum(weights_BT)
     return total / jnp.maximum(num_tokens, 1.0), num_tokens
+
+
+def _slices(head_DV, n):
+    """(D, V/n, n) view of the head (zero columns appended up to a multiple of n): [..., j] is slice j."""
+    d, v = head_DV.shape
+    pad = -v % n
+    if pad:
+        head_DV = jnp.pad(head_DV, ((0, 0), (0, pad)))
+    return head_DV.reshape(d, (v + pad) // n, n)
+
+
+def _slice_logits(h_BTD, head_DSN, j, vocab):
+    """Float32 logits (B, T, V/n) of slice j, the appended columns at -inf, and the slice's weight
+    as its matmuls read it (compute dtype, gathered over the batch axes)."""
+    n = head_DSN.shape[-1]
+    w = jax.lax.dynamic_index_in_dim(head_DSN, j, axis=2, keepdims=False).astype(h_BTD.dtype)
+    specs = gather_specs(_HEAD_NAMES, 2)
+    if specs is not None:
+        w = jax.lax.with_sharding_constraint(w, specs[0])
+    logits = dense(h_BTD, w).astype(jnp.float32)
+    if vocab % n:
+        column = jnp.arange(head_DSN.shape[1]) * n + j
+        logits = jnp.where(column < vocab, logits, NEG_INF)
+    return logits, w
+
+
+def _target_hits(targets_BT, j, n, width):
+    """(B, T, V/n) one-hot of each token's target within slice j (all false when it is elsewhere)."""
+    return (targets_BT % n == j)[..., None] & (jnp.arange(width) == (targets_BT // n)[..., None])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sliced_nll_sum(h_BTD, head_DV, targets_BT, weights_BT, n):
+    """sum(weights * nll) of the logits h @ head, a vocabulary slice at a time (see the caller)."""
+    return _sliced_fwd(h_BTD, head_DV, targets_BT, weights_BT, n)[0]
+
+
+def _sliced_fwd(h_BTD, head_DV, targets_BT, weights_BT, n):
+    head = _slices(head_DV, n)
+    b, t, _ = h_BTD.shape
+
+    def one_slice(carry, j):
+        row_max, row_sum, target_logit = carry
+        logits, _ = _slice_logits(h_BTD, head, j, head_DV.shape[1])
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))
+        row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.sum(jnp.exp(logits - new_max[..., None]), axis=-1)
+        hits = _target_hits(targets_BT, j, n, logits.shape[-1])
+        return (new_max, row_sum, target_logit + jnp.sum(jnp.where(hits, logits, 0.0), axis=-1)), None
+
+    init = (jnp.full((b, t), NEG_INF, jnp.float32), jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.float32))
+    (row_max, row_sum, target_logit), _ = jax.lax.scan(one_slice, init, jnp.arange(n))
+    log_z = row_max + jnp.log(row_sum)
+    return _weighted_sum(log_z - target_logit, weights_BT), (h_BTD, head_DV, targets_BT, weights_BT, log_z)
+
+
+def _sliced_bwd(n, residuals, d_total):
+    h_BTD, head_DV, targets_BT, weights_BT, log_z = residuals
+    head = _slices(head_DV, n)
+    coef = jnp.where(weights_BT != 0, weights_BT * d_total, 0.0)[..., None]
+    h_2d = h_BTD.reshape(-1, h_BTD.shape[-1])
+
+    def one_slice(d_h, j):
+        logits, w = _slice_logits(h_BTD, head, j, head_DV.shape[1])
+        hits = _target_hits(targets_BT, j, n, logits.shape[-1])
+        d_logits = ((jnp.exp(logits - log_z[..., None]) - hits) * coef).astype(h_BTD.dtype)
+        d_h = d_h + jnp.einsum("btv,dv->btd", d_logits, w, preferred_element_type=jnp.float32)
+        d_w = h_2d.T @ d_logits.reshape(-1, d_logits.shape[-1])
+        return d_h, constrain(d_w, _HEAD_NAMES)
+
+    d_h, d_head = jax.lax.scan(one_slice, jnp.zeros(h_BTD.shape, jnp.float32), jnp.arange(n))
+    d, v = head_DV.shape
+    d_head = d_head.transpose(1, 2, 0).reshape(d, -1)[:, :v].astype(head_DV.dtype)
+    return d_h.astype(h_BTD.dtype), d_head, None, None
+
+
+_sliced_nll_sum.defvjp(_sliced_fwd, _sliced_bwd)

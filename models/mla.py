@@ -78,7 +78,7 @@ class MLAttention(nnx.Module):
             x = _deinterleave(x)
         return apply_rope(x, positions_BT, np.asarray(self.inv_freq, np.float32), self.rope_scale)
 
-    def __call__(self, x_BTD, *, positions_BT, mask_BTS=None, kv=None, layer=None, **cache_kwargs):
+    def __call__(self, x_BTD, *, positions_BT, mask=None, kv=None, layer=None, **cache_kwargs):
         """Attends `x` to itself, or to itself and a stacked cache `kv = (latent, rope_key)`.
 
         The cache holds (L, B, S, 1, kv_lora_rank) normed latents and (L, B, S, 1, qk_rope_head_dim)
@@ -107,7 +107,7 @@ class MLAttention(nnx.Module):
             kv_heads = checkpoint_name(kv_heads, "key")
             k_nope, v = kv_heads[..., : self.nope], kv_heads[..., self.nope:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, (*k_nope.shape[:-1], self.rope_dim))], axis=-1)
-            out = attention(q, k, v, mask_BTS, scale=self.scale)
+            out = attention(q, k, v, mask, scale=self.scale)
         else:
             new_kv = (latent, rope_key)
             q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, wkv_b[..., : self.nope])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from podtrain.models import ARCHITECTURES, ModelConfig
+from podtrain.models.attention import backend_for, check_backend
 from podtrain.models.runner import only_layer
 from podtrain.orchestrator.config import ConfigError, validate
 from podtrain.orchestrator.optimizer import make_optimizer, make_schedule
@@ -78,9 +80,22 @@ def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Me
         raise ConfigError(str(e)) from None
 
 
+def resolve_attention(config: Config, platform: str) -> Config:
+    """`config` with `model.attention` resolved for devices of `platform` (the one place "auto" is
+    decided for a run); a ConfigError when the chosen backend cannot run there."""
+    m = config.model
+    try:
+        check_backend(m.attention, platform, m.dtype, config.train.seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    attention = backend_for(m.attention, platform, m.dtype, config.train.seq_len)
+    return dataclasses.replace(config, model=dataclasses.replace(m, attention=attention))
+
+
 def build_training(config: Config, devices: Sequence[jax.Device] | None = None) -> Training:
     """Validates `config` against the devices, then builds mesh, abstract model, optimizer and step."""
     mesh = make_mesh(config, devices)
+    config = resolve_attention(config, mesh.devices.flat[0].platform)
     rules = config.sharding.rules
     graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed), mesh, rules)
     params = state_shardings(abstract, mesh, rules)

@@ -19,6 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from podtrain.models.attention import check_backend
 from podtrain.orchestrator.schema import OPTIMIZERS, SCHEDULES, Config
 from podtrain.sharding.mesh import resolve_axis_sizes
 from podtrain.sharding.rules import check_rules, logical_to_spec, sharded_over
@@ -235,6 +236,14 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
     return result
 
 
+def cluster_platform(cluster) -> str | None:
+    """The JAX platform the run's workers will have ("tpu", "gpu", "cpu"), or None when only the
+    process that trains knows it (`cluster.kind=none`)."""
+    if "JAX_PLATFORMS" in cluster.env:
+        return str(cluster.env["JAX_PLATFORMS"]).split(",")[0] or None
+    return {"tpu": "tpu", "gpu": "gpu", "local": "cpu"}.get(cluster.kind)
+
+
 def validate(config: Config, num_devices: int | None = None) -> dict[str, int] | None:
     """Cross-field rules; with `num_devices`, also the mesh against the devices present.
 
@@ -253,6 +262,12 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     except ValueError as e:
         raise ConfigError(str(e)) from None
     m, mesh = config.model, config.mesh
+    platform = cluster_platform(config.cluster)
+    if platform is not None:
+        try:
+            check_backend(m.attention, platform, m.dtype, config.train.seq_len)
+        except ValueError as e:
+            raise ConfigError(f"{e} (cluster.kind={config.cluster.kind})") from None
     if mesh.tp > 0:
         for name in ("num_heads", "num_kv_heads"):
             if getattr(m, name) % mesh.tp:

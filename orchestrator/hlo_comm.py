@@ -2,7 +2,7 @@
 
 Each collective is counted once per execution: a collective inside a `while` body runs once per
 iteration, so it is multiplied by the trip counts of the loops around it (read from the loop's
-`known_trip_count`, else from the constant its condition compares the counter with). A collective's
+`known_trip_count`, else from its counter's start, step and the bound its condition compares with). A collective's
 `traffic` is what one device sends for it with a ring (or direct) algorithm on a group of `g`:
 all-gather `out * (g-1)/g`, reduce-scatter `out * (g-1)`, all-reduce `2 * size * (g-1)/g`,
 all-to-all `size * (g-1)/g`, collective-permute its operand from each device that sends. The TPU
@@ -151,38 +151,80 @@ def _instructions(computations: dict[str, list[str]]):
                 yield name, m
 
 
-def _trip_count(attrs: str, computations: dict[str, list[str]]) -> int | None:
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction, from the text after its opcode's parenthesis."""
+    return re.findall(r"%([^\s,()]+)", rest.split(")")[0])
+
+
+def _trip_count(attrs: str, computations: dict[str, list[str]], defs: dict) -> int | None:
+    """A while loop's trip count: its `known_trip_count`, else ceil((bound - start) / step) from its
+    condition's `counter < bound`, its body's `counter + step` and its initial tuple's `start`.
+
+    (The TPU compiler unrolls windowed-einsum loops, stepping the counter by 2, and gives them no
+    known_trip_count: the bound alone would count them twice.) `defs` maps every instruction name
+    of the module (unique in HLO) to its parsed line.
+    """
     if m := re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs):
         return int(m[1])
-    cond = re.search(r"condition=%?([^\s,]+)", attrs)
-    lines = computations.get(cond[1], []) if cond else []
-    constants = {}
-    for line in lines:
-        if (m := _INSTRUCTION.match(line)) and m[3] == "constant":
-            constants[m[1]] = re.match(r"([-0-9]+)\)", m[4])
-    for line in lines:
-        if (m := _INSTRUCTION.match(line)) and m[3] == "compare":
-            operands = re.findall(r"%([^\s,)]+)", m[4].split(")")[0])
-            direction = re.search(r"direction=(\w+)", m[4])
-            bound = next((constants[o] for o in operands if constants.get(o)), None)
-            if bound and direction:
-                value = int(bound[1])
-                return {"LT": value, "LE": value + 1, "GT": value, "GE": value + 1, "NE": value}.get(direction[1])
-    return None
+    cond, body = (re.search(rf"{key}=%?([^\s,]+)", attrs) for key in ("condition", "body"))
+    if not cond or not body:
+        return None
+
+    def value(name, depth=0):
+        """("const", v), ("counter", tuple index), ("step", tuple index, v), or None."""
+        m = defs.get(name)
+        if m is None or depth > 16:
+            return None
+        if m[3] == "constant":
+            c = re.match(r"(-?\d+)\)", m[4])
+            return ("const", int(c[1])) if c else None
+        if m[3] in ("copy", "convert", "bitcast"):
+            operands = _operands(m[4])
+            return value(operands[0], depth + 1) if operands else None
+        if m[3] == "get-tuple-element":
+            return ("counter", int(re.search(r"index=(\d+)", m[4])[1]))
+        if m[3] == "add":
+            terms = [value(o, depth + 1) for o in _operands(m[4])[:2]]
+            kinds = sorted(t[0] for t in terms if t)
+            if kinds == ["const", "counter"]:
+                counter, const = sorted(terms, key=lambda t: t[0] != "counter")
+                return ("step", counter[1], const[1])
+        return None
+
+    compare = next((m for line in computations.get(cond[1], [])
+                    if (m := _INSTRUCTION.match(line)) and m[3] == "compare"), None)
+    direction = re.search(r"direction=(\w+)", compare[4]) if compare else None
+    if not direction or direction[1] not in ("LT", "LE", "NE"):
+        return None
+    counter, bound = (value(o) for o in _operands(compare[4])[:2])
+    if not (counter and bound and counter[0] == "counter" and bound[0] == "const"):
+        return None
+    index, bound = counter[1], bound[1] + (direction[1] == "LE")
+    root = next((m for line in computations.get(body[1], [])
+                 if line.lstrip().startswith("ROOT") and (m := _INSTRUCTION.match(line))), None)
+    next_value = _operands(root[4]) if root is not None and root[3] == "tuple" else []
+    step = value(next_value[index]) if index < len(next_value) else None
+    step = step[2] if step and step[0] == "step" and step[1] == index and step[2] > 0 else 1
+    initial = defs.get((_operands(attrs) or [""])[0])
+    starts = _operands(initial[4]) if initial is not None and initial[3] == "tuple" else []
+    start = value(starts[index]) if index < len(starts) else None
+    start = start[1] if start and start[0] == "const" else 0
+    return max(0, math.ceil((bound - start) / step))
 
 
 def _multipliers(computations: dict[str, list[str]], entry: str) -> tuple[dict[str, int], list[str]]:
     """How many times each computation runs per step (loop bodies by their trip counts)."""
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)  # callee -> (caller, times per call)
     unknown = []
+    defs = {m[1]: m for _, m in _instructions(computations)}
     for name, m in _instructions(computations):
         rest = m[4]
         if m[3] == "while":
             body = re.search(r"body=%?([^\s,]+)", rest)
-            trips = _trip_count(rest, computations)
+            trips = _trip_count(rest, computations, defs)
             if trips is None:
                 unknown.append(m[1])
-            calls[body[1]].append((name, trips or 1))
+            calls[body[1]].append((name, 1 if trips is None else trips))
             continue
         for callee in re.findall(r"(?:calls|true_computation|false_computation)=%?([^\s,}]+)", rest):
             calls[callee].append((name, 1))

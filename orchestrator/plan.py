@@ -168,11 +168,13 @@ def format_target(report: dict) -> str:
     """The compiled-for-target part of a plan: memory and verdict, traffic, ideal, roofline."""
     lines = [
         f"target     {report['target']}: {report['devices']} {report['chip']} devices in {report['hosts']} host(s); "
-        f"compiled in {report['compile_s']:.1f} s, checked by {report['checked_by']}",
+        f"attention {report['attention']}; compiled in {report['compile_s']:.1f} s, checked by {report['checked_by']}",
         f"memory     per device: params {_gib(report['params_bytes'])}, optimizer {_gib(report['optimizer_bytes'])}, "
         f"temp {_gib(report['temp_bytes'])}, peak {_gib(report['peak_bytes'])} of {_gib(report['hbm_bytes'])}",
         f"verdict    {verdict_line(report)}",
     ]
+    if report.get("attention_note"):
+        lines.insert(2, f"  note: {report['attention_note']}")
     comm = report.get("communication")
     if comm:
         kinds = ", ".join(f"{kind} {_bytes(v['traffic_bytes'])} ({v['ops']} ops, {v['executions']} runs)"

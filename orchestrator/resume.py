@@ -36,8 +36,8 @@ def has_item(directory: str, step: int, item: str) -> bool:
 # Model keys that change how the model runs, is initialised or is trained, not what its weights
 # are: a run may resume with other values (DeepSeek-V3 stops its router-bias updates late in
 # training), and export and generate take any.
-RUNTIME_MODEL_KEYS = frozenset({"dtype", "remat", "scan_layers", "initializer_range", "moe.bias_update_rate",
-                                "moe.capacity_factor"})
+RUNTIME_MODEL_KEYS = frozenset({"attention", "dtype", "remat", "scan_layers", "initializer_range",
+                                "moe.bias_update_rate", "moe.capacity_factor"})
 
 
 def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:

@@ -84,7 +84,7 @@ def make_eval_step(graphdef: nnx.GraphDef, *, loss_chunk: int = 0) -> Callable:
         kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids"), "return_stats": True}
         if loss_chunk:
             h, stats = model(batch["inputs"], return_hidden=True, **kwargs)
-            loss, count = chunked_causal_lm_loss(h, model.head(compute_dtype=False), batch["targets"],
+            loss, count = chunked_causal_lm_loss(h, model.head(stored=True), batch["targets"],
                                                  batch["weights"], chunk=loss_chunk)
         else:
             logits, stats = model(batch["inputs"], **kwargs)

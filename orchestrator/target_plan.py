@@ -10,6 +10,7 @@ number of changes (more micro-batches, full remat, fsdp over dp) and reports the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -20,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from podtrain.models import flops_per_token
+from podtrain.models.attention import backend_for
 from podtrain.orchestrator.build import Training, build_training
 from podtrain.orchestrator.config import ConfigError, apply_overrides
 from podtrain.orchestrator.hlo_comm import as_rows, collectives, summarize
@@ -180,6 +182,13 @@ def _group_of(device, target: Target) -> int:
 def plan_on_target(config: Config, target: Target, devices=None) -> dict:
     """Compiles `config`'s train step for `target`: memory, verdict, communication, roofline."""
     devices = compile_devices(target) if devices is None else devices
+    m = config.model
+    attention_note = None
+    if target.chip.platform == "cuda" and backend_for(m.attention, "gpu", m.dtype, config.train.seq_len) == "cudnn":
+        # JAX traces cuDNN attention only with a GPU and its cuDNN present.
+        config = dataclasses.replace(config, model=dataclasses.replace(m, attention="xla"))
+        attention_note = ("cuDNN attention cannot be compiled without a GPU: compiled with model.attention=xla, "
+                          "whose (queries x keys) scores overstate the memory the GPUs' cudnn run needs")
     training = build_training(config, devices)
     state = training.abstract_state()
     params, optimizer = _shard_bytes(jax.tree.leaves(state.params)), _shard_bytes(jax.tree.leaves(state.opt_state))
@@ -189,7 +198,10 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
     chip = target.chip
     report = {"target": target.name, "chip": chip.name, "devices": target.devices, "hosts": target.hosts,
               "hbm_bytes": chip.hbm_bytes, "compile_s": seconds, "params_bytes": params,
-              "optimizer_bytes": optimizer, "mesh": dict(training.mesh.shape)}
+              "optimizer_bytes": optimizer, "mesh": dict(training.mesh.shape),
+              "attention": training.config.model.attention}
+    if attention_note:
+        report["attention_note"] = attention_note
     if oom:
         needed, capacity = oom
         report.update(fits=False, peak_bytes=needed, temp_bytes=None, headroom_bytes=capacity - needed,

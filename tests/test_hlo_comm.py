@@ -83,3 +83,37 @@ ENTRY %main (a: f32[64,8,128]) -> f32[64,8,128] {
     (send,) = collectives(hlo, (2, 8, 1, 1), AXES, num_slices=2, slice_axes=("dp",))
     assert (send.kind, send.axes, send.group, send.bytes) == ("all-reduce", ("dp",), 2, 64 * 8 * 128 * 4)
     assert send.traffic == 64 * 8 * 128 * 4  # 2 * size * (2 - 1) / 2
+
+
+def test_a_loop_stepping_its_counter_by_two_runs_half_its_bound():
+    """The TPU compiler's unrolled windowed-einsum loops: counter from 0, +2 per iteration, < 8."""
+    hlo = """HloModule m
+
+%cond (p: (s32[], bf16[8,256])) -> pred[] {
+  %p = (s32[], bf16[8,256]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p.1: (s32[], bf16[8,256])) -> (s32[], bf16[8,256]) {
+  %p.1 = (s32[], bf16[8,256]) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %two = s32[] constant(2)
+  %next = s32[] add(%i.1, %two)
+  %x = bf16[8,256]{1,0} get-tuple-element(%p.1), index=1
+  %cp = bf16[8,256]{1,0} collective-permute(%x), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[], bf16[8,256]) tuple(%next, %cp)
+}
+
+ENTRY %main (a: bf16[8,256]) -> bf16[8,256] {
+  %a = bf16[8,256]{1,0} parameter(0)
+  %start = s32[] constant(START)
+  %t0 = (s32[], bf16[8,256]) tuple(%start, %a)
+  %w = (s32[], bf16[8,256]) while(%t0), condition=%cond, body=%body
+  ROOT %out = bf16[8,256]{1,0} get-tuple-element(%w), index=1
+}
+"""
+    for start, trips in ((0, 4), (1, 4), (2, 3), (8, 0)):
+        (cp,) = collectives(hlo.replace("START", str(start)), (1, 2, 1, 1), AXES)
+        assert cp.executions == trips, start

@@ -225,7 +225,7 @@ def test_chunked_loss_equals_full_loss_and_gradients():
     def chunked(params):
         m = nnx.merge(graphdef, params)
         h = m(ids[:, :-1], return_hidden=True)
-        return chunked_causal_lm_loss(h, m.head(), ids[:, 1:], weights, chunk=4)[0]
+        return chunked_causal_lm_loss(h, m.head(stored=True), ids[:, 1:], weights, chunk=4)[0]
 
     (a, ga), (b, gb) = jax.value_and_grad(full)(params), jax.value_and_grad(chunked)(params)
     np.testing.assert_allclose(a, b, rtol=1e-6)

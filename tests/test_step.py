@@ -90,10 +90,10 @@ def test_micro_batches_must_shard_like_the_batch():
         build_training(load_config("llama3-tiny", TINY + ["train.grad_accum=4"]))
 
 
-def test_chunked_loss_in_bfloat16_sums_the_head_gradient_in_float32():
-    """bfloat16 compute, float32 params, the loss in 128 chunks: the head's gradient is no worse than
-    the unchunked loss's (its cotangent summed over the chunks in bfloat16 was 4x worse: 1.4e-2
-    against 3.6e-3 relative to float32 here, growing with the number of chunks)."""
+def test_chunked_loss_in_bfloat16_is_as_exact_as_the_unchunked_loss():
+    """bfloat16 compute, float32 params, the loss in 128 vocabulary slices: each column of the head's
+    gradient comes from one matmul over all tokens, as unchunked, so its error against float32 is
+    the unchunked loss's up to rounding (a sum over 128 chunks in bfloat16 would be 4x worse)."""
     from test_model import TINY
 
     from podtrain.models import Llama
@@ -114,4 +114,4 @@ def test_chunked_loss_in_bfloat16_sums_the_head_gradient_in_float32():
     def error(grad):
         return np.linalg.norm(grad - exact) / np.linalg.norm(exact)
 
-    assert error(head_grad(graphdef, 16)) <= error(head_grad(graphdef, 0))
+    assert error(head_grad(graphdef, 16)) <= 1.01 * error(head_grad(graphdef, 0))

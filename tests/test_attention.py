@@ -1,0 +1,115 @@
+"""The attention backends: splash (Pallas, interpreted on CPU) against the XLA reference, the one
+place `auto` is resolved, and the inputs a backend cannot take."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from podtrain.models.attention import attention, backend_for, make_mask
+from podtrain.orchestrator.build import build_training, resolve_attention
+from podtrain.orchestrator.config import ConfigError, load_config
+from podtrain.orchestrator.step import TrainState
+
+pytestmark = pytest.mark.slow
+
+
+def packed(batch, length, seed=0):
+    """Segment ids and positions of rows packing documents of random lengths."""
+    rng = np.random.default_rng(seed)
+    segments = np.zeros((batch, length), np.int32)
+    positions = np.zeros((batch, length), np.int32)
+    for row in range(batch):
+        start, segment = 0, 1
+        while start < length:
+            end = min(length, start + int(rng.integers(1, length // 2)))
+            segments[row, start:end], positions[row, start:end] = segment, np.arange(end - start)
+            start, segment = end, segment + 1
+    return jnp.asarray(segments), jnp.asarray(positions)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
+def test_splash_equals_the_xla_reference_with_causal_segments_and_gqa(heads, kv_heads):
+    b, t, d = 2, 256, 128
+    rng = np.random.default_rng(heads * 10 + kv_heads)
+    q = jnp.asarray(rng.normal(size=(b, t, heads, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, kv_heads, d)), jnp.float32) for _ in range(2))
+    cotangent = jnp.asarray(rng.normal(size=(b, t, heads, d)), jnp.float32)
+    segments, positions = packed(b, t)
+
+    def loss(backend, q, k, v):
+        out = attention(q, k, v, make_mask(backend, positions, positions, segments), scale=d**-0.5)
+        return jnp.sum(out * cotangent), out
+
+    grads = {}
+    for backend in ("xla", "splash"):
+        grads[backend] = jax.jit(jax.grad(lambda *a, backend=backend: loss(backend, *a), argnums=(0, 1, 2),
+                                          has_aux=True))(q, k, v)
+    (ref_grads, ref_out), (got_grads, got_out) = grads["xla"], grads["splash"]
+    np.testing.assert_allclose(got_out, ref_out, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(got_grads, ref_grads, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def one_step(attention_backend):
+    overrides = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
+                 "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=128", "train.batch_size=4",
+                 "train.seq_len=128", "mesh.fsdp=2", "mesh.tp=2", "mesh.dp=2", "optimizer.name=sgd",
+                 "optimizer.momentum=0", "optimizer.weight_decay=0", "optimizer.schedule=constant",
+                 "optimizer.learning_rate=1.0", "optimizer.grad_clip=1e9", f"model.attention={attention_backend}"]
+    training = build_training(load_config("llama3-tiny", overrides))
+    assert training.config.model.attention == attention_backend
+    state = training.init_state()
+    t = training.config.train
+    segments, positions = packed(t.batch_size, t.seq_len, seed=1)
+    tokens = np.random.default_rng(0).integers(0, 256, (t.batch_size, t.seq_len + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((t.batch_size, t.seq_len),
+             np.float32), "positions": np.asarray(positions), "segment_ids": np.asarray(segments)}
+    batch = {k: jax.device_put(v, training.batch_sharding) for k, v in batch.items()}
+    before = jax.tree.map(np.asarray, state.params)  # the step donates the state
+    new_state, metrics = training.step(state, batch)
+    return float(metrics["loss"]), before, new_state
+
+
+def test_a_sharded_train_step_with_splash_equals_xla():
+    # dp 2 x fsdp 2 x tp 2: the kernel runs per device on its batch rows and heads (shard_map).
+    ref_loss, before, ref = one_step("xla")
+    got_loss, _, got = one_step("splash")
+    assert got_loss == pytest.approx(ref_loss, rel=1e-6)
+    updates = [(a - b, c - b) for a, b, c in zip(jax.tree.leaves(got.params), jax.tree.leaves(before),
+                                                  jax.tree.leaves(ref.params), strict=True)]
+    assert any(float(jnp.max(jnp.abs(r))) > 0 for _, r in updates)
+    for got_update, ref_update in updates:
+        np.testing.assert_allclose(got_update, ref_update, rtol=1e-4, atol=1e-6)
+    assert isinstance(got, TrainState)
+
+
+def test_auto_picks_the_kernel_of_the_platform_in_one_place():
+    assert backend_for("auto", "tpu") == "splash"
+    assert backend_for("auto", "gpu", "bfloat16") == "cudnn"
+    assert backend_for("auto", "gpu", "float32") == "xla"
+    assert backend_for("auto", "cpu") == "xla"
+    assert backend_for("xla", "tpu") == "xla"
+    config = load_config("llama3-tiny", ["train.seq_len=128"])
+    assert resolve_attention(config, "tpu").model.attention == "splash"
+    assert resolve_attention(config, "cpu").model.attention == "xla"
+    assert build_training(config).config.model.attention == "xla"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.attention=cudnn"], "model.attention=cudnn: cuDNN attention needs CUDA GPUs, found cpu devices"),
+    (["model.attention=cudnn", "cluster=gpu", "model.dtype=float32"], "needs model.dtype bfloat16 or float16"),
+    (["model.attention=splash", "cluster=gpu"], "model.attention=splash: splash attention runs on TPU"),
+    (["model.attention=splash", "train.seq_len=200"], "train.seq_len must be a multiple of 128, found 200"),
+    (["model.attention=flash"], "model.attention: expected one of ['auto', 'xla', 'splash', 'cudnn'], found 'flash'"),
+])
+def test_a_backend_that_cannot_run_is_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=None) as error:
+        load_config("llama3-tiny", overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_cluster_none_checks_the_backend_against_its_own_devices():
+    config = load_config("llama3-tiny", ["cluster=none", "model.attention=cudnn", "model.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="cuDNN attention needs CUDA GPUs, found cpu devices"):
+        build_training(config)
