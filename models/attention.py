@@ -33,6 +33,14 @@ FLASH_SEQ_MULTIPLE = 128  # the splash kernel's tiles are multiples of the TPU's
 _SPLASH_BLOCK = 512
 
 
+def current_platform() -> str:
+    """The platform of the devices being traced for: the active mesh's (compile-only TPU devices
+    included), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
+    return device.platform if device is not None and device.platform else jax.default_backend()
+
+
 def backend_for(name: str, platform: str, dtype: str = "bfloat16", seq_len: int | None = None) -> str:
     """The backend `name` resolves to on devices of `platform` ("cpu", "tpu", "gpu") for sequences
     of `seq_len` tokens (None: any length the kernels take)."""
@@ -159,7 +167,7 @@ def _splash_local(q_BTHD, k_BSKD, v_BSKE, segments_BT):
                               block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     mask = splash.MultiHeadMask([splash.CausalMask((t, s))] * heads)
     kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                    interpret=jax.default_backend() == "cpu")
+                                    interpret=current_platform() == "cpu")
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BTHD, k_BSKD, v_BSKE))
     if segments_BT is None:
         out = jax.vmap(kernel)(q, k, v)

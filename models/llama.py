@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from podtrain.models.attention import backend_for, make_mask
+from podtrain.models.attention import backend_for, current_platform, make_mask
 from podtrain.models.config import ModelConfig
 from podtrain.models.kv_cache import KVCache, write_tokens
 from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, gathered, param
@@ -128,7 +128,7 @@ class Llama(nnx.Module):
         h = embed_tokens(self.embed[...], input_ids, dtype)
         stacks = self.stacks()
         if kv_cache is None:
-            backend = backend_for(c.attention, jax.default_backend(), c.dtype, t)
+            backend = backend_for(c.attention, current_platform(), c.dtype, t)
             mask = make_mask(backend, positions, key_positions, segment_ids, padded=attention_mask is not None)
             pairs, remat, kwargs = [None] * len(stacks), c.remat, {"mask": mask}
         else:

@@ -29,7 +29,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128|f8e\w+)\[([0-9,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$", re.DOTALL)
 _HEADER = re.compile(r"^(ENTRY )?%?(\S+) .*\{\s*$")
 
 
@@ -135,10 +135,12 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
                 computations[current] = []
                 if m[1]:
                     entry = current
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":
             current = None
-        else:
+        elif line[:1].isspace() or not computations[current]:
             computations[current].append(line)
+        else:  # an attribute string with line breaks (a Pallas kernel's metadata) goes on
+            computations[current][-1] += "\n" + line
     return computations, entry
 
 

@@ -1,6 +1,8 @@
 """The attention backends: splash (Pallas, interpreted on CPU) against the XLA reference, the one
 place `auto` is resolved, and the inputs a backend cannot take."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,3 +115,22 @@ def test_cluster_none_checks_the_backend_against_its_own_devices():
     config = load_config("llama3-tiny", ["cluster=none", "model.attention=cudnn", "model.dtype=bfloat16"])
     with pytest.raises(ConfigError, match="cuDNN attention needs CUDA GPUs, found cpu devices"):
         build_training(config)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("libtpu"), reason="needs podtrain[aot]")
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
+def test_splash_compiles_for_tpu_as_a_kernel_that_never_builds_the_score_matrix():
+    from podtrain.orchestrator.targets import compile_devices, parse_target
+
+    devices = compile_devices(parse_target("v5p-8"))  # 4 chips
+    texts, temps = {}, {}
+    for backend in ("xla", "splash"):
+        overrides = ["model.num_layers=2", "train.seq_len=2048", "train.batch_size=4", "mesh.fsdp=4",
+                     "model.dtype=bfloat16", f"model.attention={backend}"]
+        training = build_training(load_config("llama3-tiny", overrides), devices)
+        compiled = training.step.lower(training.abstract_state(), training.abstract_batch()).compile()
+        texts[backend], temps[backend] = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+    scores = re.compile(r"\[[0-9,]*2048,2048\]")  # any (..., queries, keys) array
+    assert scores.search(texts["xla"]) and not scores.search(texts["splash"])
+    assert "tpu_custom_call" in texts["splash"] and "splash" in texts["splash"]
+    assert temps["splash"] < temps["xla"]

@@ -117,3 +117,14 @@ ENTRY %main (a: bf16[8,256]) -> bf16[8,256] {
     for start, trips in ((0, 4), (1, 4), (2, 3), (8, 0)):
         (cp,) = collectives(hlo.replace("START", str(start)), (1, 2, 1, 1), AXES)
         assert cp.executions == trips, start
+
+
+def test_an_attribute_broken_over_lines_does_not_end_its_computation():
+    """A Pallas kernel's custom call carries metadata with line breaks, a line of which starts with
+    "}}": the collectives after it still belong to the loop body and run once per iteration."""
+    kernel = ('  %k = bf16[8,256]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", '
+              'frontend_attributes={kernel_metadata={"xprof_metadata":"{\\"block_q\\": 512,\n'
+              '\\"block_kv\\": 512\n}}, metadata={op_name="jit(step)/pallas_call"}\n')
+    hlo = HLO.replace("  %cp = ", kernel + "  %cp = ")
+    found = {c.name: c for c in collectives(hlo, (1, 4, 1, 2), AXES)}
+    assert found["cp"].executions == 6 and found["ag"].executions == 6 and "ar" in found

@@ -80,6 +80,17 @@ def test_v5p_plan_of_llama3_tiny_reports_memory_traffic_and_estimate():
 
 
 @needs_tpu
+def test_llama3_8b_on_16_v5p_chips_needs_no_more_memory_or_traffic_than_maxtext():
+    """fsdp 16 on v5p-32, one 8192-token sequence per chip, full remat, AdamW, float32 params and
+    bfloat16 compute: MaxText's compile of the same config peaks at 13.3 GiB per chip and moves about
+    47 GB per chip and step."""
+    t = plan("v5p-32", "train.batch_size=16", "mesh.fsdp=-1", "mesh.tp=1", preset="llama3-8b")["target"]
+    assert t["attention"] == "splash" and t["mesh"]["fsdp"] == 16
+    assert t["peak_bytes"] <= 13.3 * GiB
+    assert t["communication"]["traffic_bytes"] <= 47e9
+
+
+@needs_tpu
 def test_a_step_over_the_chips_memory_does_not_fit_and_the_suggested_change_fits():
     t = plan("v5e-8", *REPLICATED_TOO_BIG, code=1)["target"]
     assert not t["fits"] and t["checked_by"] == "the TPU compiler (RESOURCE_EXHAUSTED)"
