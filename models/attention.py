@@ -196,10 +196,8 @@ def _flash(local, q_BTHD, k_BSKD, v_BSKE, segments_BT):
     batch = batch if b % math.prod(sizes[a] for a in batch) == 0 else ()
     head_axes = tuple(a for a in axes_of(logical_to_spec(("act_heads",), sizes)[0]) if a not in batch)
     split = math.prod(sizes[a] for a in head_axes)
-    head_axes = head_axes if heads % split == 0 else ()
-    if head_axes and kv_heads % split:
-        # The heads' shards must hold their own kv heads: with fewer kv heads than shards, repeat them.
-        k_BSKD, v_BSKE = (jnp.repeat(x, heads // kv_heads, axis=2) for x in (k_BSKD, v_BSKE))
+    # Each head shard must hold its own kv heads (mesh.tp divides both counts unless the rules differ).
+    head_axes = head_axes if heads % split == 0 and kv_heads % split == 0 else ()
     entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
     x_spec = PartitionSpec(entry(batch), None, entry(head_axes), None)
     seg_spec = PartitionSpec(entry(batch), None)

@@ -108,7 +108,8 @@ def format_plan(plan: dict) -> str:
     lines = [
         f"model      {m['model_type']}: {m['num_layers']} layers, hidden {m['hidden_size']}, ffn "
         f"{m['intermediate_size']}, heads {m['num_heads']}/{m['num_kv_heads']} x {m['head_dim']}, vocab "
-        f"{m['vocab_size']}, dtype {m['dtype']} (params {m['param_dtype']}), remat {m['remat']}",
+        f"{m['vocab_size']}, dtype {m['dtype']} (params {m['param_dtype']}), remat {m['remat']}, "
+        f"attention {m['attention']}",
         "mesh       " + " x ".join(f"{k}={v}" for k, v in mesh["axes"].items())
         + f" = {mesh['devices']} {mesh['device_kind']} devices in {mesh['processes']} process(es)",
         f"params     {_human(plan['param_count'])} ({plan['param_count']:,}); "
