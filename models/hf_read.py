@@ -8,7 +8,6 @@ scales `<name>_scale_inv`, as in the DeepSeek-V3 release) are dequantised on loa
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import math
@@ -103,7 +102,8 @@ def _safetensors_header(file: Path) -> tuple[dict, int]:
 
 
 class _Fp8Weights:
-    """Dequantises `F8_E4M3` tensors with their `<name>_scale_inv` block scales to float32.
+    """`F8_E4M3` tensors with their `<name>_scale_inv` block scales, dequantised to float32 a slice
+    at a time.
 
     Each scale multiplies one (block_rows x block_cols) block of the weight, as in the DeepSeek-V3
     release (`quantization_config.weight_block_size`). The safetensors readers cannot decode FP8,
@@ -113,16 +113,34 @@ class _Fp8Weights:
     def __init__(self, found: dict, block: tuple[int, int]):
         self.found, self.block = found, block
 
-    @functools.lru_cache(maxsize=4)  # noqa: B019  (one reader per load; a few tensors in flight)
-    def __call__(self, name: str) -> np.ndarray:
-        stored = self.found[name]
-        shape = stored.shape
-        raw = np.memmap(stored.file, dtype=ml_dtypes.float8_e4m3fn, mode="r", offset=stored.offset, shape=shape)
-        with safe_open(self.found[name + FP8_SCALE_SUFFIX].file, framework="numpy") as f:
-            scale = f.get_tensor(name + FP8_SCALE_SUFFIX).astype(np.float32)
-        rows, cols = self.block
-        full = np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)[: shape[0], : shape[1]]
-        return raw.astype(np.float32) * full
+    def __call__(self, name: str) -> _Fp8Tensor:
+        return _Fp8Tensor(self.found[name], self.found[name + FP8_SCALE_SUFFIX], name + FP8_SCALE_SUFFIX, self.block)
+
+
+class _Fp8Tensor:
+    """One FP8 weight that numpy-slices: `tensor[rows, cols]` reads only those bytes and the scales
+    of the blocks they touch, and returns their float32 values (the same products as dequantising
+    the whole tensor and slicing it)."""
+
+    def __init__(self, stored: _Stored, scale: _Stored, scale_name: str, block: tuple[int, int]):
+        self.stored, self.scale, self.scale_name, self.block = stored, scale, scale_name, block
+        self.shape = stored.shape
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index += (slice(None),) * (2 - len(index))
+        ranges = [range(n)[i] for n, i in zip(self.shape, index, strict=True)]
+        if any(r.step != 1 for r in ranges):
+            raise ValueError(f"{self.scale_name}: FP8 weights are read in contiguous slices, found {index}")
+        raw = np.memmap(self.stored.file, dtype=ml_dtypes.float8_e4m3fn, mode="r", offset=self.stored.offset,
+                        shape=self.shape)[ranges[0].start:ranges[0].stop, ranges[1].start:ranges[1].stop]
+        blocks = [slice(r.start // b, -(-r.stop // b)) for r, b in zip(ranges, self.block, strict=True)]
+        with safe_open(self.scale.file, framework="numpy") as f:
+            scale = f.get_slice(self.scale_name)[blocks[0], blocks[1]].astype(np.float32)
+        for axis, (r, b) in enumerate(zip(ranges, self.block, strict=True)):
+            first = r.start - (r.start // b) * b  # where the slice starts in its first block
+            scale = np.repeat(scale, b, axis=axis)[(slice(None),) * axis + (slice(first, first + len(r)),)]
+        return raw.astype(np.float32) * scale
 
 
 def _fp8_block(hf_config: dict, source: str) -> tuple[int, int]:
