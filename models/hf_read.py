@@ -110,11 +110,12 @@ class _Fp8Weights:
     so the bytes are mapped straight from the file.
     """
 
-    def __init__(self, found: dict, block: tuple[int, int]):
-        self.found, self.block = found, block
+    def __init__(self, found: dict, block: tuple[int, int], handles: dict):
+        self.found, self.block, self.handles = found, block, handles  # handles: the open files
 
     def __call__(self, name: str) -> _Fp8Tensor:
-        return _Fp8Tensor(self.found[name], self.found[name + FP8_SCALE_SUFFIX], name + FP8_SCALE_SUFFIX, self.block)
+        scale = name + FP8_SCALE_SUFFIX
+        return _Fp8Tensor(self.found[name], self.handles[self.found[scale].file].get_slice(scale), self.block)
 
 
 class _Fp8Tensor:
@@ -122,8 +123,8 @@ class _Fp8Tensor:
     of the blocks they touch, and returns their float32 values (the same products as dequantising
     the whole tensor and slicing it)."""
 
-    def __init__(self, stored: _Stored, scale: _Stored, scale_name: str, block: tuple[int, int]):
-        self.stored, self.scale, self.scale_name, self.block = stored, scale, scale_name, block
+    def __init__(self, stored: _Stored, scale, block: tuple[int, int]):
+        self.stored, self.scale, self.block = stored, scale, block  # scale: a lazy safetensors slice
         self.shape = stored.shape
 
     def __getitem__(self, index) -> np.ndarray:
@@ -131,12 +132,11 @@ class _Fp8Tensor:
         index += (slice(None),) * (2 - len(index))
         ranges = [range(n)[i] for n, i in zip(self.shape, index, strict=True)]
         if any(r.step != 1 for r in ranges):
-            raise ValueError(f"{self.scale_name}: FP8 weights are read in contiguous slices, found {index}")
+            raise ValueError(f"{self.stored.file}: FP8 weights are read in contiguous slices, found {index}")
         raw = np.memmap(self.stored.file, dtype=ml_dtypes.float8_e4m3fn, mode="r", offset=self.stored.offset,
                         shape=self.shape)[ranges[0].start:ranges[0].stop, ranges[1].start:ranges[1].stop]
         blocks = [slice(r.start // b, -(-r.stop // b)) for r, b in zip(ranges, self.block, strict=True)]
-        with safe_open(self.scale.file, framework="numpy") as f:
-            scale = f.get_slice(self.scale_name)[blocks[0], blocks[1]].astype(np.float32)
+        scale = self.scale[blocks[0], blocks[1]].astype(np.float32)
         for axis, (r, b) in enumerate(zip(ranges, self.block, strict=True)):
             first = r.start - (r.start // b) * b  # where the slice starts in its first block
             scale = np.repeat(scale, b, axis=axis)[(slice(None),) * axis + (slice(first, first + len(r)),)]
@@ -252,12 +252,12 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None,
     found = _read_headers(directory)
     block = _fp8_block(hf_config, str(config_file))
     _check_tensors(directory, config, architecture.hf_mapping, expected, found, block)
-    fp8 = _Fp8Weights(found, block)
 
     loaded = []
     with ExitStack() as stack:
         files = {stored.file for stored in found.values()}
         handles = {file: stack.enter_context(safe_open(file, framework="numpy")) for file in files}
+        fp8 = _Fp8Weights(found, block, handles)
 
         def read(name, shape, axes, index):
             file, _, hf_dtype, _ = found[name]

@@ -196,12 +196,14 @@ def _trip_count(attrs: str, computations: dict[str, list[str]], defs: dict) -> i
     compare = next((m for line in computations.get(cond[1], [])
                     if (m := _INSTRUCTION.match(line)) and m[3] == "compare"), None)
     direction = re.search(r"direction=(\w+)", compare[4]) if compare else None
-    if not direction or direction[1] not in ("LT", "LE", "NE"):
+    counter, bound = (value(o) for o in _operands(compare[4])[:2]) if compare else (None, None)
+    direction = direction[1] if direction else None
+    if bound and bound[0] == "counter":  # `bound > counter` is `counter < bound`
+        counter, bound, direction = bound, counter, {"GT": "LT", "GE": "LE", "NE": "NE"}.get(direction)
+    if direction not in ("LT", "LE", "NE") or not (counter and bound and counter[0] == "counter"
+                                                   and bound[0] == "const"):
         return None
-    counter, bound = (value(o) for o in _operands(compare[4])[:2])
-    if not (counter and bound and counter[0] == "counter" and bound[0] == "const"):
-        return None
-    index, bound = counter[1], bound[1] + (direction[1] == "LE")
+    index, bound = counter[1], bound[1] + (direction == "LE")
     root = next((m for line in computations.get(body[1], [])
                  if line.lstrip().startswith("ROOT") and (m := _INSTRUCTION.match(line))), None)
     next_value = _operands(root[4]) if root is not None and root[3] == "tuple" else []

@@ -117,6 +117,9 @@ ENTRY %main (a: bf16[8,256]) -> bf16[8,256] {
     for start, trips in ((0, 4), (1, 4), (2, 3), (8, 0)):
         (cp,) = collectives(hlo.replace("START", str(start)), (1, 2, 1, 1), AXES)
         assert cp.executions == trips, start
+    # The same condition written with the bound first.
+    flipped = hlo.replace("compare(%i, %n), direction=LT", "compare(%n, %i), direction=GT").replace("START", "0")
+    assert collectives(flipped, (1, 2, 1, 1), AXES)[0].executions == 4
 
 
 def test_an_attribute_broken_over_lines_does_not_end_its_computation():
