@@ -26,19 +26,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from podtrain.models.config import ATTENTION_BACKENDS as BACKENDS
+from podtrain.sharding.mesh import current_platform
 from podtrain.sharding.rules import axes_of, logical_to_spec
 
 NEG_INF = float(np.finfo(np.float32).min)
 FLASH_SEQ_MULTIPLE = 128  # the splash kernel's tiles are multiples of the TPU's 128 lanes
 _SPLASH_BLOCK = 512
-
-
-def current_platform() -> str:
-    """The platform of the devices being traced for: the active mesh's (compile-only TPU devices
-    included), else JAX's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
-    return device.platform if device is not None and device.platform else jax.default_backend()
 
 
 def backend_for(name: str, platform: str, dtype: str = "bfloat16", seq_len: int | None = None) -> str:

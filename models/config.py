@@ -63,8 +63,11 @@ class MoEConfig:
     The first `first_k_dense_replace` layers use the dense MLP (`intermediate_size`), the rest a
     sigmoid router choosing `num_experts_per_tok` of `num_experts` experts within the best
     `topk_group` of `n_group` groups, plus `num_shared_experts` always-on experts.
-    `capacity_factor=0` dispatches dropless; a positive value caps each expert's tokens per
-    source shard at `capacity_factor * tokens * k / num_experts` and counts the tokens dropped.
+    `capacity_factor=0` dispatches dropless: tokens sorted by expert run as grouped matmuls over
+    exactly the rows routed, each device's experts taking `buffer_factor` x its own rows
+    (tokens x k) per exchange round, more rounds when routing sends them more (none dropped).
+    A positive `capacity_factor` caps each expert's tokens per source shard at
+    `capacity_factor * tokens * k / num_experts` and counts the tokens dropped.
     `bias_update_rate > 0` turns on auxiliary-loss-free balancing: after each step the router's
     correction bias moves by this rate towards the experts that got fewer tokens than average.
     """
@@ -79,6 +82,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0
     capacity_factor: float = 0.0
+    buffer_factor: float = 1.25
     bias_update_rate: float = 0.0
 
 
@@ -224,6 +228,8 @@ class ModelConfig:
         for name in ("capacity_factor", "bias_update_rate"):
             if getattr(moe, name) < 0:
                 raise ValueError(f"{prefix}.moe.{name}: expected a number >= 0, found {getattr(moe, name)}")
+        if not moe.buffer_factor > 0:
+            raise ValueError(f"{prefix}.moe.buffer_factor: expected a number > 0, found {moe.buffer_factor}")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -8,19 +8,22 @@ scales `<name>_scale_inv`, as in the DeepSeek-V3 release) are dequantised on loa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
+import os
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import ml_dtypes  # also registers bfloat16 with numpy, which safetensors' numpy reader needs
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from jax.sharding import NamedSharding, PartitionSpec
 
 from podtrain.models.architectures import ARCHITECTURES
 from podtrain.models.config import ModelConfig
@@ -101,21 +104,61 @@ def _safetensors_header(file: Path) -> tuple[dict, int]:
     return header, size
 
 
+# safetensors dtype names -> numpy dtypes (the ones numpy and ml_dtypes have).
+DTYPES = {name: np.dtype(t) for name, t in (
+    ("BOOL", np.bool_), ("U8", np.uint8), ("I8", np.int8), ("F8_E5M2", ml_dtypes.float8_e5m2),
+    ("F8_E4M3", ml_dtypes.float8_e4m3fn), ("I16", np.int16), ("U16", np.uint16), ("F16", np.float16),
+    ("BF16", ml_dtypes.bfloat16), ("I32", np.int32), ("U32", np.uint32), ("F32", np.float32), ("F64", np.float64),
+    ("I64", np.int64), ("U64", np.uint64))}
+
+
+class _FileTensor:
+    """A stored tensor that numpy-slices: `tensor[i, j]` (contiguous ranges) reads only the bytes
+    of the rows it needs with `os.pread`, so nothing of the file stays mapped or cached by this
+    process (a memory map's touched pages would count as the process's resident memory)."""
+
+    def __init__(self, stored: _Stored, files: dict):
+        self.stored, self.files = stored, files  # files: path -> an open file, for its descriptor
+        self.shape, self.dtype = stored.shape, DTYPES[stored.dtype]
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index += (slice(None),) * (len(self.shape) - len(index))
+        ranges = [range(n)[i] for n, i in zip(self.shape, index, strict=True)]
+        if any(r.step != 1 for r in ranges):
+            raise ValueError(f"{self.stored.file}: tensors are read in contiguous slices, found {index}")
+        if not self.shape:
+            return self._read(0, 1).reshape(())
+        row = math.prod(self.shape[1:])
+        rows = self._read(ranges[0].start * row, len(ranges[0]) * row).reshape(len(ranges[0]), *self.shape[1:])
+        return rows[(slice(None), *(slice(r.start, r.stop) for r in ranges[1:]))]
+
+    def _read(self, first: int, count: int) -> np.ndarray:
+        out = np.empty(count, self.dtype)
+        view, done = memoryview(out.view(np.uint8)), 0
+        fd = self.files[self.stored.file].fileno()
+        while done < out.nbytes:
+            n = os.preadv(fd, [view[done:]], self.stored.offset + first * self.dtype.itemsize + done)
+            if n <= 0:
+                raise ValueError(f"{self.stored.file}: ends inside tensor data (a cut-off file?)")
+            done += n
+        return out
+
+
 class _Fp8Weights:
     """`F8_E4M3` tensors with their `<name>_scale_inv` block scales, dequantised to float32 a slice
     at a time.
 
     Each scale multiplies one (block_rows x block_cols) block of the weight, as in the DeepSeek-V3
-    release (`quantization_config.weight_block_size`). The safetensors readers cannot decode FP8,
-    so the bytes are mapped straight from the file.
+    release (`quantization_config.weight_block_size`).
     """
 
-    def __init__(self, found: dict, block: tuple[int, int], handles: dict):
-        self.found, self.block, self.handles = found, block, handles  # handles: the open files
+    def __init__(self, found: dict, block: tuple[int, int], files: dict):
+        self.found, self.block, self.files = found, block, files  # files: the open files
 
     def __call__(self, name: str) -> _Fp8Tensor:
-        scale = name + FP8_SCALE_SUFFIX
-        return _Fp8Tensor(self.found[name], self.handles[self.found[scale].file].get_slice(scale), self.block)
+        scale = _FileTensor(self.found[name + FP8_SCALE_SUFFIX], self.files)
+        return _Fp8Tensor(_FileTensor(self.found[name], self.files), scale, self.block)
 
 
 class _Fp8Tensor:
@@ -123,18 +166,17 @@ class _Fp8Tensor:
     of the blocks they touch, and returns their float32 values (the same products as dequantising
     the whole tensor and slicing it)."""
 
-    def __init__(self, stored: _Stored, scale, block: tuple[int, int]):
-        self.stored, self.scale, self.block = stored, scale, block  # scale: a lazy safetensors slice
-        self.shape = stored.shape
+    def __init__(self, raw: _FileTensor, scale: _FileTensor, block: tuple[int, int]):
+        self.raw, self.scale, self.block = raw, scale, block
+        self.shape = raw.shape
 
     def __getitem__(self, index) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
         index += (slice(None),) * (2 - len(index))
         ranges = [range(n)[i] for n, i in zip(self.shape, index, strict=True)]
         if any(r.step != 1 for r in ranges):
-            raise ValueError(f"{self.stored.file}: FP8 weights are read in contiguous slices, found {index}")
-        raw = np.memmap(self.stored.file, dtype=ml_dtypes.float8_e4m3fn, mode="r", offset=self.stored.offset,
-                        shape=self.shape)[ranges[0].start:ranges[0].stop, ranges[1].start:ranges[1].stop]
+            raise ValueError(f"{self.raw.stored.file}: FP8 weights are read in contiguous slices, found {index}")
+        raw = self.raw[ranges[0].start:ranges[0].stop, ranges[1].start:ranges[1].stop]
         blocks = [slice(r.start // b, -(-r.stop // b)) for r, b in zip(ranges, self.block, strict=True)]
         scale = self.scale[blocks[0], blocks[1]].astype(np.float32)
         for axis, (r, b) in enumerate(zip(ranges, self.block, strict=True)):
@@ -194,7 +236,12 @@ def _check_tensors(directory: Path, config: ModelConfig, mapping: HFMapping, exp
         for name in sorted(set(expected) & set(found)) if found[name].shape != expected[name]
     ]
     fp8 = sorted(name for name in set(expected) & set(found) if found[name].dtype == "F8_E4M3")
+    unreadable = [f"{name} in {found[name].file.name}: {found[name].dtype}"
+                  for name in sorted(set(expected) & set(found)) if found[name].dtype not in DTYPES]
     report = []
+    if unreadable:
+        report.append(f"dtypes this reader does not know (expected one of {', '.join(DTYPES)}): "
+                      + ", ".join(unreadable))
     if missing:
         report.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
@@ -208,6 +255,28 @@ def _check_tensors(directory: Path, config: ModelConfig, mapping: HFMapping, exp
             f"tie_word_embeddings={config.tie_word_embeddings}); check that config.json belongs to these files:\n  "
             + "\n  ".join(report)
         )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_layer(stack: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0)
+
+
+def _assemble(spec: jax.ShapeDtypeStruct, load, *, stacked: bool) -> jax.Array:
+    """The array `spec` describes, each device's block from `load(index)`. A stacked parameter whose
+    layer axis is not sharded is filled one layer at a time (its buffer updated in place), so the
+    host holds one layer's blocks at a time, not every block of the whole stack."""
+    sharding = spec.sharding
+    if not stacked or not isinstance(sharding, NamedSharding) or (sharding.spec and sharding.spec[0] is not None):
+        return jax.make_array_from_callback(spec.shape, sharding, load, dtype=spec.dtype)
+    layer_sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    stack = jax.jit(functools.partial(jnp.zeros, spec.shape, spec.dtype), out_shardings=sharding)()
+    for i in range(spec.shape[0]):
+        layer = jax.make_array_from_callback(spec.shape[1:], layer_sharding,
+                                             lambda index, i=i: load((slice(i, i + 1), *index))[0], dtype=spec.dtype)
+        stack = _put_layer(stack, layer, np.int32(i))
+        del layer  # before the next layer's blocks are read
+    return stack
 
 
 def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None,
@@ -255,13 +324,11 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None,
 
     loaded = []
     with ExitStack() as stack:
-        files = {stored.file for stored in found.values()}
-        handles = {file: stack.enter_context(safe_open(file, framework="numpy")) for file in files}
-        fp8 = _Fp8Weights(found, block, handles)
+        files = {file: stack.enter_context(open(file, "rb")) for file in {stored.file for stored in found.values()}}
+        fp8 = _Fp8Weights(found, block, files)
 
         def read(name, shape, axes, index):
-            file, _, hf_dtype, _ = found[name]
-            tensor = fp8(name) if hf_dtype == "F8_E4M3" else handles[file].get_slice(name)
+            tensor = fp8(name) if found[name].dtype == "F8_E4M3" else _FileTensor(found[name], files)
             return from_hf_block(tensor, shape, axes, index)
 
         for path_keys, var, names, axes in params:
@@ -275,6 +342,5 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None,
                 block = np.stack(blocks).reshape(*map(len, ranges), *blocks[0].shape)
                 return block.astype(spec.dtype, copy=False)
 
-            array = jax.make_array_from_callback(spec.shape, spec.sharding, load, dtype=spec.dtype)
-            loaded.append((path_keys, var.replace(array)))
+            loaded.append((path_keys, var.replace(_assemble(spec, load, stacked=names.ndim > 0))))
     return config, nnx.merge(graphdef, nnx.from_flat_state(loaded))

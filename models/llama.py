@@ -7,11 +7,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from podtrain.models.attention import backend_for, current_platform, make_mask
+from podtrain.models.attention import backend_for, make_mask
 from podtrain.models.config import ModelConfig
 from podtrain.models.kv_cache import KVCache, write_tokens
 from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, gathered, param
 from podtrain.models.runner import run_layers, stack_layers
+from podtrain.sharding.mesh import current_platform
 from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
 

@@ -63,7 +63,8 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD):
         weights, experts = route(x_BTD, weight(self.router, jnp.float32), self.router_bias[...], self.config)
         w = [p[...].astype(self.dtype) for p in (self.w_gate, self.w_up, self.w_down)]
-        y, load, dropped = routed_experts(x_BTD, experts, weights, *w, capacity_factor=self.config.capacity_factor)
+        y, load, dropped = routed_experts(x_BTD, experts, weights, *w, capacity_factor=self.config.capacity_factor,
+                                          buffer_factor=self.config.buffer_factor)
         y = y.astype(x_BTD.dtype)
         if self.shared is not None:
             y = y + self.shared(x_BTD)

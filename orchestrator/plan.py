@@ -14,6 +14,7 @@ from podtrain.orchestrator.targets import verdict_line
 from podtrain.sharding.experts import capacity
 from podtrain.sharding.mesh import describe_mesh
 from podtrain.sharding.place import path_str
+from podtrain.sharding.ragged import buffer_rows
 from podtrain.sharding.rules import sharded_over
 
 
@@ -51,6 +52,9 @@ def expert_plan(training: Training) -> dict | None:
         "capacity_factor": m.moe.capacity_factor,
         "slots_per_expert": capacity(local_tokens, m.moe.num_experts_per_tok, m.moe.num_experts,
                                      m.moe.capacity_factor),
+        "buffer_factor": m.moe.buffer_factor,
+        "buffer_rows": buffer_rows(local_tokens * m.moe.num_experts_per_tok, shards, m.moe.num_experts_per_tok,
+                                   m.moe.num_experts // shards, m.moe.buffer_factor),
     }
 
 
@@ -120,12 +124,16 @@ def format_plan(plan: dict) -> str:
     experts = plan.get("experts")
     if experts:
         over = "+".join(experts["mesh_axes"]) or "no axis (replicated)"
-        mode = f"capacity factor {experts['capacity_factor']}" if experts["capacity_factor"] else "dropless"
+        if experts["capacity_factor"]:
+            mode = (f"capacity factor {experts['capacity_factor']}, {experts['slots_per_expert']:,} slots per expert "
+                    "per token shard")
+        else:
+            mode = (f"dropless, {experts['buffer_rows']:,} rows per device per exchange round (buffer factor "
+                    f"{experts['buffer_factor']})")
         lines.append(
             f"experts    {experts['moe_layers']} MoE layers x {experts['num_experts']} routed experts "
             f"({experts['per_token']} per token, {experts['shared']} shared) sharded over {over}: "
-            f"{experts['experts_per_device']} per device; {mode}, {experts['slots_per_expert']:,} slots per expert "
-            "per token shard"
+            f"{experts['experts_per_device']} per device; {mode}"
         )
     lines += [
         "",

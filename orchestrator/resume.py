@@ -37,7 +37,7 @@ def has_item(directory: str, step: int, item: str) -> bool:
 # are: a run may resume with other values (DeepSeek-V3 stops its router-bias updates late in
 # training), and export and generate take any.
 RUNTIME_MODEL_KEYS = frozenset({"attention", "dtype", "remat", "scan_layers", "initializer_range",
-                                "moe.bias_update_rate", "moe.capacity_factor"})
+                                "moe.bias_update_rate", "moe.capacity_factor", "moe.buffer_factor"})
 
 
 def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:

@@ -20,10 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from podtrain.sharding.ragged import buffer_rows, dropless_rows
 from podtrain.sharding.rules import axes_of, logical_to_spec
 
 EXPERT_GATE_NAMES = ("experts", "embed", "mlp")  # w_gate and w_up, (E, D, F)
 EXPERT_DOWN_NAMES = ("experts", "mlp", "embed")  # w_down, (E, F, D)
+DEFAULT_BUFFER_FACTOR = 1.25
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -37,47 +39,81 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) 
     return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
 
 
-def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_experts, slots, ep_axis, ep,
-                   embed_axes, mlp_axes, token_axes):
-    """One device's dispatch, expert computation and combine (the body of the shard_map)."""
-    n, d = x_ND.shape
-    k = expert_NK.shape[1]
-    local_experts = num_experts // ep
-    flat_expert = expert_NK.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    sorted_expert = flat_expert[order]
-    load = jnp.bincount(flat_expert, length=num_experts)
-    first = jnp.cumsum(load) - load
-    slot = jnp.arange(n * k) - first[sorted_expert]
-    real = sorted_expert < num_experts  # padding tokens pick expert id `num_experts`: none
-    kept = (slot < slots) & real
-    target = jnp.where(kept, sorted_expert * slots + slot, num_experts * slots)
-    token = order // k
-    send = jnp.zeros((num_experts * slots, d), x_ND.dtype).at[target].set(x_ND[token], mode="drop")
-    buf = send.reshape(ep, local_experts * slots, d)
-    if ep_axis is not None:
-        buf = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [source device] -> slots of my experts
-    rows = buf.reshape(ep, local_experts, slots, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * slots, d)
+def _slots(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int | None:
+    """The capacity dispatch's slots per expert, or None for the dropless dispatch."""
+    return capacity(tokens, top_k, num_experts, capacity_factor) if capacity_factor > 0 else None
+
+
+def _gather_weights(w_gate, w_up, w_down, *, embed_axes, mlp_axes, token_axes):
+    """My experts' weights with the dimensions sharded over `fsdp`-like axes all-gathered, and the
+    mesh axes whose partial results are to be summed (they split F but hold the same tokens)."""
     if embed_axes:
         w_gate = jax.lax.all_gather(w_gate, embed_axes, axis=1, tiled=True)
         w_up = jax.lax.all_gather(w_up, embed_axes, axis=1, tiled=True)
         w_down = jax.lax.all_gather(w_down, embed_axes, axis=2, tiled=True)
     gathered_mlp = tuple(a for a in mlp_axes if a in token_axes)  # devices there hold other tokens
-    mlp_axes = tuple(a for a in mlp_axes if a not in token_axes)
     if gathered_mlp:
         w_gate = jax.lax.all_gather(w_gate, gathered_mlp, axis=2, tiled=True)
         w_up = jax.lax.all_gather(w_up, gathered_mlp, axis=2, tiled=True)
         w_down = jax.lax.all_gather(w_down, gathered_mlp, axis=1, tiled=True)
+    return w_gate, w_up, w_down, tuple(a for a in mlp_axes if a not in token_axes)
+
+
+def _slot_rows(x_ND, token, sorted_expert, load, w_gate, w_up, w_down, *, num_experts, slots, ep_axis, ep,
+               sum_axes):
+    """Capacity dispatch: each expert takes its first `slots` rows from each device, in fixed
+    buffers moved by all-to-all. Returns (rows' results, kept)."""
+    d = x_ND.shape[1]
+    local_experts = num_experts // ep
+    first = jnp.cumsum(load) - load
+    slot = jnp.arange(sorted_expert.shape[0]) - first[jnp.minimum(sorted_expert, num_experts - 1)]
+    kept = (slot < slots) & (sorted_expert < num_experts)  # padding tokens pick expert id `num_experts`
+    target = jnp.where(kept, sorted_expert * slots + slot, num_experts * slots)
+    send = jnp.zeros((num_experts * slots, d), x_ND.dtype).at[target].set(x_ND[token], mode="drop")
+    buf = send.reshape(ep, local_experts * slots, d)
+    if ep_axis is not None:
+        buf = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [source device] -> slots of my experts
+    rows = buf.reshape(ep, local_experts, slots, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * slots, d)
     hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", rows, w_gate)) * jnp.einsum("ecd,edf->ecf", rows, w_up)
     out = jnp.einsum("ecf,efd->ecd", hidden, w_down)
-    if mlp_axes:
-        out = jax.lax.psum(out, mlp_axes)
+    if sum_axes:
+        out = jax.lax.psum(out, sum_axes)
     out = out.reshape(local_experts, ep, slots, d).transpose(1, 0, 2, 3).reshape(ep, local_experts * slots, d)
     if ep_axis is not None:
         out = jax.lax.all_to_all(out, ep_axis, 0, 0)  # results back to the devices that sent the tokens
     out = out.reshape(num_experts * slots, d)
-    gathered = jnp.where(kept[:, None], out[jnp.minimum(target, num_experts * slots - 1)], 0)
-    contribution = gathered * weight_NK.reshape(-1)[order][:, None].astype(gathered.dtype)
+    return jnp.where(kept[:, None], out[jnp.minimum(target, num_experts * slots - 1)], 0), kept
+
+
+def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_experts, slots, ep_axis, ep,
+                   embed_axes, mlp_axes, token_axes, buffer_factor):
+    """One device's dispatch, expert computation and combine (the body of the shard_map).
+
+    `slots=None` is dropless: rows sorted by expert, grouped matmuls over exactly those rows
+    (`ragged.dropless_rows`); else the capacity dispatch of `slots` per expert and device.
+    """
+    n, d = x_ND.shape
+    k = expert_NK.shape[1]
+    flat_expert = expert_NK.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    sorted_expert = flat_expert[order]
+    load = jnp.bincount(flat_expert, length=num_experts)
+    token = order // k
+    w_gate, w_up, w_down, sum_axes = _gather_weights(w_gate, w_up, w_down, embed_axes=embed_axes,
+                                                     mlp_axes=mlp_axes, token_axes=token_axes)
+    real = sorted_expert < num_experts
+    if slots is None:
+        counts = load.reshape(1, ep, num_experts // ep)
+        if ep_axis is not None:
+            counts = jax.lax.all_gather(counts[0], ep_axis)  # (sender, owner, local expert)
+        buffer = buffer_rows(n * k, ep, k, num_experts // ep, buffer_factor)
+        one_round = buffer >= ep * n * min(k, num_experts // ep)
+        out = dropless_rows(x_ND[token], counts, w_gate, w_up, w_down, ep_axis, buffer, sum_axes, one_round)
+        kept = real
+    else:
+        out, kept = _slot_rows(x_ND, token, sorted_expert, load, w_gate, w_up, w_down, num_experts=num_experts,
+                               slots=slots, ep_axis=ep_axis, ep=ep, sum_axes=sum_axes)
+    contribution = out * weight_NK.reshape(-1)[order][:, None].astype(out.dtype)
     y = jnp.zeros((n, d), contribution.dtype).at[token].add(contribution)
     dropped = jnp.sum(real & ~kept).astype(jnp.float32)
     load = load.astype(jnp.float32)
@@ -86,7 +122,8 @@ def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_expe
     return y, load, dropped
 
 
-def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, capacity_factor: float = 0.0):
+def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, capacity_factor: float = 0.0,
+                   buffer_factor: float = DEFAULT_BUFFER_FACTOR):
     """sum_k weight[k] * SwiGLU expert `expert[k]`(x) for every token, experts run where they live.
 
     Args:
@@ -95,6 +132,8 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
         weight_BTK: their combine weights (B, T, K).
         w_gate_EDF, w_up_EDF, w_down_EFD: the experts' weights, in the compute dtype.
         capacity_factor: 0 for dropless, else the per-expert slot budget (see `capacity`).
+        buffer_factor: dropless only: rows per exchange round as a multiple of a device's own
+            assignments (see `ragged.buffer_rows`); routing beyond it takes more rounds.
 
     Returns:
         (y_BTD, load_E, dropped): the combined expert outputs, the tokens routed to each expert
@@ -105,11 +144,11 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh is None or mesh.empty else dict(mesh.shape)
     if not any(size > 1 for size in sizes.values()):
-        slots = capacity(b * t, expert_BTK.shape[-1], num_experts, capacity_factor)
         y, load, dropped = _local_experts(
             x_BTD.reshape(b * t, d), expert_BTK.reshape(b * t, -1), weight_BTK.reshape(b * t, -1),
-            w_gate_EDF, w_up_EDF, w_down_EFD, num_experts=num_experts, slots=slots, ep_axis=None, ep=1,
-            embed_axes=(), mlp_axes=(), token_axes=(),
+            w_gate_EDF, w_up_EDF, w_down_EFD, num_experts=num_experts,
+            slots=_slots(b * t, expert_BTK.shape[-1], num_experts, capacity_factor), ep_axis=None, ep=1,
+            embed_axes=(), mlp_axes=(), token_axes=(), buffer_factor=buffer_factor,
         )
         return y.reshape(b, t, d), load, dropped
 
@@ -124,7 +163,8 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
         widths = ((0, pad_b), (0, pad_t), (0, 0))
         y, load, dropped = routed_experts(
             jnp.pad(x_BTD, widths), jnp.pad(expert_BTK, widths, constant_values=num_experts),
-            jnp.pad(weight_BTK, widths), w_gate_EDF, w_up_EDF, w_down_EFD, capacity_factor=capacity_factor)
+            jnp.pad(weight_BTK, widths), w_gate_EDF, w_up_EDF, w_down_EFD, capacity_factor=capacity_factor,
+            buffer_factor=buffer_factor)
         return y[:b, :t], load, dropped
     expert_axes = axes_of(gate_spec[0])
     token_axes = tuple(a for entry in token_spec for a in axes_of(entry))
@@ -140,11 +180,12 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
     ep_axis = expert_axes[0] if expert_axes else None
     ep = sizes[ep_axis] if ep_axis else 1
     local_tokens = (b * t) // math.prod(sizes[a] for a in token_axes)
-    slots = capacity(local_tokens, expert_BTK.shape[-1], num_experts, capacity_factor)
     x_spec = PartitionSpec(*token_spec, None)
     body = functools.partial(
-        _local_experts, num_experts=num_experts, slots=slots, ep_axis=ep_axis, ep=ep,
-        embed_axes=axes_of(gate_spec[1]), mlp_axes=axes_of(gate_spec[2]), token_axes=token_axes,
+        _local_experts, num_experts=num_experts, slots=_slots(local_tokens, expert_BTK.shape[-1], num_experts,
+                                                              capacity_factor),
+        ep_axis=ep_axis, ep=ep, embed_axes=axes_of(gate_spec[1]), mlp_axes=axes_of(gate_spec[2]),
+        token_axes=token_axes, buffer_factor=buffer_factor,
     )
 
     def flat(x, expert, weight, w_gate, w_up, w_down):
@@ -157,4 +198,5 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
         flat,
         in_specs=(x_spec, x_spec, x_spec, gate_spec, gate_spec, down_spec),
         out_specs=(x_spec, PartitionSpec(), PartitionSpec()),
+        check_vma=body.keywords["slots"] is not None,  # see ragged.dropless_rows
     )(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)

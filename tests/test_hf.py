@@ -11,6 +11,7 @@ import stat
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -21,6 +22,7 @@ from safetensors.torch import load_file as load_torch_file
 from safetensors.torch import save_file as save_torch_file
 from transformers import AutoModelForCausalLM
 
+import podtrain.models.architectures
 import podtrain.models.hf_write
 from podtrain.models import config_from_hf, config_to_hf, from_hf, to_hf
 from podtrain.models.deepseek import DeepseekV3
@@ -442,16 +444,53 @@ def test_to_hf_files_get_the_usual_permissions(tmp_path):
 def test_to_hf_failure_leaves_no_directory(tmp_path, monkeypatch):
     save_hf_model("llama", tmp_path / "source")
     config, model = from_hf(tmp_path / "source")
-    written = []
+    gathered, gather = [], podtrain.models.hf_write._host_slice
 
-    def fail_on_second_file(tensors, file, metadata):
-        if written:
+    def fail_in_the_second_file(x, at):
+        if len(gathered) == 8:
             raise OSError("disk full")
-        written.append(file)
-        save_file(tensors, file, metadata=metadata)
+        gathered.append(at)
+        return gather(x, at)
 
-    monkeypatch.setattr(podtrain.models.hf_write, "save_file", fail_on_second_file)
+    monkeypatch.setattr(podtrain.models.hf_write, "_host_slice", fail_in_the_second_file)
     with pytest.raises(OSError, match="disk full"):
         to_hf(model, config, tmp_path / "exported", max_shard_bytes=30_000)
-    assert written
+    assert gathered
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+def test_the_streamed_safetensors_header_is_the_one_safetensors_writes(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {name: rng.normal(size=shape).astype(dtype) for name, shape, dtype in (
+        ("b.weight", (3, 5), ml_dtypes.bfloat16), ("a.weight", (2,), np.float32), ("c", (4, 4), np.float32),
+        ("a.bias", (7,), ml_dtypes.bfloat16), ("h", (3, 2), np.float16), ("z8", (3,), ml_dtypes.float8_e4m3fn),
+        ("d", (2, 2), np.float64), ("ids", (5,), np.int32), ("scalar", (), np.float32))}
+    save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
+    start, offsets = podtrain.models.hf_write.safetensors_header(
+        [(name, t.dtype, t.shape) for name, t in tensors.items()], {"format": "pt"})
+    written = (tmp_path / "x.safetensors").read_bytes()
+    assert written[: len(start)] == start
+    for name, t in tensors.items():
+        assert written[len(start) + offsets[name]:][: t.nbytes] == t.tobytes(), name
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_the_streamed_export_is_byte_identical_to_the_whole_tensor_export(kind, tmp_path):
+    """Against the export as it was: each parameter gathered whole, each file's tensors written at
+    once by safetensors (on an fsdp x tp x ep mesh, several files)."""
+    save_hf_model(kind, tmp_path / "source", max_shard_size="40KB")
+    config, model = from_hf(tmp_path / "source", mesh=_mesh())
+    to_hf(model, config, tmp_path / "exported", max_shard_bytes=30_000)
+    index = json.loads((tmp_path / "exported" / INDEX_FILE).read_text())
+    mapping = podtrain.models.architectures.ARCHITECTURES[config.model_type].hf_mapping
+    expected = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        whole = np.asarray(var.get_value())
+        names, axes = mapping.names(".".join(map(str, path)), config, whole.shape)
+        expected |= {names[at]: to_hf_layout(whole[at], axes) for at in np.ndindex(names.shape)}
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2
+    for file in files:
+        save_file({n: expected[n] for n, f in index["weight_map"].items() if f == file}, tmp_path / "whole",
+                  metadata={"format": "pt"})
+        assert (tmp_path / "exported" / file).read_bytes() == (tmp_path / "whole").read_bytes(), file

@@ -1,0 +1,200 @@
+"""Dropless expert computation at the routed cost: grouped matmuls over exactly the rows routed.
+
+Inside the expert dispatch's `shard_map`, each device holds its token-expert assignments sorted
+by expert, `rows` (one row per assignment). The devices along the expert axis exchange counts
+(an all-gather of `(E,)` integers), from which every device knows where every row goes: device
+`j` owns experts `j*L .. (j+1)*L - 1` and receives, in sender order, the rows of its experts
+from every device. It takes them in rounds of `buffer` rows: in round `r` each sender sends the
+part of its rows for `j` that falls in `j`'s positions `[r*buffer, (r+1)*buffer)` (a ragged
+all-to-all), `j` groups its window by local expert, runs the SwiGLU experts as
+`jax.lax.ragged_dot` grouped matmuls, and a second ragged all-to-all puts the results in their
+senders' rows. Routing no worse than the buffer takes one round; more takes more rounds, and
+nothing is dropped. The backward pass (a custom VJP) repeats the rounds, recomputing each window.
+
+XLA:CPU has no ragged all-to-all: there the same offsets and sizes drive a padded `all_to_all`
+(`exchange` chooses; the offset arithmetic is the same on every platform).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from podtrain.sharding.mesh import current_platform
+
+
+def buffer_rows(rows: int, ep: int, top_k: int, local_experts: int, buffer_factor: float) -> int:
+    """Rows a device's experts take per round: `buffer_factor` x the balanced share (`rows`, a
+    device's own assignments), rounded up to a multiple of 128 (of 8 when small), and no more
+    than it could ever receive."""
+    most = ep * (rows // top_k) * min(top_k, local_experts)  # every token picks each expert at most once
+    step = 128 if buffer_factor * rows > 128 else 8  # whole tiles of the TPU grouped matmul
+    return max(1, min(most, step * math.ceil(buffer_factor * rows / step)))
+
+
+def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis, chunk: int):
+    """A ragged all-to-all over `axis`: rows `[input_offsets[j], + send_sizes[j])` of `operand`
+    go to device `j`'s `output` at `output_offsets[j]`; `recv_sizes[i]` rows come from device
+    `i`. `chunk` bounds any one send. TPU and GPU run `jax.lax.ragged_all_to_all`; XLA:CPU, which
+    lacks it, a padded all-to-all of `chunk` rows per pair (and no collective without `axis`)."""
+    operand = operand.astype(output.dtype)
+    if axis is not None and current_platform() != "cpu":
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                         axis_name=axis)
+    at = jnp.arange(chunk)
+    rows = jnp.clip(input_offsets[:, None] + at, 0, operand.shape[0] - 1)
+    block = jnp.where((at < send_sizes[:, None])[..., None], operand[rows], 0)  # (devices, chunk, D)
+    where = output_offsets
+    if axis is not None:
+        block = jax.lax.all_to_all(block, axis, 0, 0)
+        where = jax.lax.all_to_all(output_offsets[:, None], axis, 0, 0)[:, 0]  # each sender's offset for me
+    target = jnp.where(at < recv_sizes[:, None], where[:, None] + at, output.shape[0])
+    return output.at[target.reshape(-1)].set(block.reshape(-1, operand.shape[1]), mode="drop")
+
+
+def _exclusive_cumsum(x, axis):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+class _Plan:
+    """Offsets of every round, from the counts `(ep senders, ep owners, L local experts)`."""
+
+    def __init__(self, counts_SJL, me, buffer: int):
+        self.counts, self.me, self.buffer = counts_SJL, me, buffer
+        sent = counts_SJL.sum(-1)  # (s, j): rows s sends to j
+        self.sent = sent
+        self.start = _exclusive_cumsum(sent, 1)  # where s's rows for j begin among s's rows
+        self.place = _exclusive_cumsum(sent, 0)  # where they begin among j's received rows
+        received = sent.sum(0)
+        self.rounds = (jnp.max(received) + buffer - 1) // buffer
+        self.received = received[me]
+
+    def _window(self, r):
+        """(s, j) rows of the round's window: first position among j's rows, and how many."""
+        lo = jnp.clip(self.place, r * self.buffer, (r + 1) * self.buffer)
+        hi = jnp.clip(self.place + self.sent, r * self.buffer, (r + 1) * self.buffer)
+        return lo, hi - lo
+
+    def dispatch(self, r):
+        """exchange() arguments taking my rows of round `r` to their owners' windows."""
+        lo, size = self._window(r)
+        me = self.me
+        return (self.start[me] + lo[me] - self.place[me], size[me], lo[me] - r * self.buffer, size[:, me])
+
+    def combine(self, r):
+        """exchange() arguments taking my window's results of round `r` back to their senders."""
+        lo, size = self._window(r)
+        me = self.me
+        return (lo[:, me] - r * self.buffer, size[:, me], self.start[:, me] + lo[:, me] - self.place[:, me], size[me])
+
+    def groups(self, r):
+        """(order, group sizes): my window's rows in local-expert order, and rows per expert."""
+        local = self.counts.shape[-1]
+        ends = jnp.cumsum(self.counts[:, self.me].reshape(-1))  # segments (sender, local expert) in order
+        position = r * self.buffer + jnp.arange(self.buffer)
+        segment = jnp.searchsorted(ends, position, side="right")
+        expert = jnp.where(position < self.received, segment % local, local)
+        order = jnp.argsort(expert, stable=True)
+        sizes = jnp.sum(expert[:, None] == jnp.arange(local), axis=0, dtype=jnp.int32)
+        return order, sizes
+
+
+def grouped_matmul(rows, w_LKN, sizes):
+    """rows[i] @ w[group of i] with rows in group order, `sizes[l]` rows in group l (rows past
+    them give zeros). On TPU the Pallas grouped matmul that ships with JAX (megablox: its weight
+    gradient visits only the rows of each group, where XLA's ragged dot transposed costs every row
+    times every group); elsewhere `jax.lax.ragged_dot`."""
+    if current_platform() != "tpu":
+        return jax.lax.ragged_dot(rows, w_LKN, sizes)
+    from jax.experimental.pallas.ops.tpu.megablox import ops
+
+    tiling = (math.gcd(rows.shape[0], 128), 128, 128)
+    return ops.gmm(rows, w_LKN.astype(rows.dtype), sizes, rows.dtype, tiling)
+
+
+def _swiglu(rows, sizes, w_gate, w_up, w_down):
+    hidden = jax.nn.silu(grouped_matmul(rows, w_gate, sizes)) * grouped_matmul(rows, w_up, sizes)
+    return grouped_matmul(hidden, w_down, sizes)
+
+
+def _window_rows(plan, r, rows, axis):
+    """My window of round `r`: the rows sent to me, in local-expert order, and that order."""
+    window = exchange(rows, jnp.zeros((plan.buffer, rows.shape[1]), rows.dtype), *plan.dispatch(r), axis=axis,
+                      chunk=plan.buffer)
+    order, sizes = plan.groups(r)
+    return window[order], order, sizes
+
+
+def _unsort(values, order):
+    return jnp.zeros_like(values).at[order].set(values)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def dropless_rows(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+    """SwiGLU expert `e`(row) for each of my rows (sorted by expert), run on the device owning `e`.
+
+    Args:
+        rows: (N, D) my assignments' token vectors, sorted by expert; rows past the counted ones
+            (padding) are not sent and give zeros.
+        counts_SJL: int (ep, ep, L): rows device s has for local expert l of device j.
+        w_gate, w_up (L, D, F), w_down (L, F, D): my experts' weights (F possibly a shard).
+        axis: the expert mesh axis (None: one device holds every expert).
+        buffer: rows per round (`buffer_rows`).
+        sum_axes: mesh axes whose devices hold the same rows and other slices of F.
+        one_round: the buffer holds whatever a device can receive (no loop is built).
+
+    It runs inside a `shard_map` with `check_vma=False` (the Pallas grouped matmul has no
+    varying-axes types), whose gradients share a replicated output's cotangent among its copies
+    and sum a replicated input's: the output's is summed over `sum_axes` here.
+    """
+    return _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
+
+
+def _loop(plan, one_round, body, init):
+    return body(0, init) if one_round else jax.lax.fori_loop(0, plan.rounds, body, init)
+
+
+def _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+    plan = _Plan(counts_SJL, jax.lax.axis_index(axis) if axis is not None else 0, buffer)
+
+    def round_(r, out):
+        window, order, sizes = _window_rows(plan, r, rows, axis)
+        result = _unsort(_swiglu(window, sizes, w_gate, w_up, w_down), order)
+        if sum_axes:
+            result = jax.lax.psum(result, sum_axes)
+        return exchange(result, out, *plan.combine(r), axis=axis, chunk=plan.buffer)
+
+    return _loop(plan, one_round, round_, jnp.zeros_like(rows))
+
+
+def _dropless_fwd(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+    out = _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
+    return out, (rows, counts_SJL, w_gate, w_up, w_down)
+
+
+def _dropless_bwd(axis, buffer, sum_axes, one_round, residuals, d_out):
+    rows, counts_SJL, w_gate, w_up, w_down = residuals
+    plan = _Plan(counts_SJL, jax.lax.axis_index(axis) if axis is not None else 0, buffer)
+    width = rows.shape[1]
+    if sum_axes:  # the output is the same along these axes: each device got a share of its gradient
+        d_out = jax.lax.psum(d_out, sum_axes)
+    both = jnp.concatenate([rows, d_out.astype(rows.dtype)], axis=1)  # one exchange carries both
+
+    def round_(r, carry):
+        d_rows, grads = carry
+        window, order, sizes = _window_rows(plan, r, both, axis)
+        partial, vjp = jax.vjp(lambda x, *w: _swiglu(x, sizes, *w), window[:, :width], w_gate, w_up, w_down)
+        d_window, *d_weights = vjp(window[:, width:].astype(partial.dtype))
+        d_window = _unsort(d_window, order)  # my F slice's part: summed over `sum_axes` by the shard_map
+        d_rows = exchange(d_window, d_rows, *plan.combine(r), axis=axis, chunk=plan.buffer)
+        return d_rows, tuple(g + d.astype(jnp.float32) for g, d in zip(grads, d_weights, strict=True))
+
+    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w_gate, w_up, w_down))
+    d_rows, grads = _loop(plan, one_round, round_, (jnp.zeros_like(rows), zeros))
+    return (d_rows, None, *(g.astype(w.dtype) for g, w in zip(grads, (w_gate, w_up, w_down), strict=True)))
+
+
+dropless_rows.defvjp(_dropless_fwd, _dropless_bwd, optimize_remat=True)  # under remat, no forward rounds twice
