@@ -82,7 +82,7 @@ def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: boo
 
     start = time.perf_counter()
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
-        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).compile()
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, x).compile()
     seconds = time.perf_counter() - start
     d, f, k = config.hidden_size, moe.moe_intermediate_size, moe.num_experts_per_tok
     forward = tokens * k * 3 * 2 * d * f

@@ -108,12 +108,13 @@ def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_expe
             counts = jax.lax.all_gather(counts[0], ep_axis)  # (sender, owner, local expert)
         buffer = buffer_rows(n * k, ep, k, num_experts // ep, buffer_factor)
         one_round = buffer >= ep * n * min(k, num_experts // ep)
-        out = dropless_rows(x_ND[token], counts, w_gate, w_up, w_down, ep_axis, buffer, sum_axes, one_round)
+        contribution = dropless_rows(x_ND[token], weight_NK.reshape(-1)[order], counts, w_gate, w_up, w_down,
+                                     ep_axis, buffer, sum_axes, one_round)
         kept = real
     else:
         out, kept = _slot_rows(x_ND, token, sorted_expert, load, w_gate, w_up, w_down, num_experts=num_experts,
                                slots=slots, ep_axis=ep_axis, ep=ep, sum_axes=sum_axes)
-    contribution = out * weight_NK.reshape(-1)[order][:, None].astype(out.dtype)
+        contribution = out * weight_NK.reshape(-1)[order][:, None].astype(out.dtype)
     y = jnp.zeros((n, d), contribution.dtype).at[token].add(contribution)
     dropped = jnp.sum(real & ~kept).astype(jnp.float32)
     load = load.astype(jnp.float32)

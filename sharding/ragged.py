@@ -132,13 +132,15 @@ def _unsort(values, order):
     return jnp.zeros_like(values).at[order].set(values)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def dropless_rows(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
-    """SwiGLU expert `e`(row) for each of my rows (sorted by expert), run on the device owning `e`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def dropless_rows(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+    """`row_weights[i]` x SwiGLU expert `e`(rows[i]) for each of my rows (sorted by expert), the
+    expert run on the device owning `e`.
 
     Args:
         rows: (N, D) my assignments' token vectors, sorted by expert; rows past the counted ones
             (padding) are not sent and give zeros.
+        row_weights: (N,) their combine weights.
         counts_SJL: int (ep, ep, L): rows device s has for local expert l of device j.
         w_gate, w_up (L, D, F), w_down (L, F, D): my experts' weights (F possibly a shard).
         axis: the expert mesh axis (None: one device holds every expert).
@@ -146,18 +148,20 @@ def dropless_rows(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes
         sum_axes: mesh axes whose devices hold the same rows and other slices of F.
         one_round: the buffer holds whatever a device can receive (no loop is built).
 
-    It runs inside a `shard_map` with `check_vma=False` (the Pallas grouped matmul has no
-    varying-axes types), whose gradients share a replicated output's cotangent among its copies
-    and sum a replicated input's: the output's is summed over `sum_axes` here.
+    The backward pass needs only the inputs (it sends the rows again with their gradients, and the
+    owners recompute the experts and the combine weights' gradients), so under remat the forward
+    rounds run once. It runs inside a `shard_map` with `check_vma=False` (the Pallas grouped
+    matmul has no varying-axes types), whose gradients share a replicated output's cotangent
+    among its copies and sum a replicated input's: the output's is summed over `sum_axes` here.
     """
-    return _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
+    return _forward(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
 
 
 def _loop(plan, one_round, body, init):
     return body(0, init) if one_round else jax.lax.fori_loop(0, plan.rounds, body, init)
 
 
-def _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+def _forward(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
     plan = _Plan(counts_SJL, jax.lax.axis_index(axis) if axis is not None else 0, buffer)
 
     def round_(r, out):
@@ -167,34 +171,42 @@ def _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one
             result = jax.lax.psum(result, sum_axes)
         return exchange(result, out, *plan.combine(r), axis=axis, chunk=plan.buffer)
 
-    return _loop(plan, one_round, round_, jnp.zeros_like(rows))
+    out = _loop(plan, one_round, round_, jnp.zeros_like(rows))
+    return out * row_weights[:, None].astype(out.dtype)
 
 
-def _dropless_fwd(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
-    out = _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
-    return out, (rows, counts_SJL, w_gate, w_up, w_down)
+def _dropless_fwd(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+    out = _forward(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
+    return out, (rows, row_weights, counts_SJL, w_gate, w_up, w_down)
 
 
 def _dropless_bwd(axis, buffer, sum_axes, one_round, residuals, d_out):
-    rows, counts_SJL, w_gate, w_up, w_down = residuals
+    rows, row_weights, counts_SJL, w_gate, w_up, w_down = residuals
     plan = _Plan(counts_SJL, jax.lax.axis_index(axis) if axis is not None else 0, buffer)
     width = rows.shape[1]
     if sum_axes:  # the output is the same along these axes: each device got a share of its gradient
         d_out = jax.lax.psum(d_out, sum_axes)
-    both = jnp.concatenate([rows, d_out.astype(rows.dtype)], axis=1)  # one exchange carries both
+    # One exchange carries the rows, their output's gradient and their weights (in the rows' dtype,
+    # as the forward pass applies them).
+    sent = jnp.concatenate([rows, d_out.astype(rows.dtype), row_weights[:, None].astype(rows.dtype)], axis=1)
 
     def round_(r, carry):
-        d_rows, grads = carry
-        window, order, sizes = _window_rows(plan, r, both, axis)
-        partial, vjp = jax.vjp(lambda x, *w: _swiglu(x, sizes, *w), window[:, :width], w_gate, w_up, w_down)
-        d_window, *d_weights = vjp(window[:, width:].astype(partial.dtype))
-        d_window = _unsort(d_window, order)  # my F slice's part: summed over `sum_axes` by the shard_map
-        d_rows = exchange(d_window, d_rows, *plan.combine(r), axis=axis, chunk=plan.buffer)
-        return d_rows, tuple(g + d.astype(jnp.float32) for g, d in zip(grads, d_weights, strict=True))
+        back, grads = carry
+        window, order, sizes = _window_rows(plan, r, sent, axis)
+        x, d_y, weight = window[:, :width], window[:, width:2 * width], window[:, 2 * width:]
+        partial, vjp = jax.vjp(lambda x, *w: _swiglu(x, sizes, *w), x, w_gate, w_up, w_down)
+        d_x, *d_weights = vjp((d_y * weight).astype(partial.dtype))
+        d_weight = jnp.sum(d_y.astype(jnp.float32) * partial.astype(jnp.float32), axis=1, keepdims=True)
+        # My F slice's parts, in the rows' dtype (as autodiff of the forward would give them); the
+        # shard_map sums them over `sum_axes` (the rows do not vary there).
+        result = _unsort(jnp.concatenate([d_x, d_weight], axis=1).astype(rows.dtype), order)
+        back = exchange(result, back, *plan.combine(r), axis=axis, chunk=plan.buffer)
+        return back, tuple(g + d.astype(jnp.float32) for g, d in zip(grads, d_weights, strict=True))
 
     zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w_gate, w_up, w_down))
-    d_rows, grads = _loop(plan, one_round, round_, (jnp.zeros_like(rows), zeros))
-    return (d_rows, None, *(g.astype(w.dtype) for g, w in zip(grads, (w_gate, w_up, w_down), strict=True)))
+    back, grads = _loop(plan, one_round, round_, (jnp.zeros((rows.shape[0], width + 1), rows.dtype), zeros))
+    return (back[:, :width].astype(rows.dtype), back[:, width].astype(row_weights.dtype), None,
+            *(g.astype(w.dtype) for g, w in zip(grads, (w_gate, w_up, w_down), strict=True)))
 
 
-dropless_rows.defvjp(_dropless_fwd, _dropless_bwd, optimize_remat=True)  # under remat, no forward rounds twice
+dropless_rows.defvjp(_dropless_fwd, _dropless_bwd, optimize_remat=True)
