@@ -36,7 +36,7 @@ OVERRIDES = ["model.num_layers=15", "model.hidden_size=256", "model.moe.num_expe
              "model.moe.moe_intermediate_size=512", "model.param_dtype=float32"]
 
 PROBE = """
-import json, re, sys, time
+import json, re, resource, sys, time
 import jax
 jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=2, process_id=int(sys.argv[2]),
                            initialization_timeout=60)
@@ -60,12 +60,12 @@ jax.jit(lambda: jax.numpy.zeros(4), out_shardings=jax.NamedSharding(mesh, jax.P(
 (config, model), imported, import_s = phase(lambda: from_hf(sys.argv[3], mesh=mesh))
 shards = sum(s.data.nbytes for _, v in nnx.to_flat_state(nnx.state(model)) for s in v.get_value().addressable_shards)
 _, exported, export_s = phase(lambda: to_hf(model, config, sys.argv[4], max_shard_bytes=32 << 20))
-print(json.dumps({"import_growth": imported, "shards": shards, "export_growth": exported,
-                  "import_s": import_s, "export_s": export_s}))
+print(json.dumps({"import_growth": imported, "shards": shards, "export_growth": exported, "import_s": import_s,
+                  "export_s": export_s, "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 
-def _write_source(directory: Path, config) -> dict[str, tuple]:
+def write_source(directory: Path, config) -> dict[str, tuple]:
     """A random HF checkpoint of `config`, written a file (of at most 32 MiB) at a time."""
     mapping = ARCHITECTURES[config.model_type].hf_mapping
     _, abstract = abstract_model(lambda: ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(0)),
@@ -94,14 +94,10 @@ def _write_source(directory: Path, config) -> dict[str, tuple]:
     return shapes
 
 
-def test_import_and_export_of_a_model_8x_the_bound_stay_within_it_per_process(tmp_path):
+def run_probe(source: Path, exported: Path, timeout: int = 600) -> list[dict]:
+    """Imports `source` and exports it to `exported` on two JAX processes; what each measured."""
     from podtrain.orchestrator.cluster.host import free_port
 
-    config = load_config("deepseek-v3-tiny", OVERRIDES).model
-    source, exported = tmp_path / "source", tmp_path / "exported"
-    shapes = _write_source(source, config)
-    model_bytes = sum(4 * int(np.prod(s)) for s in shapes.values())
-    assert model_bytes >= 8 * BOUND, model_bytes
     port, root = free_port("127.0.0.1"), Path(__file__).parent.parent
     # A fixed mmap threshold makes glibc return freed large blocks at once: the resident set then
     # shows what is in use, not what the allocator keeps for reuse.
@@ -109,10 +105,18 @@ def test_import_and_export_of_a_model_8x_the_bound_stay_within_it_per_process(tm
                MALLOC_MMAP_THRESHOLD_="131072")
     procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(port), str(i), str(source), str(exported)], cwd=root,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outputs = [p.communicate(timeout=600) for p in procs]
+    outputs = [p.communicate(timeout=timeout) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outputs]
-    for out, _ in outputs:
-        measured = json.loads(out.strip().splitlines()[-1])
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+
+
+def test_import_and_export_of_a_model_8x_the_bound_stay_within_it_per_process(tmp_path):
+    config = load_config("deepseek-v3-tiny", OVERRIDES).model
+    source, exported = tmp_path / "source", tmp_path / "exported"
+    shapes = write_source(source, config)
+    model_bytes = sum(4 * int(np.prod(s)) for s in shapes.values())
+    assert model_bytes >= 8 * BOUND, model_bytes
+    for measured in run_probe(source, exported):
         assert measured["import_growth"] - measured["shards"] <= BOUND, measured
         assert measured["export_growth"] <= BOUND, measured
     index = json.loads((exported / INDEX_FILE).read_text())["weight_map"]
