@@ -5,7 +5,9 @@
 
 One MoE layer of the preset (routed experts only: the shared expert is a dense MLP), forward and
 backward of sum(y), compiled for `--ep` chips of the compile-only TPU devices of `--target`
-(needs podtrain[aot]), `--tokens` tokens per chip, bf16. For each dispatch and with and without
+(needs podtrain[aot]; `--target cpu`: simulated CPU devices, where XLA:CPU's grouped matmul costs
+every row times every local expert and the ragged exchange is a padded all-to-all), `--tokens`
+tokens per chip, bf16. For each dispatch and with and without
 rematerialisation (the presets' `model.remat: full`: a scan over two stacked layers, each under
 `jax.checkpoint`, as the model runs them; figures per layer):
 
@@ -31,6 +33,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)  # for --cpu; compile-only TPU devices do not use them
+
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
@@ -105,7 +110,7 @@ COLUMNS = (("scheme", "dispatch", "<32"), ("remat", "remat", "<5"), ("flops", "F
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="v5p-16")
+    parser.add_argument("--target", default="v5p-16", help="a TPU slice, or cpu (simulated CPU devices)")
     parser.add_argument("--ep", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per chip")
     parser.add_argument("--preset", default="deepseek-v3-671b")
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remat", choices=("both", "none", "full"), default="both")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    devices = compile_devices(parse_target(args.target))
+    devices = jax.devices("cpu") if args.target == "cpu" else compile_devices(parse_target(args.target))
     moe = load_config(args.preset).model.moe
     rows = []
     remats = {"both": (False, True), "none": (False,), "full": (True,)}[args.remat]

@@ -6,10 +6,11 @@ by expert, `rows` (one row per assignment). The devices along the expert axis ex
 `j` owns experts `j*L .. (j+1)*L - 1` and receives, in sender order, the rows of its experts
 from every device. It takes them in rounds of `buffer` rows: in round `r` each sender sends the
 part of its rows for `j` that falls in `j`'s positions `[r*buffer, (r+1)*buffer)` (a ragged
-all-to-all), `j` groups its window by local expert, runs the SwiGLU experts as
-`jax.lax.ragged_dot` grouped matmuls, and a second ragged all-to-all puts the results in their
-senders' rows. Routing no worse than the buffer takes one round; more takes more rounds, and
-nothing is dropped. The backward pass (a custom VJP) repeats the rounds, recomputing each window.
+all-to-all), `j` groups its window by local expert, runs the SwiGLU experts as grouped matmuls
+(`grouped_matmul`), and a second ragged all-to-all puts the results in their senders' rows.
+Routing no worse than the buffer takes one round; more takes more rounds, and nothing is
+dropped. The backward pass (a custom VJP) repeats the rounds: the rows go out again with their
+gradients and the owners recompute each window's experts.
 
 XLA:CPU has no ragged all-to-all: there the same offsets and sizes drive a padded `all_to_all`
 (`exchange` chooses; the offset arithmetic is the same on every platform).
@@ -28,11 +29,12 @@ from podtrain.sharding.mesh import current_platform
 
 def buffer_rows(rows: int, ep: int, top_k: int, local_experts: int, buffer_factor: float) -> int:
     """Rows a device's experts take per round: `buffer_factor` x the balanced share (`rows`, a
-    device's own assignments), rounded up to a multiple of 128 (of 8 when small), and no more
-    than it could ever receive."""
+    device's own assignments), or all it could ever receive if that is less, rounded up to a
+    multiple of 128 (of 16 when small: whole tiles of the TPU grouped matmul)."""
     most = ep * (rows // top_k) * min(top_k, local_experts)  # every token picks each expert at most once
-    step = 128 if buffer_factor * rows > 128 else 8  # whole tiles of the TPU grouped matmul
-    return max(1, min(most, step * math.ceil(buffer_factor * rows / step)))
+    want = min(most, buffer_factor * rows)
+    step = 128 if want > 128 else 16
+    return step * max(1, math.ceil(want / step))
 
 
 def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis, chunk: int):
