@@ -112,6 +112,16 @@ DTYPES = {name: np.dtype(t) for name, t in (
     ("I64", np.int64), ("U64", np.uint64))}
 
 
+def _ranges(shape: tuple[int, ...], index, file: Path) -> list[range]:
+    """The contiguous range of each dimension that numpy index `index` selects (ValueError else)."""
+    index = index if isinstance(index, tuple) else (index,)
+    index += (slice(None),) * (len(shape) - len(index))
+    ranges = [range(n)[i] for n, i in zip(shape, index, strict=True)]
+    if any(r.step != 1 for r in ranges):
+        raise ValueError(f"{file}: tensors are read in contiguous slices, found {index}")
+    return ranges
+
+
 class _FileTensor:
     """A stored tensor that numpy-slices: `tensor[i, j]` (contiguous ranges) reads only the bytes
     of the rows it needs with `os.pread`, so nothing of the file stays mapped or cached by this
@@ -122,11 +132,7 @@ class _FileTensor:
         self.shape, self.dtype = stored.shape, DTYPES[stored.dtype]
 
     def __getitem__(self, index) -> np.ndarray:
-        index = index if isinstance(index, tuple) else (index,)
-        index += (slice(None),) * (len(self.shape) - len(index))
-        ranges = [range(n)[i] for n, i in zip(self.shape, index, strict=True)]
-        if any(r.step != 1 for r in ranges):
-            raise ValueError(f"{self.stored.file}: tensors are read in contiguous slices, found {index}")
+        ranges = _ranges(self.shape, index, self.stored.file)
         if not self.shape:
             return self._read(0, 1).reshape(())
         row = math.prod(self.shape[1:])
@@ -171,11 +177,7 @@ class _Fp8Tensor:
         self.shape = raw.shape
 
     def __getitem__(self, index) -> np.ndarray:
-        index = index if isinstance(index, tuple) else (index,)
-        index += (slice(None),) * (2 - len(index))
-        ranges = [range(n)[i] for n, i in zip(self.shape, index, strict=True)]
-        if any(r.step != 1 for r in ranges):
-            raise ValueError(f"{self.raw.stored.file}: FP8 weights are read in contiguous slices, found {index}")
+        ranges = _ranges(self.shape, index, self.raw.stored.file)
         raw = self.raw[ranges[0].start:ranges[0].stop, ranges[1].start:ranges[1].stop]
         blocks = [slice(r.start // b, -(-r.stop // b)) for r, b in zip(ranges, self.block, strict=True)]
         scale = self.scale[blocks[0], blocks[1]].astype(np.float32)

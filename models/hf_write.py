@@ -71,9 +71,8 @@ def _take(x: jax.Array, at: jax.Array, stacked: int, spec: tuple, mesh) -> jax.A
         if not over:
             return piece
         bits = jnp.dtype(f"uint{8 * piece.dtype.itemsize}")
-        summed = jax.lax.psum(jnp.where(mine, jax.lax.bitcast_convert_type(piece, bits), 0).astype(jnp.uint32)
-                              if piece.dtype.itemsize < 4 else
-                              jnp.where(mine, jax.lax.bitcast_convert_type(piece, bits), 0), over)
+        wide = bits if piece.dtype.itemsize >= 4 else jnp.uint32  # sums of 8- and 16-bit integers as 32-bit
+        summed = jax.lax.psum(jnp.where(mine, jax.lax.bitcast_convert_type(piece, bits), 0).astype(wide), over)
         return jax.lax.bitcast_convert_type(summed.astype(bits), piece.dtype)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(*spec), PartitionSpec()),
@@ -119,13 +118,6 @@ def _plan_shards(tensors: list[tuple], max_shard_bytes: int) -> list[list[tuple]
     return shards
 
 
-def _umask() -> int:
-    """The process's umask (reading it means setting it; it is put back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**30,
           config_extra: Mapping[str, Any] | None = None, files: Mapping[str, bytes] | None = None) -> None:
     """Writes `model` as a transformers checkpoint: safetensors shards, their index and config.json.
@@ -159,10 +151,9 @@ def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**
         f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
     me, count = jax.process_index(), jax.process_count()
     staging = directory.parent / f".{directory.name}.{_broadcast_token()}.tmp"
-    umask = _umask()  # safetensors' and tempfile's modes are owner-only; give the files the usual ones
-    if me == 0:
+    if me == 0:  # the directory and files get the usual modes (0777 / 0666 less the umask)
         directory.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir(0o777 & ~umask)
+        staging.mkdir()
     _sync("podtrain_export_staging")
     try:
         for number, (shard, file) in enumerate(zip(shards, files_of, strict=True)):
@@ -173,10 +164,10 @@ def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**
                 out.write(start)
             try:
                 for name, _, key, at, axes, _, _ in shard:
-                    tensor = to_hf_layout(_host_slice(values[key], at), axes)  # collective: every process
+                    host = _host_slice(values[key], at)  # collective: every process takes part
                     if mine:
                         out.seek(len(start) + offsets[name])
-                        tensor.tofile(out)
+                        to_hf_layout(host, axes).tofile(out)
             finally:
                 if mine:
                     out.close()
@@ -190,8 +181,6 @@ def to_hf(model: Llama, config: ModelConfig, path, *, max_shard_bytes: int = 2**
             (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
             for name, data in (files or {}).items():
                 (staging / name).write_bytes(data)
-            for written in staging.iterdir():
-                written.chmod(0o666 & ~umask)
             os.replace(staging, directory)
         _sync("podtrain_export_done")
     except BaseException:
