@@ -9,8 +9,8 @@ part of its rows for `j` that falls in `j`'s positions `[r*buffer, (r+1)*buffer)
 all-to-all), `j` groups its window by local expert, runs the SwiGLU experts as grouped matmuls
 (`grouped_matmul`), and a second ragged all-to-all puts the results in their senders' rows.
 Routing no worse than the buffer takes one round; more takes more rounds, and nothing is
-dropped. The backward pass (a custom VJP) repeats the rounds: the rows go out again with their
-gradients and the owners recompute each window's experts.
+dropped. The backward pass (a custom VJP) keeps round 0's windows at their owners and sends
+only gradients; later rounds send the rows again and the owners recompute their projections.
 
 XLA:CPU has no ragged all-to-all: there the same offsets and sizes drive a padded `all_to_all`
 (`exchange` chooses; the offset arithmetic is the same on every platform).
@@ -117,9 +117,37 @@ def grouped_matmul(rows, w_LKN, sizes):
     return ops.gmm(rows, w_LKN.astype(rows.dtype), sizes, rows.dtype, tiling)
 
 
-def _swiglu(rows, sizes, w_gate, w_up, w_down):
-    hidden = jax.nn.silu(grouped_matmul(rows, w_gate, sizes)) * grouped_matmul(rows, w_up, sizes)
-    return grouped_matmul(hidden, w_down, sizes)
+def _round(plan, r, rows, w_gate, w_up, w_down, axis, sum_axes):
+    """Round `r` at the owner: its window through my experts, the results in the window's sender
+    order (summed over `sum_axes`), and what the backward pass needs of it (the window in expert
+    order, its gate and up projections and my F slice's part of its results, the order and the
+    group sizes)."""
+    window, order, sizes = _window_rows(plan, r, rows, axis)
+    gate, up, partial = _experts(window, sizes, w_gate, w_up, w_down)
+    result = _unsort(partial, order)
+    if sum_axes:
+        result = jax.lax.psum(result, sum_axes)
+    return result, (window, gate, up, partial, order, sizes)
+
+
+def _experts(window, sizes, w_gate, w_up, w_down):
+    """The SwiGLU experts over a window in expert order: (gate and up projections, results)."""
+    gate, up = grouped_matmul(window, w_gate, sizes), grouped_matmul(window, w_up, sizes)
+    return gate, up, grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
+
+
+def _expert_grads(window, gate, up, partial, sizes, w_gate, w_up, w_down, d_y, weight):
+    """(d window | d combine weight, d w_gate, d w_up, d w_down) of the weighted SwiGLU experts
+    at a window, from its gate and up projections and results (no forward matmul is recomputed:
+    the outputs of those the VJPs trace go unused)."""
+    d_weight = jnp.sum(d_y.astype(jnp.float32) * partial.astype(jnp.float32), axis=1, keepdims=True)
+    hidden, act_vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
+    d_hidden, d_down = jax.vjp(lambda h, w: grouped_matmul(h, w, sizes), hidden, w_down)[1](
+        (d_y * weight).astype(hidden.dtype))
+    in_vjp = jax.vjp(lambda x, wg, wu: (grouped_matmul(x, wg, sizes), grouped_matmul(x, wu, sizes)),
+                     window, w_gate, w_up)[1]
+    d_window, d_gate, d_up = in_vjp(act_vjp(d_hidden))
+    return jnp.concatenate([d_window.astype(jnp.float32), d_weight], axis=1), d_gate, d_up, d_down
 
 
 def _window_rows(plan, r, rows, axis):
@@ -132,6 +160,11 @@ def _window_rows(plan, r, rows, axis):
 
 def _unsort(values, order):
     return jnp.zeros_like(values).at[order].set(values)
+
+
+def _overflow(plan, one_round, body, init):
+    """Rounds 1 .. rounds - 1 (none when the routing fits the buffer, or cannot exceed it)."""
+    return init if one_round else jax.lax.fori_loop(1, plan.rounds, body, init)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -150,65 +183,74 @@ def dropless_rows(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buf
         sum_axes: mesh axes whose devices hold the same rows and other slices of F.
         one_round: the buffer holds whatever a device can receive (no loop is built).
 
-    The backward pass needs only the inputs (it sends the rows again with their gradients, and the
-    owners recompute the experts and the combine weights' gradients), so under remat the forward
-    rounds run once. It runs inside a `shard_map` with `check_vma=False` (the Pallas grouped
-    matmul has no varying-axes types), whose gradients share a replicated output's cotangent
-    among its copies and sum a replicated input's: the output's is summed over `sum_axes` here.
+    The backward pass keeps round 0 at the owners (each its window, gate and up projections and
+    results): the output gradients and combine weights go to the owners, and the rows' and
+    weights' gradients come back. Later rounds, which routing beyond the buffer takes, send the
+    rows again with them and the owners recompute their projections. Under remat the kept values
+    are recomputed with one dispatch (their combine is not needed). It runs inside a `shard_map`
+    with `check_vma=False` (the Pallas grouped matmul has no varying-axes types), whose gradients
+    share a replicated output's cotangent among its copies and sum a replicated input's: the
+    output's is summed over `sum_axes` here.
     """
-    return _forward(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
+    return _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)[0] \
+        * row_weights[:, None].astype(rows.dtype)
 
 
-def _loop(plan, one_round, body, init):
-    return body(0, init) if one_round else jax.lax.fori_loop(0, plan.rounds, body, init)
-
-
-def _forward(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+def _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+    """(my rows' unweighted results, round 0's owner-side values)."""
     plan = _Plan(counts_SJL, jax.lax.axis_index(axis) if axis is not None else 0, buffer)
 
     def round_(r, out):
-        window, order, sizes = _window_rows(plan, r, rows, axis)
-        result = _unsort(_swiglu(window, sizes, w_gate, w_up, w_down), order)
-        if sum_axes:
-            result = jax.lax.psum(result, sum_axes)
+        result, _ = _round(plan, r, rows, w_gate, w_up, w_down, axis, sum_axes)
         return exchange(result, out, *plan.combine(r), axis=axis, chunk=plan.buffer)
 
-    out = _loop(plan, one_round, round_, jnp.zeros_like(rows))
-    return out * row_weights[:, None].astype(out.dtype)
+    first, kept = _round(plan, 0, rows, w_gate, w_up, w_down, axis, sum_axes)
+    out = exchange(first, jnp.zeros_like(rows), *plan.combine(0), axis=axis, chunk=plan.buffer)
+    return _overflow(plan, one_round, round_, out), kept
 
 
 def _dropless_fwd(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
-    out = _forward(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
-    return out, (rows, row_weights, counts_SJL, w_gate, w_up, w_down)
+    out, kept = _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
+    weighted = out * row_weights[:, None].astype(out.dtype)
+    return weighted, (rows, row_weights, counts_SJL, w_gate, w_up, w_down, kept)
 
 
 def _dropless_bwd(axis, buffer, sum_axes, one_round, residuals, d_out):
-    rows, row_weights, counts_SJL, w_gate, w_up, w_down = residuals
+    rows, row_weights, counts_SJL, w_gate, w_up, w_down, (window, gate, up, partial, order, sizes) = residuals
     plan = _Plan(counts_SJL, jax.lax.axis_index(axis) if axis is not None else 0, buffer)
     width = rows.shape[1]
     if sum_axes:  # the output is the same along these axes: each device got a share of its gradient
         d_out = jax.lax.psum(d_out, sum_axes)
-    # One exchange carries the rows, their output's gradient and their weights (in the rows' dtype,
-    # as the forward pass applies them).
-    sent = jnp.concatenate([rows, d_out.astype(rows.dtype), row_weights[:, None].astype(rows.dtype)], axis=1)
+    # The output's gradient and the weights travel together, in the rows' dtype (as the forward
+    # pass applies the weights).
+    d_y = jnp.concatenate([d_out.astype(rows.dtype), row_weights[:, None].astype(rows.dtype)], axis=1)
+
+    def send_back(r, result, order, back):
+        # My F slice's part of the rows' and weights' gradients, in the rows' dtype (as autodiff
+        # of the forward would give them); the shard_map sums them over `sum_axes`.
+        return exchange(_unsort(result.astype(rows.dtype), order), back, *plan.combine(r), axis=axis,
+                        chunk=plan.buffer)
 
     def round_(r, carry):
         back, grads = carry
-        window, order, sizes = _window_rows(plan, r, sent, axis)
-        x, d_y, weight = window[:, :width], window[:, width:2 * width], window[:, 2 * width:]
-        partial, vjp = jax.vjp(lambda x, *w: _swiglu(x, sizes, *w), x, w_gate, w_up, w_down)
-        d_x, *d_weights = vjp((d_y * weight).astype(partial.dtype))
-        d_weight = jnp.sum(d_y.astype(jnp.float32) * partial.astype(jnp.float32), axis=1, keepdims=True)
-        # My F slice's parts, in the rows' dtype (as autodiff of the forward would give them); the
-        # shard_map sums them over `sum_axes` (the rows do not vary there).
-        result = _unsort(jnp.concatenate([d_x, d_weight], axis=1).astype(rows.dtype), order)
-        back = exchange(result, back, *plan.combine(r), axis=axis, chunk=plan.buffer)
-        return back, tuple(g + d.astype(jnp.float32) for g, d in zip(grads, d_weights, strict=True))
+        sent, order, sizes = _window_rows(plan, r, jnp.concatenate([rows, d_y], axis=1), axis)
+        x, d_window_y = sent[:, :width], sent[:, width:]
+        result, *d_weights = _expert_grads(x, *_experts(x, sizes, w_gate, w_up, w_down), sizes, w_gate, w_up,
+                                           w_down, d_window_y[:, :width], d_window_y[:, width:])
+        return send_back(r, result, order, back), _add(grads, d_weights)
 
-    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w_gate, w_up, w_down))
-    back, grads = _loop(plan, one_round, round_, (jnp.zeros((rows.shape[0], width + 1), rows.dtype), zeros))
-    return (back[:, :width].astype(rows.dtype), back[:, width].astype(row_weights.dtype), None,
+    d_window_y = _window_rows(plan, 0, d_y, axis)[0]
+    result, *d_weights = _expert_grads(window, gate, up, partial, sizes, w_gate, w_up, w_down,
+                                       d_window_y[:, :width], d_window_y[:, width:])
+    first = (send_back(0, result, order, jnp.zeros((rows.shape[0], width + 1), rows.dtype)), _add(None, d_weights))
+    back, grads = _overflow(plan, one_round, round_, first)
+    return (back[:, :width], back[:, width].astype(row_weights.dtype), None,
             *(g.astype(w.dtype) for g, w in zip(grads, (w_gate, w_up, w_down), strict=True)))
+
+
+def _add(total, grads):
+    grads = tuple(g.astype(jnp.float32) for g in grads)
+    return grads if total is None else tuple(t + g for t, g in zip(total, grads, strict=True))
 
 
 dropless_rows.defvjp(_dropless_fwd, _dropless_bwd, optimize_remat=True)
