@@ -8,6 +8,7 @@ from podtrain.models.config import ModelConfig
 from podtrain.models.kv_cache import KVCache
 from podtrain.models.layers import DecoderLayer, dtype_of
 from podtrain.models.llama import Llama
+from podtrain.models.lora import LoRAConfig
 from podtrain.models.mla import MLAttention
 from podtrain.models.moe import MoE, balance_router_bias
 from podtrain.models.runner import stack_layers
@@ -46,12 +47,13 @@ class DeepseekV3(Llama):
     Multi-token-prediction modules of the released checkpoints are not part of the model.
     """
 
-    def _build_stacks(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+    def _build_stacks(self, config: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None) -> None:
         def dense_layer(r):
-            return DecoderLayer(config, rngs=r, attention=MLAttention(config, rngs=r))
+            return DecoderLayer(config, rngs=r, attention=MLAttention(config, rngs=r, lora=lora), lora=lora)
 
         def moe_layer(r):
-            return DecoderLayer(config, rngs=r, attention=MLAttention(config, rngs=r), mlp=MoE(config, rngs=r))
+            return DecoderLayer(config, rngs=r, attention=MLAttention(config, rngs=r, lora=lora),
+                                mlp=MoE(config, rngs=r, lora=lora))
 
         n_dense, n_moe = config.num_dense_layers, config.num_moe_layers
         self.dense_layers = stack_layers(dense_layer, n_dense, rngs) if n_dense else None

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec
 
 from podtrain.models.attention import NEG_INF, attention
 from podtrain.models.config import ModelConfig, RopeConfig
+from podtrain.models.lora import Adapter, LoRAConfig, adapter
 from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
 
@@ -172,6 +173,15 @@ def _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used):
             & (slot >= j * block) & (slot < cache_used))
 
 
+def with_adapter(lora: Adapter | None, x: jax.Array, dtype):
+    """The LoRA update `scale * (x @ A) @ B` of a weight's output for input `x`, in `dtype` (0
+    without an adapter); the weight's own matmul is untouched, so a frozen base gets no gradient."""
+    if lora is None:
+        return 0
+    low = dense(x, weight(lora.a, dtype), lora.n_in)
+    return dense(low, weight(lora.b, dtype)) * jnp.asarray(lora.scale, dtype)
+
+
 def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
     """A parameter created by `init` and annotated with logical axis `names`."""
     # Sharding is applied by `sharding/` from the logical names, never eagerly at creation.
@@ -273,7 +283,7 @@ def make_attention_mask(
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE, optional q/k RMSNorm (Qwen3) and optional biases."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         c = config
         pdt = dtype_of(c.param_dtype)
         self.dtype = dtype_of(c.dtype)
@@ -286,6 +296,10 @@ class Attention(nnx.Module):
         self.wk = param(rngs, init, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), pdt)
         self.wv = param(rngs, init, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), pdt)
         self.wo = param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"), pdt)
+        self.wq_lora = adapter(lora, "q_proj", self.wq, 1, rngs=rngs)
+        self.wk_lora = adapter(lora, "k_proj", self.wk, 1, rngs=rngs)
+        self.wv_lora = adapter(lora, "v_proj", self.wv, 1, rngs=rngs)
+        self.wo_lora = adapter(lora, "o_proj", self.wo, 2, rngs=rngs)
         if c.attention_bias:
             zeros = nnx.initializers.zeros
             self.bq = param(rngs, zeros, (h, hd), ("heads", "head_dim"), pdt)
@@ -300,8 +314,8 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _project(self, x, w, b, name):
-        y = dense(x, weight(w, self.dtype))
+    def _project(self, x, w, b, name, lora):
+        y = dense(x, weight(w, self.dtype)) + with_adapter(lora, x, self.dtype)
         if b is not None:
             y = y + b[...].astype(self.dtype)
         return checkpoint_name(y, name)
@@ -318,9 +332,9 @@ class Attention(nnx.Module):
             into the cache at its next slots; None without a cache.
         """
         inv_freq = np.asarray(self.inv_freq, np.float32)
-        q = self._project(x_BTD, self.wq, self.bq, "query")
-        k = self._project(x_BTD, self.wk, self.bk, "key")
-        v = self._project(x_BTD, self.wv, self.bv, "value")
+        q = self._project(x_BTD, self.wq, self.bq, "query", self.wq_lora)
+        k = self._project(x_BTD, self.wk, self.bk, "key", self.wk_lora)
+        v = self._project(x_BTD, self.wv, self.bv, "value", self.wv_lora)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, positions_BT, inv_freq, self.rope_scale), ("batch", "seq", "act_heads", None))
@@ -332,7 +346,7 @@ class Attention(nnx.Module):
             out = cached_attention([q * scale], [k], v, kv[:1], kv[1], layer=layer, positions_BT=positions_BT,
                                    **cache_kwargs)
         new_kv = None if kv is None else (k, v)
-        out = dense(out, weight(self.wo, self.dtype), n_in=2)
+        out = dense(out, weight(self.wo, self.dtype), n_in=2) + with_adapter(self.wo_lora, out, self.dtype)
         if self.bo is not None:
             out = out + self.bo[...].astype(self.dtype)
         return checkpoint_name(out, "attn_out"), new_kv
@@ -341,7 +355,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), `intermediate_size` wide unless given."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None,
+                 lora: LoRAConfig | None = None):
         c = config
         pdt = dtype_of(c.param_dtype)
         self.dtype = dtype_of(c.dtype)
@@ -350,6 +365,9 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pdt)
         self.w_up = param(rngs, init, (d, f), ("embed", "mlp"), pdt)
         self.w_down = param(rngs, init, (f, d), ("mlp", "embed"), pdt)
+        self.w_gate_lora = adapter(lora, "gate_proj", self.w_gate, 1, rngs=rngs)
+        self.w_up_lora = adapter(lora, "up_proj", self.w_up, 1, rngs=rngs)
+        self.w_down_lora = adapter(lora, "down_proj", self.w_down, 1, rngs=rngs)
         if c.mlp_bias:
             zeros = nnx.initializers.zeros
             self.b_gate = param(rngs, zeros, (f,), ("mlp",), pdt)
@@ -358,14 +376,14 @@ class MLP(nnx.Module):
         else:
             self.b_gate = self.b_up = self.b_down = None
 
-    def _dense(self, x, w, b):
-        y = dense(x, weight(w, self.dtype))
+    def _dense(self, x, w, b, lora):
+        y = dense(x, weight(w, self.dtype)) + with_adapter(lora, x, self.dtype)
         return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x_BTD):
-        gate = self._dense(x_BTD, self.w_gate, self.b_gate)
-        up = self._dense(x_BTD, self.w_up, self.b_up)
-        return self._dense(jax.nn.silu(gate) * up, self.w_down, self.b_down)
+        gate = self._dense(x_BTD, self.w_gate, self.b_gate, self.w_gate_lora)
+        up = self._dense(x_BTD, self.w_up, self.b_up, self.w_up_lora)
+        return self._dense(jax.nn.silu(gate) * up, self.w_down, self.b_down, self.w_down_lora)
 
 
 class DecoderLayer(nnx.Module):
@@ -376,12 +394,12 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, attention: nnx.Module | None = None,
-                 mlp: nnx.Module | None = None):
+                 mlp: nnx.Module | None = None, lora: LoRAConfig | None = None):
         pdt = dtype_of(config.param_dtype)
         self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
-        self.attn = Attention(config, rngs=rngs) if attention is None else attention
+        self.attn = Attention(config, rngs=rngs, lora=lora) if attention is None else attention
         self.post_attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
-        self.mlp = MLP(config, rngs=rngs) if mlp is None else mlp
+        self.mlp = MLP(config, rngs=rngs, lora=lora) if mlp is None else mlp
 
     def __call__(self, x_BTD, *, positions_BT, **attention_kwargs):
         """Returns (x, outputs): `outputs["kv"]` is the updated stacked cache pair (None without a

@@ -11,6 +11,7 @@ from podtrain.models.attention import backend_for, make_mask
 from podtrain.models.config import ModelConfig
 from podtrain.models.kv_cache import KVCache, write_tokens
 from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, gathered, param
+from podtrain.models.lora import LoRAConfig, adapter, model_rngs
 from podtrain.models.runner import run_layers, stack_layers
 from podtrain.sharding.mesh import current_platform
 from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
@@ -65,21 +66,31 @@ class Llama(nnx.Module):
     embedding, positions, masks, cache handling and head are shared.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
+        """`lora` adds LoRA adapters to the weights it targets (`models/lora.py`)."""
         config.validate()
+        if lora is not None:
+            lora.validate()
+            if config.tie_word_embeddings and lora.wants("lm_head"):
+                raise ValueError("lora.targets: lm_head is the embedding in a model with tied embeddings "
+                                 "(model.tie_word_embeddings); target embed_tokens instead")
         self.config = config
         pdt = dtype_of(config.param_dtype)
         init = nnx.initializers.normal(config.initializer_range)
         self.embed = param(rngs, init, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pdt)
-        self._build_stacks(config, rngs)
+        self._build_stacks(config, rngs, lora)
         self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = param(rngs, init, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pdt)
+        adapter_rngs = model_rngs()
+        self.embed_lora = adapter(lora, "embed_tokens", self.embed, 1, rngs=adapter_rngs, embedding=True)
+        self.lm_head_lora = None if self.lm_head is None else adapter(lora, "lm_head", self.lm_head, 1,
+                                                                       rngs=adapter_rngs)
 
-    def _build_stacks(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
-        self.layers = stack_layers(lambda r: DecoderLayer(config, rngs=r), config.num_layers, rngs)
+    def _build_stacks(self, config: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None) -> None:
+        self.layers = stack_layers(lambda r: DecoderLayer(config, rngs=r, lora=lora), config.num_layers, rngs)
 
     def stacks(self) -> list[nnx.Module]:
         """The layer stacks, in the order they run (and their cache pairs are kept)."""
@@ -127,6 +138,11 @@ class Llama(nnx.Module):
         # A padding token gets position -1 as a key, so nothing attends to it.
         key_positions = positions if attention_mask is None else jnp.where(attention_mask > 0, positions, -1)
         h = embed_tokens(self.embed[...], input_ids, dtype)
+        if self.embed_lora is not None:
+            lora = self.embed_lora
+            low = jnp.take(lora.a[...].astype(dtype), input_ids, axis=0)
+            h = h + constrain(dense(low, lora.b[...].astype(dtype)) * jnp.asarray(lora.scale, dtype),
+                              ("batch", "seq", "act_embed"))
         stacks = self.stacks()
         if kv_cache is None:
             backend = backend_for(c.attention, current_platform(), c.dtype, t)
@@ -160,9 +176,10 @@ class Llama(nnx.Module):
         "vocab"): in the compute dtype, gathered here once (a caller looping over chunks would
         otherwise gather it in each); with `stored`, as stored (param dtype, own sharding), for
         `chunked_causal_lm_loss`, which gathers it a vocabulary slice at a time."""
-        w = self.embed if self.lm_head is None else self.lm_head
+        w, lora = (self.embed, self.embed_lora) if self.lm_head is None else (self.lm_head, self.lm_head_lora)
         names = tuple(w.get_metadata().get("out_sharding") or ())
-        head, names = (w[...].T, names[::-1]) if self.lm_head is None else (w[...], names)
+        head = w[...] if lora is None else (w[...] + lora.delta().astype(w.dtype))  # the merged weight
+        head, names = (head.T, names[::-1]) if self.lm_head is None else (head, names)
         return head if stored else gathered(head.astype(dtype_of(self.config.dtype)), names)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:

@@ -21,7 +21,9 @@ from podtrain.models.layers import (
     rope_inv_freq,
     softmax_scale,
     weight,
+    with_adapter,
 )
+from podtrain.models.lora import LoRAConfig, adapter
 from podtrain.sharding.rules import constrain
 
 
@@ -44,7 +46,7 @@ class MLAttention(nnx.Module):
     (`kv_lora_rank + qk_rope_head_dim` values), not per-head keys and values.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         c, m = config, config.mla
         pdt = dtype_of(c.param_dtype)
         self.dtype = dtype_of(c.dtype)
@@ -69,9 +71,18 @@ class MLAttention(nnx.Module):
             rngs, init, (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim), ("kv_lora", "heads", "head_dim"), pdt
         )
         self.wo = param(rngs, init, (h, m.v_head_dim, d), ("heads", "head_dim", "embed"), pdt)
+        self.wq_a_lora = adapter(lora, "q_a_proj", self.wq_a, 1, rngs=rngs) if self.wq_a is not None else None
+        self.wq_b_lora = adapter(lora, "q_b_proj", self.wq_b, 1, rngs=rngs) if self.wq_b is not None else None
+        self.wq_lora = adapter(lora, "q_proj", self.wq, 1, rngs=rngs) if self.wq is not None else None
+        self.wkv_a_lora = adapter(lora, "kv_a_proj_with_mqa", self.wkv_a, 1, rngs=rngs)
+        self.wkv_b_lora = adapter(lora, "kv_b_proj", self.wkv_b, 1, rngs=rngs)
+        self.wo_lora = adapter(lora, "o_proj", self.wo, 2, rngs=rngs)
 
     def _w(self, w) -> jax.Array:
         return weight(w, self.dtype)
+
+    def _dense(self, x, w, lora) -> jax.Array:
+        return dense(x, self._w(w)) + with_adapter(lora, x, self.dtype)
 
     def _rope(self, x, positions_BT):
         if self.interleave:
@@ -91,30 +102,33 @@ class MLAttention(nnx.Module):
             (out_BTD, new_kv): new_kv is the new tokens' (latent, rotary key), None without a cache.
         """
         if self.wq is None:
-            q = dense(self.q_norm(dense(x_BTD, self._w(self.wq_a))), self._w(self.wq_b))
+            q_low = self.q_norm(self._dense(x_BTD, self.wq_a, self.wq_a_lora))
+            q = self._dense(q_low, self.wq_b, self.wq_b_lora)
         else:
-            q = dense(x_BTD, self._w(self.wq))
+            q = self._dense(x_BTD, self.wq, self.wq_lora)
         q = checkpoint_name(q, "query")
         q_nope, q_rope = q[..., : self.nope], self._rope(q[..., self.nope:], positions_BT)
-        compressed = dense(x_BTD, self._w(self.wkv_a))
+        compressed = self._dense(x_BTD, self.wkv_a, self.wkv_a_lora)
         latent = self.kv_norm(compressed[..., : self.rank])[:, :, None, :]
         rope_key = self._rope(compressed[..., None, self.rank:], positions_BT)
         wkv_b = self._w(self.wkv_b)  # (R, H, nope + v)
         if kv is None:
             new_kv = None
             q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "seq", "act_heads", None))
-            kv_heads = dense(latent[:, :, 0], wkv_b)  # (B, S, H, nope + v)
+            kv_heads = dense(latent[:, :, 0], wkv_b) + with_adapter(self.wkv_b_lora, latent[:, :, 0], self.dtype)
             kv_heads = checkpoint_name(kv_heads, "key")
             k_nope, v = kv_heads[..., : self.nope], kv_heads[..., self.nope:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, (*k_nope.shape[:-1], self.rope_dim))], axis=-1)
             out = attention(q, k, v, mask, scale=self.scale)
         else:
             new_kv = (latent, rope_key)
+            if self.wkv_b_lora is not None:  # absorbed into queries and output: the merged weight
+                wkv_b = wkv_b + self.wkv_b_lora.delta().astype(self.dtype)
             q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, wkv_b[..., : self.nope])
             latent_out = cached_attention(
                 [q_latent * self.scale, q_rope * self.scale], [latent, rope_key], latent, kv, kv[0],
                 layer=layer, positions_BT=positions_BT, **cache_kwargs,
             )
             out = jnp.einsum("bthr,rhv->bthv", latent_out.astype(self.dtype), wkv_b[..., self.nope:])
-        out = dense(out, self._w(self.wo), n_in=2)
+        out = dense(out, self._w(self.wo), n_in=2) + with_adapter(self.wo_lora, out, self.dtype)
         return checkpoint_name(out, "attn_out"), new_kv

@@ -8,6 +8,7 @@ from flax import nnx
 
 from podtrain.models.config import ModelConfig, MoEConfig
 from podtrain.models.layers import MLP, dtype_of, param, weight
+from podtrain.models.lora import LoRAConfig
 from podtrain.sharding.experts import EXPERT_DOWN_NAMES, EXPERT_GATE_NAMES, routed_experts
 
 
@@ -44,7 +45,7 @@ class MoE(nnx.Module):
     over the whole batch, `stats["dropped_tokens"]` the assignments over capacity.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         c, moe = config, config.moe
         pdt = dtype_of(c.param_dtype)
         self.config = moe
@@ -58,7 +59,7 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, init, (e, d, f), EXPERT_GATE_NAMES, pdt)
         self.w_down = param(rngs, init, (e, f, d), EXPERT_DOWN_NAMES, pdt)
         shared = f * moe.num_shared_experts
-        self.shared = MLP(c, rngs=rngs, intermediate_size=shared) if shared else None
+        self.shared = MLP(c, rngs=rngs, intermediate_size=shared, lora=lora) if shared else None
 
     def __call__(self, x_BTD):
         weights, experts = route(x_BTD, weight(self.router, jnp.float32), self.router_bias[...], self.config)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.models.config import REMAT_POLICIES
+from podtrain.models.lora import layer_rngs
 
 _POLICIES = {
     # Save nothing: the backward pass recomputes the whole layer from its input. Least memory
@@ -57,8 +58,9 @@ def only_layer(index):
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
     """Creates `num_layers` independent layers as one module whose params are `(num_layers, ...)`.
 
-    Layer `i` is `make_layer(nnx.Rngs(params=keys[i]))` for `keys = split(rngs.params(), num_layers)`,
-    created under `nnx.vmap`; the leading axis is annotated with the logical name "layers".
+    Layer `i` is `make_layer(lora.layer_rngs(keys[i]))` for `keys = split(rngs.params(), num_layers)`
+    (its params stream, and a separate one for LoRA adapters), created under `nnx.vmap`; the
+    leading axis is annotated with the logical name "layers".
     """
     keys = jax.random.split(rngs.params(), num_layers)
     index = _ONLY_LAYER.get()
@@ -67,7 +69,7 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, 
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(key: jax.Array) -> nnx.Module:
-        return make_layer(nnx.Rngs(params=key))
+        return make_layer(layer_rngs(key))
 
     return create(keys)
 

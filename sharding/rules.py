@@ -30,6 +30,7 @@ DEFAULT_RULES: dict[str, str | list[str] | None] = {
     "q_lora": "fsdp",  # DeepSeek-V3 up-projections (L, rank, heads, dim): among its largest arrays if replicated
     "kv_lora": "fsdp",
     "norm": None,
+    "lora_rank": None,  # LoRA adapters: A (..., rank), B (rank, ...)
     # activations
     "batch": ["dp", "fsdp", "ep"],
     "seq": None,
