@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from podtrain.models.architectures import ARCHITECTURES
 from podtrain.models.config import ModelConfig
@@ -82,7 +82,9 @@ def _take(x: jax.Array, at: jax.Array, stacked: int, spec: tuple, mesh) -> jax.A
 def _host_slice(x: jax.Array, at: tuple[int, ...]) -> np.ndarray:
     """`x[at]` (one HF tensor of a stacked parameter) whole on this host, and nothing more of `x`
     (a collective gather of just that slice when there are several processes)."""
-    if at:
+    if at and not isinstance(x.sharding, NamedSharding):  # not on a mesh: one device holds all of x
+        x = x[at]
+    elif at:
         spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
         x = _take(x, np.asarray(at, np.int32), len(at), spec, x.sharding.mesh)
     if jax.process_count() > 1:

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from podtrain.models import ARCHITECTURES, ModelConfig
 from podtrain.models.attention import backend_for, check_backend
+from podtrain.models.lora import LoRAConfig, LoRAParam
 from podtrain.models.runner import only_layer
 from podtrain.orchestrator.config import ConfigError, validate
 from podtrain.orchestrator.optimizer import make_optimizer, make_schedule
@@ -21,12 +22,20 @@ from podtrain.orchestrator.schema import Config
 from podtrain.orchestrator.sharded_step import ShardedStep
 from podtrain.orchestrator.step import TrainState, make_train_step
 from podtrain.sharding.mesh import build_mesh
-from podtrain.sharding.place import abstract_model, create_sharded, state_shardings
+from podtrain.sharding.place import abstract_model, create_sharded_state, state_shardings
 from podtrain.sharding.state import batch_sharding, optimizer_state_shardings, replicated
 
 
-def model_factory(config: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
-    return lambda: ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(seed))
+def model_factory(config: ModelConfig, seed: int = 0, lora: LoRAConfig | None = None) -> Callable[[], nnx.Module]:
+    """The model's constructor; with `lora` (rank > 0) the model has its adapters."""
+    lora = lora if lora is not None and lora.rank else None
+    return lambda: ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(seed), lora=lora)
+
+
+def trainable_filter(lora: LoRAConfig):
+    """What a run trains and checkpoints: every parameter; with LoRA the adapters only, and the
+    MoE routers' balancing biases, which the step moves itself (the base weights stay frozen)."""
+    return nnx.Any(LoRAParam, nnx.PathContains("router_bias")) if lora.rank else nnx.Param
 
 
 @dataclass
@@ -36,17 +45,39 @@ class Training:
     config: Config
     mesh: Mesh
     graphdef: nnx.GraphDef
-    abstract_params: nnx.State
+    abstract_params: nnx.State  # every parameter of the model
     tx: optax.GradientTransformation
     state_shardings: TrainState
     batch_sharding: NamedSharding
     step: ShardedStep
+    frozen_shardings: nnx.State | None = None  # the frozen base of a LoRA run (None: nothing frozen)
+
+    @property
+    def trainable(self):
+        return trainable_filter(self.config.lora)
+
+    def split(self, params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+        """(trainable, frozen) parts of the model's parameters; frozen is None without LoRA."""
+        if self.frozen_shardings is None:
+            return params, None
+        return nnx.split_state(params, self.trainable, ...)
+
+    def model(self, params: nnx.State, frozen: nnx.State | None) -> nnx.Module:
+        """The model of the trained `params` and the `frozen` base."""
+        return nnx.merge(self.graphdef, params, *(() if frozen is None else (frozen,)))
+
+    def abstract_frozen(self) -> nnx.State | None:
+        """The frozen base as ShapeDtypeStructs with shardings (None without LoRA)."""
+        if self.frozen_shardings is None:
+            return None
+        return jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
+                            self.split(self.abstract_params)[1], self.frozen_shardings)
 
     def abstract_state(self) -> TrainState:
         """The TrainState as ShapeDtypeStructs with shardings (for lowering and restoring)."""
         shapes = jax.eval_shape(
             lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=self.tx.init(p)),
-            self.abstract_params,
+            self.split(self.abstract_params)[0],
         )
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
@@ -58,16 +89,32 @@ class Training:
         weights = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.float32, sharding=self.batch_sharding)
         return {"inputs": ids, "targets": ids, "weights": weights, "positions": ids, "segment_ids": ids}
 
-    def init_state(self) -> TrainState:
-        """Creates params born sharded from `train.seed`, then the optimizer state."""
-        model = create_sharded(model_factory(self.config.model, self.config.train.seed), self.mesh,
-                               self.config.sharding.rules, layer_slice=only_layer)
+    def _create(self, keep) -> nnx.State:
+        """The variables `keep` matches, born sharded from `train.seed` (no others are made)."""
+        return create_sharded_state(model_factory(self.config.model, self.config.train.seed, self.config.lora),
+                                    self.mesh, self.config.sharding.rules, layer_slice=only_layer, keep=keep)
+
+    def init_state(self, base: nnx.State | None = None) -> TrainState:
+        """Creates the trained params born sharded from `train.seed` (a LoRA run's adapters; with
+        a loaded `base`, its trained leaves, DeepSeek-V3's router biases, come from it), then the
+        optimizer state."""
 
         def init(params):  # the optimizer state is born sharded, as the params are
             return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
 
-        return jax.jit(init, in_shardings=(self.state_shardings.params,), out_shardings=self.state_shardings)(
-            nnx.state(model))
+        if base is None:
+            params = self._create(None if self.frozen_shardings is None else self.trainable)
+        else:
+            params = nnx.merge_state(self._create(LoRAParam), nnx.filter_state(base, self.trainable))
+        return jax.jit(init, in_shardings=(self.state_shardings.params,), out_shardings=self.state_shardings)(params)
+
+    def init_frozen(self, base: nnx.State | None = None) -> nnx.State | None:
+        """The frozen base of a LoRA run: the frozen leaves of a loaded `base`, else born sharded
+        from `train.seed` (None without LoRA)."""
+        if self.frozen_shardings is None:
+            return None
+        frozen = nnx.Not(self.trainable)
+        return self._create(frozen) if base is None else nnx.filter_state(base, frozen)
 
 
 def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -97,14 +144,18 @@ def build_training(config: Config, devices: Sequence[jax.Device] | None = None) 
     mesh = make_mesh(config, devices)
     config = resolve_attention(config, mesh.devices.flat[0].platform)
     rules = config.sharding.rules
-    graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed), mesh, rules)
-    params = state_shardings(abstract, mesh, rules)
+    graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed, config.lora), mesh, rules)
+    trained, frozen = (nnx.split_state(abstract, trainable_filter(config.lora), ...) if config.lora.rank
+                       else (abstract, None))
+    params = state_shardings(trained, mesh, rules)
+    frozen_shardings = None if frozen is None else state_shardings(frozen, mesh, rules)
     schedule = make_schedule(config.optimizer, config.train.steps)
     tx = make_optimizer(config.optimizer, schedule)
     shardings = TrainState(step=replicated(mesh), params=params,
-                           opt_state=optimizer_state_shardings(tx, abstract, params, mesh))
+                           opt_state=optimizer_state_shardings(tx, trained, params, mesh))
     batch = batch_sharding(mesh, rules, config.train.batch_size)
     step_fn = make_train_step(graphdef, tx, loss_chunk=config.train.loss_chunk, grad_accum=config.train.grad_accum,
-                              schedule=schedule, expert_bias_rate=config.model.moe.bias_update_rate)
-    step = ShardedStep(step_fn, mesh, rules, shardings, batch)
-    return Training(config, mesh, graphdef, abstract, tx, shardings, batch, step)
+                              schedule=schedule, expert_bias_rate=config.model.moe.bias_update_rate,
+                              trainable=trainable_filter(config.lora))
+    step = ShardedStep(step_fn, mesh, rules, shardings, batch, frozen_shardings)
+    return Training(config, mesh, graphdef, abstract, tx, shardings, batch, step, frozen_shardings)

@@ -244,6 +244,15 @@ def cluster_platform(cluster) -> str | None:
     return {"tpu": "tpu", "gpu": "gpu", "local": "cpu"}.get(cluster.kind)
 
 
+def _validate_lora(config: Config) -> None:
+    lora, m = config.lora, config.model
+    if not lora.rank:
+        return
+    if m.tie_word_embeddings and "lm_head" in lora.targets:
+        raise ConfigError("lora.targets: lm_head is the embedding in a model with tied embeddings "
+                          "(model.tie_word_embeddings); target embed_tokens instead")
+
+
 def validate(config: Config, num_devices: int | None = None) -> dict[str, int] | None:
     """Cross-field rules; with `num_devices`, also the mesh against the devices present.
 
@@ -252,6 +261,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     """
     try:
         config.model.validate()
+        config.lora.validate()
         config.data.validate()
         config.checkpoint.validate()
         config.cluster.validate()
@@ -262,6 +272,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     except ValueError as e:
         raise ConfigError(str(e)) from None
     m, mesh = config.model, config.mesh
+    _validate_lora(config)
     platform = cluster_platform(config.cluster)
     if platform is not None:
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import json
 import os
 import sys
@@ -202,3 +203,9 @@ def changed_leaves(saved: Mapping[str, list[int]], tree: Any, shown: int = 3) ->
     changed = [path for path, value in now.items() if path in saved and list(saved[path]) != value]
     more = f" and {len(changed) - shown} more" if len(changed) > shown else ""
     return ", ".join(changed[:shown]) + more
+
+
+def content_hash(tree: Any) -> str:
+    """A SHA-256 of every array leaf's fingerprint with its path: the same for the same values
+    whatever the mesh (a collective, like `fingerprints`)."""
+    return hashlib.sha256(json.dumps(fingerprints(tree), sort_keys=True).encode()).hexdigest()

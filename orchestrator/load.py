@@ -17,10 +17,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from podtrain.models import from_hf
-from podtrain.orchestrator.build import make_mesh, model_factory
+from podtrain.models.lora import merged
+from podtrain.orchestrator.build import Training, build_training, make_mesh, model_factory
 from podtrain.orchestrator.checkpoint import Checkpointer
 from podtrain.orchestrator.config import ConfigError
-from podtrain.orchestrator.resume import model_differences
+from podtrain.orchestrator.integrity import content_hash
+from podtrain.orchestrator.resume import lora_differences, model_differences, model_key_differences
 from podtrain.orchestrator.schema import Config
 from podtrain.orchestrator.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
 from podtrain.sharding.mesh import build_mesh
@@ -71,8 +73,27 @@ def restore_model(config: Config, checkpoint: str, step: int | None = None) -> t
             hint = f" (the run's resolved config: {trained_with})" if trained_with.is_file() else ""
             raise ConfigError(f"checkpoint {directory / str(step)} was trained with a different model: {differences}. "
                               f"Pass -c the preset or YAML file it was trained with{hint}")
+        differences = lora_differences(checkpointer.meta(step), config.lora)
+        if differences:
+            raise ConfigError(f"checkpoint {directory / str(step)} was trained with other adapters: {differences}; "
+                              "pass the lora.* keys it was trained with")
+        if config.lora.rank:
+            return mesh, _merged_lora_model(config, checkpointer, step), step
         params, _, step = checkpointer.restore_params(abstract_params, step=step)
     return mesh, nnx.merge(graphdef, params), step
+
+
+def _merged_lora_model(config: Config, checkpointer: Checkpointer, step: int) -> nnx.Module:
+    """A LoRA step's adapters on the base it was trained on, merged into the model without adapters."""
+    training = build_training(config)
+    params, meta, _ = checkpointer.restore_params(training.abstract_state().params, step=step)
+    frozen = training.init_frozen(load_base(training))
+    saved = meta.get("lora_base") or {}
+    if saved.get("content_hash") not in (None, content_hash(frozen)):
+        raise ConfigError(f"lora.base: checkpoint {checkpointer.directory / str(step)} trained its adapters on "
+                          f"another base (lora.base={saved.get('path')}) than lora.base={config.lora.base}")
+    graphdef, _ = abstract_model(model_factory(config.model), training.mesh, config.sharding.rules)
+    return nnx.merge(graphdef, merged(training.model(params, frozen)))
 
 
 def is_hf_directory(checkpoint: str) -> bool:
@@ -130,3 +151,32 @@ def load_checkpoint_tokenizer(config: Config, checkpoint: str) -> tuple[Tokenize
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return tokenizer, (tokenizer.eos_id,), config.data.add_bos
+
+
+def load_base(training: Training) -> nnx.State | None:
+    """The base weights of a LoRA run from `lora.base`, an HF directory or a podtrain checkpoint
+    (run, checkpoint or step directory), on the training's mesh and shardings; None when
+    `lora.base` is unset (the base is the one `train.seed` makes). Its model must be the config's
+    (apart from the keys that only change how it runs)."""
+    config = training.config
+    path = config.lora.base
+    if not config.lora.rank or path is None:
+        return None
+    if is_hf_directory(path):
+        runtime = {key: getattr(config.model, key) for key in HF_RUNTIME_KEYS if key != "param_dtype"}
+        try:
+            base_config, model = from_hf(Path(path).expanduser(), mesh=training.mesh, dtype=config.model.param_dtype,
+                                         rules=config.sharding.rules, runtime=runtime)
+        except ValueError as e:
+            raise ConfigError(f"lora.base={path}: {e}") from None
+        differences = model_key_differences(base_config, config.model)
+        if differences:
+            raise ConfigError(f"lora.base={path}: its config.json describes another model than the config's: "
+                              f"{differences}")
+        return nnx.state(model)
+    base = dataclasses.replace(config, lora=dataclasses.replace(config.lora, rank=0))
+    try:
+        _, model, _ = restore_model(base, path)
+    except ConfigError as e:
+        raise ConfigError(f"lora.base: {e}") from None
+    return nnx.state(model)

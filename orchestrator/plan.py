@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -66,6 +67,7 @@ def make_plan(training: Training, *, compile_step: bool = True) -> dict:
         "config": dataclasses.asdict(config),
         "mesh": describe_mesh(training.mesh, training.config.cluster.num_slices),
         "param_count": sum(math.prod(r["shape"]) for r in rows),
+        "trainable_param_count": sum(math.prod(v.shape) for v in jax.tree.leaves(training.abstract_state().params)),
         "param_bytes_per_device": sum(r["bytes_per_device"] for r in rows),
         "flops_per_token": flops_per_token(config.model, config.train.seq_len),
         "experts": expert_plan(training),
@@ -73,7 +75,8 @@ def make_plan(training: Training, *, compile_step: bool = True) -> dict:
         "sharding": rows,
     }
     if compile_step:
-        compiled = training.step.lower(training.abstract_state(), training.abstract_batch()).compile()
+        compiled = training.step.lower(training.abstract_state(), training.abstract_batch(),
+                                       training.abstract_frozen()).compile()
         mem = compiled.memory_analysis()
         plan["memory"] = {
             "argument_bytes": int(mem.argument_size_in_bytes),
@@ -118,6 +121,9 @@ def format_plan(plan: dict) -> str:
         + f" = {mesh['devices']} {mesh['device_kind']} devices in {mesh['processes']} process(es)",
         f"params     {_human(plan['param_count'])} ({plan['param_count']:,}); "
         f"{_mib(plan['param_bytes_per_device'])} per device",
+        *([f"lora       rank {plan['config']['lora']['rank']} on {', '.join(plan['config']['lora']['targets'])}: "
+           f"{_human(plan['trainable_param_count'])} ({plan['trainable_param_count']:,}) trained params, "
+           "the base frozen (no gradients, no optimizer state)"] if plan["config"]["lora"]["rank"] else []),
         f"flops      {_human(plan['flops_per_token'])} per token (train), "
         f"{_human(plan['flops_per_token'] * plan['tokens_per_step'])} per step of {plan['tokens_per_step']:,} tokens",
     ]

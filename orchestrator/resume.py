@@ -47,10 +47,28 @@ def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:
     saved = (yaml.safe_load(meta.get("config_yaml", "")) or {}).get("model")
     if saved is None:
         return ""
-    saved, current = flatten_keys(saved), flatten_keys(dataclasses.asdict(model))
-    differences = [f"model.{key}: checkpoint has {saved.get(key)!r}, config has {current.get(key)!r}"
-                   for key in sorted((set(saved) | set(current)) - RUNTIME_MODEL_KEYS)
-                   if saved.get(key) != current.get(key)]
+    return _differences(flatten_keys(saved), flatten_keys(dataclasses.asdict(model)), "checkpoint has", shown)
+
+
+def lora_differences(meta: Mapping, lora: Any) -> str:
+    """How the adapters a step was saved with (rank, then alpha and targets) differ from `lora`."""
+    saved = (yaml.safe_load(meta.get("config_yaml", "")) or {}).get("lora") or {}
+    found = {"rank": saved.get("rank", 0), "alpha": saved.get("alpha"), "targets": tuple(saved.get("targets") or ())}
+    keys = ["rank"] if found["rank"] != lora.rank or not lora.rank else ["alpha", "targets"]
+    return "; ".join(f"lora.{key}: checkpoint has {found[key]!r}, config has {getattr(lora, key)!r}"
+                     for key in keys if found[key] != getattr(lora, key))
+
+
+def model_key_differences(found: Any, wanted: Any, shown: int = 3) -> str:
+    """How the `ModelConfig` `found` differs from the config's, `wanted`, as `model_differences` says it."""
+    return _differences(flatten_keys(dataclasses.asdict(found)), flatten_keys(dataclasses.asdict(wanted)), "found",
+                        shown)
+
+
+def _differences(found: dict, wanted: dict, label: str, shown: int) -> str:
+    differences = [f"model.{key}: {label} {found.get(key)!r}, config has {wanted.get(key)!r}"
+                   for key in sorted((set(found) | set(wanted)) - RUNTIME_MODEL_KEYS)
+                   if found.get(key) != wanted.get(key)]
     more = f"; and {len(differences) - shown} more" if len(differences) > shown else ""
     return "; ".join(differences[:shown]) + more
 
@@ -88,7 +106,8 @@ def check_resume_matches(directory: str, step: int, config: Config) -> None:
     than `config`: restoring it would fail on every step, each reported as damaged. A step whose
     metadata cannot be read is left to the restore, which falls back past it."""
     try:
-        differences = model_differences(read_item(directory, step, "meta"), config.model)
+        meta = read_item(directory, step, "meta")
+        differences = model_differences(meta, config.model) or lora_differences(meta, config.lora)
         positions = read_item(directory, step, "data_position") if has_item(directory, step, "data_position") else None
     except _UNREADABLE:
         return

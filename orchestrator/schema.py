@@ -11,6 +11,7 @@ from typing import Any
 
 from podtrain.models.config import ModelConfig
 from podtrain.models.generate import Sampling
+from podtrain.models.lora import LoRAConfig
 from podtrain.sharding.rules import DEFAULT_RULES
 
 
@@ -366,6 +367,7 @@ class Config:
     """Everything a run needs, as plain data (runtime objects are built from it, never stored in it)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -47,7 +47,8 @@ def _shard_bytes(leaves) -> int:
 def _compile(training: Training):
     """(compiled, None) or (None, (needed, capacity) bytes) when the TPU compiler ran out of HBM."""
     try:
-        return training.step.lower(training.abstract_state(), training.abstract_batch()).compile(), None
+        lowered = training.step.lower(training.abstract_state(), training.abstract_batch(), training.abstract_frozen())
+        return lowered.compile(), None
     except Exception as error:  # XlaRuntimeError; its text is all it says
         text = str(error)
         if "RESOURCE_EXHAUSTED" not in text:
@@ -158,7 +159,8 @@ def roofline(training: Training, target: Target, traffic: list[dict]) -> dict:
     # Weights read by forward, recompute and both backward matmuls per micro-batch; AdamW reading and
     # writing params, moments and gradients (float32) once per step; layer inputs saved and re-read.
     weight_bytes = (3 + (recompute > 1)) * params * itemsize / tp * config.train.grad_accum
-    optimizer_bytes = 7 * 4 * params / target.devices
+    trained = sum(math.prod(v.shape) for v in jax.tree.leaves(training.abstract_state().params))
+    optimizer_bytes = 7 * 4 * trained / target.devices
     tokens = config.train.batch_size * config.train.seq_len / target.devices * tp
     activation_bytes = 2 * tokens * config.model.hidden_size * itemsize * config.model.num_layers
     hbm_s = (weight_bytes + optimizer_bytes + activation_bytes) / chip.hbm_bandwidth
@@ -191,7 +193,9 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
                           "whose (queries x keys) scores overstate the memory the GPUs' cudnn run needs")
     training = build_training(config, devices)
     state = training.abstract_state()
-    params, optimizer = _shard_bytes(jax.tree.leaves(state.params)), _shard_bytes(jax.tree.leaves(state.opt_state))
+    # Resident parameters: the trained ones and a LoRA run's frozen base (no gradient, no optimizer state).
+    params = _shard_bytes(jax.tree.leaves(state.params)) + _shard_bytes(jax.tree.leaves(training.abstract_frozen()))
+    optimizer = _shard_bytes(jax.tree.leaves(state.opt_state))
     start = time.perf_counter()
     compiled, oom = _compile(training)
     seconds = time.perf_counter() - start

@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
 from orbax.checkpoint import multihost
 
@@ -32,6 +31,8 @@ from podtrain.orchestrator.checkpoint import Checkpointer, run_metadata
 from podtrain.orchestrator.cluster import protocol
 from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml
 from podtrain.orchestrator.data import make_dataset, process_rows, row_positions, set_row_positions, to_global_batch
+from podtrain.orchestrator.integrity import content_hash
+from podtrain.orchestrator.load import load_base
 from podtrain.orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
 from podtrain.orchestrator.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
 from podtrain.orchestrator.schema import Config
@@ -149,26 +150,27 @@ def compile_then_meet(step_fn, *args, timeout_s: float) -> None:
     multihost.get_barrier_sync_fn()(key="podtrain_train_step_compiled", timeout_ms=int(timeout_s * 1000))
 
 
-def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: int) -> float:
-    """Mean loss over the first `num_batches` eval batches (the same ones every time)."""
+def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: int, frozen=None) -> float:
+    """Mean loss over the first `num_batches` eval batches (the same ones every time); `frozen`
+    is a LoRA run's frozen base."""
     total = count = 0.0
     iterator = iter(eval_dataset)
     for _ in range(num_batches):
         batch = to_global_batch(next(iterator), training.batch_sharding, training.config.train.batch_size)
         with jax.set_mesh(training.mesh), use_rules(training.config.sharding.rules):  # as the train step
-            loss_sum, (tokens, _) = eval_step(params, batch)
+            loss_sum, (tokens, _) = eval_step(params, batch, frozen)
         total, count = total + float(loss_sum), count + float(tokens)
     return total / max(count, 1.0)
 
 
-def sample(training: Training, params, tokenizer: Tokenizer, prompt_ids: list[int]) -> str:
+def sample(training: Training, params, tokenizer: Tokenizer, prompt_ids: list[int], frozen=None) -> str:
     """The greedy continuation of `prompt_ids` by `params` (`train.sample_tokens` at most), as text.
 
     Every process takes part (the params are sharded over all of them) and gets the same text.
     """
     config = training.config
     with jax.set_mesh(training.mesh), use_rules(config.sharding.rules):
-        [tokens] = generate(nnx.merge(training.graphdef, params), [prompt_ids],
+        [tokens] = generate(training.model(params, frozen), [prompt_ids],
                             max_new_tokens=config.train.sample_tokens, stop_tokens=(tokenizer.eos_id,),
                             pad_id=tokenizer.pad_id)
     return tokenizer.decode(tokens)
@@ -222,9 +224,21 @@ class _Setup:
     prompt_ids: list[int] | None
     state: Any  # the TrainState, restored or initialised
     start: int
+    frozen: Any  # the frozen base of a LoRA run (None without)
 
     def data_position(self) -> dict:
         return row_positions(self.train_iter, self.rows)
+
+
+def _check_base(meta: dict, run_meta: dict, where: str) -> None:
+    """A LoRA run resumes only on the base its adapters were trained on (by content, not path)."""
+    saved, current = meta.get("lora_base"), run_meta.get("lora_base")
+    if current is None or saved is None or saved["content_hash"] == current["content_hash"]:
+        return
+    described = lambda base: f"lora.base={base['path']}" if base["path"] else "the base train.seed makes"
+    raise ConfigError(f"lora.base: {where} trained its adapters on another base ({described(saved)}, content hash "
+                      f"{saved['content_hash'][:16]}) than this run's ({described(current)}, "
+                      f"{current['content_hash'][:16]}): resume on the base it was trained on")
 
 
 def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
@@ -241,14 +255,21 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
         logger.warning("data.eval_fraction=0 holds out no documents: no eval losses every train.eval_every=%d steps%s",
                        config.train.eval_every, " (samples still)" if prompt_ids else "")
     use_compilation_cache(config.train.compilation_cache_dir, run_dir)
+    base = load_base(training)
+    frozen = training.init_frozen(base)
+    run_meta = run_metadata(config, training.mesh)
+    if frozen is not None:  # what a LoRA run's adapters are trained on
+        run_meta["lora_base"] = {"path": config.lora.base, "content_hash": content_hash(frozen)}
     checkpointer = Checkpointer(checkpoint_directory(config.checkpoint.dir, run_dir), config.checkpoint,
-                                run_meta=run_metadata(config, training.mesh))
+                                run_meta=run_meta)
     train_iter = iter(train_data)
     resumed = checkpointer.resume(training.abstract_state())
     if resumed:
+        _check_base(resumed[1], run_meta, f"checkpoint step {resumed[2]} in {checkpointer.directory}")
         _restore_data_position(train_iter, rows, config.train.batch_size, resumed[1],
                                f"step {resumed[2]} in {checkpointer.directory}")
-    state = resumed[0] if resumed else training.init_state()
+    state = resumed[0] if resumed else training.init_state(base)
+    del base
     start = int(state.step)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -256,7 +277,8 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
     logger.info("starting at step %d (%s) on mesh %s; run directory %s", start,
                 f"resumed from step {resumed[2]}" if resumed else "fresh",
                 describe_mesh(training.mesh, config.cluster.num_slices), run_dir)
-    return _Setup(training, checkpointer, train_iter, eval_data, rows, inputs.tokenizer, prompt_ids, state, start)
+    return _Setup(training, checkpointer, train_iter, eval_data, rows, inputs.tokenizer, prompt_ids, state, start,
+                  frozen)
 
 
 class StepRecords:
@@ -323,9 +345,10 @@ def _eval_and_sample(config: Config, run: _Setup, eval_step, state, record: dict
     jax.block_until_ready(state)  # the step's own time ends here
     started = time.perf_counter()
     if run.eval_data is not None:
-        record["eval_loss"] = evaluate(run.training, eval_step, run.eval_data, state.params, config.train.eval_batches)
+        record["eval_loss"] = evaluate(run.training, eval_step, run.eval_data, state.params, config.train.eval_batches,
+                                       run.frozen)
     if run.prompt_ids is not None:
-        record["sample"] = sample(run.training, state.params, run.tokenizer, run.prompt_ids)
+        record["sample"] = sample(run.training, state.params, run.tokenizer, run.prompt_ids, run.frozen)
         if jax.process_index() == 0:
             logger.info("sample at step %d: %r -> %r", record["step"], config.train.sample_prompt, record["sample"])
     return time.perf_counter() - started
@@ -353,7 +376,8 @@ def _train(config: Config, run: _Setup, records: StepRecords, notice: Preemption
     a preemption notice, or the end of finite data. Returns (state, preempted, data ended)."""
     training, state = run.training, run.state
     eval_step = jax.jit(make_eval_step(training.graphdef, loss_chunk=config.train.loss_chunk),
-                        in_shardings=(training.state_shardings.params, training.batch_sharding))
+                        in_shardings=(training.state_shardings.params, training.batch_sharding,
+                                      training.frozen_shardings))
     for step in range(run.start, config.train.steps):
         local_batch = next(run.train_iter, None)
         if _data_ended(local_batch is None, finite=config.data.epochs is not None):
@@ -363,8 +387,8 @@ def _train(config: Config, run: _Setup, records: StepRecords, notice: Preemption
             return state, False, True
         batch = to_global_batch(local_batch, training.batch_sharding, config.train.batch_size)
         if step == run.start:
-            compile_then_meet(training.step, state, batch, timeout_s=config.cluster.startup_timeout_s)
-        state, metrics = training.step(state, batch)
+            compile_then_meet(training.step, state, batch, run.frozen, timeout_s=config.cluster.startup_timeout_s)
+        state, metrics = training.step(state, batch, run.frozen)
         record = {"step": step + 1}
         records.step_done(record, metrics, timed=step > run.start)
         if config.train.eval_every and (step + 1) % config.train.eval_every == 0:

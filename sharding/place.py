@@ -81,7 +81,7 @@ class _StackInit:
     num_layers: int
 
 
-def _variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None, layer_slice):
+def _variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None, layer_slice, keep=None):
     """Programs that create every variable directly in its sharding, largest shards first.
 
     Each program builds the whole model but returns only its variables, so XLA drops every other
@@ -92,10 +92,13 @@ def _variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules 
     depth share their two programs in groups no larger per layer than the largest one
     (`_stack_groups`): far fewer programs to trace and compile, the same scratch bound.
 
+    `keep` (an nnx filter) limits them to the variables it matches.
+
     Returns:
         (graphdef, [_VariableInit | _StackInit, ...])
     """
     graphdef, abstract = abstract_model(factory, mesh, rules)
+    kept = None if keep is None else nnx.filterlib.to_predicate(keep)
 
     def build():
         with nnx.use_eager_sharding(False):
@@ -104,6 +107,8 @@ def _variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules 
     inits, stacked = [], {}
     by_size = sorted(nnx.to_flat_state(abstract), key=lambda item: -_shard_bytes(item[1].get_value()))
     for path, var in by_size:
+        if kept is not None and not kept(path, var):
+            continue
         value = var.get_value()
         names = var.get_metadata().get("out_sharding") or ()
         if layer_slice is None or not names or names[0] != "layers":
@@ -163,7 +168,19 @@ def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules |
             creates only layer i of its stacks (`models.runner.only_layer`); with it, stacked
             parameters are filled one layer at a time.
     """
-    graphdef, inits = _variable_inits(factory, mesh, rules, layer_slice)
+    graphdef, state = _create(factory, mesh, rules, layer_slice, None)
+    return nnx.merge(graphdef, state)
+
+
+def create_sharded_state(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None = None, *,
+                         layer_slice=None, keep=None) -> nnx.State:
+    """The variables of the model `keep` (an nnx filter) matches, born sharded as in
+    `create_sharded`; the others are never made."""
+    return _create(factory, mesh, rules, layer_slice, keep)[1]
+
+
+def _create(factory, mesh, rules, layer_slice, keep) -> tuple[nnx.GraphDef, nnx.State]:
+    graphdef, inits = _variable_inits(factory, mesh, rules, layer_slice, keep)
     flat = []
     with jax.set_mesh(mesh):
         for item in inits:
@@ -175,7 +192,7 @@ def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules |
                 buffers = item.write_layer(buffers, jnp.int32(index))
             flat += [(path, var.replace(value))
                      for path, var, value in zip(item.paths, item.vars, buffers, strict=True)]
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return graphdef, nnx.from_flat_state(flat)
 
 
 def init_peak_bytes(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules | None = None, *,

@@ -137,6 +137,18 @@ def test_hf_podtrain_hf_round_trip_is_byte_identical(kind, dtype, tmp_path):
         assert after[name].tobytes() == tensor.tobytes(), name
 
 
+def test_to_hf_writes_a_model_made_without_a_mesh(tmp_path):
+    """A model built on one device (no mesh: its params are not NamedSharding-placed) exports too."""
+    save_hf_model("llama", tmp_path / "source")
+    config, model = from_hf(tmp_path / "source")
+    plain = type(model)(config, rngs=nnx.Rngs(3))
+    to_hf(plain, config, tmp_path / "plain")
+    _, back = from_hf(tmp_path / "plain")
+    for (path, want), (_, got) in zip(nnx.to_flat_state(nnx.state(plain, nnx.Param)),
+                                      nnx.to_flat_state(nnx.state(back, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got.get_value()), np.asarray(want.get_value()), err_msg=str(path))
+
+
 @pytest.mark.parametrize("kind", KIND_NAMES)
 def test_to_hf_export_loads_in_transformers(kind, tmp_path):
     source, exported = tmp_path / "source", tmp_path / "exported"
