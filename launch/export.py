@@ -1,6 +1,6 @@
-"""`podtrain export -c <preset> checkpoint=<dir> out=<dir> [step=N]`: a checkpoint's weights as HF safetensors.
+"""`podtrain export -c <preset> checkpoint=<dir> out=<dir> [step=N] [adapter=true]`: weights as HF safetensors.
 
-`checkpoint=`, `out=` and `step=` are short for the `export` section's keys (`ExportConfig`).
+`checkpoint=`, `out=`, `step=` and `adapter=` are short for the `export` section's keys (`ExportConfig`).
 `checkpoint=` may name a run directory (its `checkpoints/` is used), a checkpoint directory, or
 one step folder inside it. The newest committed step is exported unless `step=` names one. Only
 the parameters are read (never the optimizer state), each straight into its sharding on the
@@ -9,7 +9,9 @@ must equal the one the checkpoint was trained with (apart from compute dtype, re
 like); any difference is an error that names it. The training tokenizer (`data.tokenizer`) goes
 along: its BOS / EOS ids into config.json and, for a tokenizer.json, that file (putting BOS first
 when `data.add_bos` is on) and a tokenizer_config.json, so that transformers' AutoTokenizer loads
-it; the built-in byte tokenizer has no HF files.
+it; the built-in byte tokenizer has no HF files. A LoRA run (the `lora.*` keys it was trained
+with) exports its base with the adapters merged into it, or with `adapter=true` the adapters alone
+in the PEFT format.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from pathlib import Path
 
 from podtrain.launch.command_keys import command_overrides, text_value
 from podtrain.models import to_hf
+from podtrain.models.peft import to_peft
 from podtrain.orchestrator.config import ConfigError, load_config
 from podtrain.orchestrator.load import checkpoint_step, restore_model
 from podtrain.orchestrator.schema import Config, ExportConfig
 from podtrain.orchestrator.tokenizers import HFTokenizer, load_tokenizer
 
-USAGE = "podtrain export -c <preset> checkpoint=<dir> out=<dir> [step=N]"
+USAGE = "podtrain export -c <preset> checkpoint=<dir> out=<dir> [step=N] [adapter=true]"
 KEYS = tuple(f.name for f in dataclasses.fields(ExportConfig))
 
 
@@ -83,6 +86,20 @@ def run_command(args) -> int:
     directory, _ = checkpoint_step(request.checkpoint, request.step)  # its errors before any work
     out = check_out(request.out)
     config_extra, tokenizer_files = tokenizer_export(config)
+    if request.adapter:
+        if not config.lora.rank:
+            raise ConfigError("export.adapter: writes a LoRA run's adapters, but lora.rank=0; pass the lora.* keys "
+                              "the run was trained with")
+        _, model, step = restore_model(config, request.checkpoint, request.step, merge=False)
+        try:
+            to_peft(model, config.model, config.lora, out, base=config.lora.base)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        files = sorted(out.iterdir())
+        print(f"exported the adapters of step {step} of {directory} to {out} in the PEFT format: "
+              f"{', '.join(f.name for f in files)}")
+        print(f"load them with peft.PeftModel.from_pretrained(<the base model>, {os.fspath(out)!r})")
+        return 0
     _, model, step = restore_model(config, request.checkpoint, request.step)
     to_hf(model, config.model, out, config_extra=config_extra, files=tokenizer_files)
     files = sorted(out.iterdir())

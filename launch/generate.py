@@ -8,7 +8,8 @@ prompts, with those of `prompts_file=` (one per line), go through one batched
 `models.generate.generate` call, BOS first when `data.add_bos` says so or, for an HF directory,
 when its tokenizer.json puts BOS first (as Llama 3's does) or its tokenizer_config.json's
 `add_bos_token` is true. Generation stops at the EOS ids unless `stop=<id,id>` names others
-(`stop=` alone: none); greedy unless `temperature=` > 0.
+(`stop=` alone: none); greedy unless `temperature=` > 0. `adapter=` applies a PEFT LoRA adapter
+directory to the model (a LoRA run's own checkpoint needs none: its `lora.*` keys bring its adapters).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import jax
 from podtrain.launch.command_keys import command_overrides, text_value
 from podtrain.models.generate import generate
 from podtrain.orchestrator.config import ConfigError, load_config, override_keys
-from podtrain.orchestrator.load import load_checkpoint_tokenizer, load_model
+from podtrain.orchestrator.load import load_checkpoint_tokenizer, load_model, with_peft_adapter
 from podtrain.orchestrator.schema import GenerateConfig
 from podtrain.orchestrator.tokenizers import check_vocab
 from podtrain.sharding.rules import use_rules
 
 USAGE = ("podtrain generate -c <preset> checkpoint=<dir> prompt=<text> [prompt=...] [prompts_file=<path>] "
-         "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P] [seed=S] [stop=<id,id>] [step=N]")
+         "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P] [seed=S] [stop=<id,id>] [step=N] [adapter=<dir>]")
 KEYS = tuple(f.name for f in dataclasses.fields(GenerateConfig))
 
 
@@ -43,7 +44,8 @@ def stop_value(raw: str) -> str:
 def generate_overrides(overrides: list[str]) -> list[str]:
     """The command line's overrides with the command's short keys as `generate.*` overrides."""
     return command_overrides(overrides, "generate", KEYS, collect={"prompt": "prompts"},
-                             convert={"checkpoint": text_value, "prompts_file": text_value, "stop": stop_value})
+                             convert={"checkpoint": text_value, "prompts_file": text_value, "adapter": text_value,
+                                      "stop": stop_value})
 
 
 def read_prompts(request: GenerateConfig) -> list[str]:
@@ -72,6 +74,8 @@ def run_command(args) -> int:
     tokenizer, stop, add_bos = load_checkpoint_tokenizer(config, request.checkpoint)
     model_keys = [key.removeprefix("model.") for key in override_keys(overrides) if key.startswith("model.")]
     model, mesh, vocab_size = load_model(config, request.checkpoint, request.step, model_keys)
+    if request.adapter:
+        model = with_peft_adapter(model, request.adapter, config.sharding.rules)
     try:
         check_vocab(tokenizer, vocab_size)
     except ValueError as e:

@@ -34,12 +34,13 @@ _STREAM = 0x10A
 class LoRAConfig:
     """`rank` 0 means no adapters. `alpha / rank` scales the update (PEFT's `lora_alpha`);
     `targets` are HF module names (`TARGETS`); `base` is what a training run adapts (read by
-    `orchestrator.load.load_base`)."""
+    `orchestrator.load.load_base`), `init` a PEFT adapter its adapters start from."""
 
     rank: int = 0
     alpha: float = 16.0
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     base: str | None = None  # a run's base weights: an HF directory or podtrain checkpoint (None: train.seed's)
+    init: str | None = None  # a PEFT adapter directory a run's adapters start from (None: new adapters)
 
     @property
     def scale(self) -> float:

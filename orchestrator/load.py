@@ -13,11 +13,13 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from podtrain.models import from_hf
-from podtrain.models.lora import merged
+from podtrain.models.lora import LoRAParam, merged
+from podtrain.models.peft import load_peft, read_peft_config
 from podtrain.orchestrator.build import Training, build_training, make_mesh, model_factory
 from podtrain.orchestrator.checkpoint import Checkpointer
 from podtrain.orchestrator.config import ConfigError
@@ -26,7 +28,7 @@ from podtrain.orchestrator.resume import lora_differences, model_differences, mo
 from podtrain.orchestrator.schema import Config
 from podtrain.orchestrator.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
 from podtrain.sharding.mesh import build_mesh
-from podtrain.sharding.place import abstract_model
+from podtrain.sharding.place import abstract_model, create_sharded_state
 
 
 def resolve_checkpoint(path: str) -> tuple[Path, int | None]:
@@ -54,11 +56,13 @@ def checkpoint_step(checkpoint: str, step: int | None) -> tuple[Path, int | None
     return directory, folder_step if step is None else step
 
 
-def restore_model(config: Config, checkpoint: str, step: int | None = None) -> tuple[Mesh, nnx.Module, int]:
+def restore_model(config: Config, checkpoint: str, step: int | None = None, *,
+                  merge: bool = True) -> tuple[Mesh, nnx.Module, int]:
     """(mesh, model, step): the params of `checkpoint=` (a run, checkpoint or step directory)
     restored straight into their sharding on `config`'s mesh, the newest committed step unless
     `step` (or the step folder) names one. Only the model is built (no optimizer, no train step);
-    the checkpoint's model keys must equal `config`'s."""
+    the checkpoint's model keys must equal `config`'s. A LoRA run's step comes with the base it
+    was trained on, its adapters merged into it unless `merge` is False (the model with adapters)."""
     directory, step = checkpoint_step(checkpoint, step)
     mesh = make_mesh(config)
     graphdef, abstract_params = abstract_model(model_factory(config.model), mesh, config.sharding.rules)
@@ -78,13 +82,14 @@ def restore_model(config: Config, checkpoint: str, step: int | None = None) -> t
             raise ConfigError(f"checkpoint {directory / str(step)} was trained with other adapters: {differences}; "
                               "pass the lora.* keys it was trained with")
         if config.lora.rank:
-            return mesh, _merged_lora_model(config, checkpointer, step), step
+            return mesh, _lora_model(config, checkpointer, step, merge=merge), step
         params, _, step = checkpointer.restore_params(abstract_params, step=step)
     return mesh, nnx.merge(graphdef, params), step
 
 
-def _merged_lora_model(config: Config, checkpointer: Checkpointer, step: int) -> nnx.Module:
-    """A LoRA step's adapters on the base it was trained on, merged into the model without adapters."""
+def _lora_model(config: Config, checkpointer: Checkpointer, step: int, *, merge: bool) -> nnx.Module:
+    """A LoRA step's adapters on the base it was trained on; with `merge`, merged into the model
+    without adapters."""
     training = build_training(config)
     params, meta, _ = checkpointer.restore_params(training.abstract_state().params, step=step)
     frozen = training.init_frozen(load_base(training))
@@ -92,8 +97,11 @@ def _merged_lora_model(config: Config, checkpointer: Checkpointer, step: int) ->
     if saved.get("content_hash") not in (None, content_hash(frozen)):
         raise ConfigError(f"lora.base: checkpoint {checkpointer.directory / str(step)} trained its adapters on "
                           f"another base (lora.base={saved.get('path')}) than lora.base={config.lora.base}")
+    adapted = training.model(params, frozen)
+    if not merge:
+        return adapted
     graphdef, _ = abstract_model(model_factory(config.model), training.mesh, config.sharding.rules)
-    return nnx.merge(graphdef, merged(training.model(params, frozen)))
+    return nnx.merge(graphdef, merged(adapted))
 
 
 def is_hf_directory(checkpoint: str) -> bool:
@@ -180,3 +188,42 @@ def load_base(training: Training) -> nnx.State | None:
     except ConfigError as e:
         raise ConfigError(f"lora.base: {e}") from None
     return nnx.state(model)
+
+
+def with_peft_adapter(model: nnx.Module, adapter: str, rules=None) -> nnx.Module:
+    """`model` (without adapters, on a mesh) with the PEFT LoRA adapter directory `adapter` on
+    it, the adapters placed by `rules`; only the adapters are made."""
+    try:
+        lora = read_peft_config(Path(adapter).expanduser())
+        config = model.config
+        state = nnx.state(model)
+        mesh = next(iter(jax.tree.leaves(state))).sharding.mesh
+        factory = lambda: type(model)(config, rngs=nnx.Rngs(0), lora=lora)  # noqa: E731
+        graphdef, _ = abstract_model(factory, mesh, rules)
+        adapted = nnx.merge(graphdef, state, create_sharded_state(factory, mesh, rules, keep=LoRAParam))
+        load_peft(adapted, config, Path(adapter).expanduser())
+    except ValueError as e:
+        raise ConfigError(f"adapter={adapter}: {e}") from None
+    return adapted
+
+
+def init_adapters(training: Training, state, frozen):
+    """`state` with its adapters read from the PEFT adapter directory `lora.init`, whose rank,
+    alpha and targets must be the config's."""
+    lora, path = training.config.lora, Path(training.config.lora.init).expanduser()
+    try:
+        found = read_peft_config(path)
+    except ValueError as e:
+        raise ConfigError(f"lora.init: {e}") from None
+    differences = [f"lora.{key}: the adapter has {getattr(found, key)!r}, the config {getattr(lora, key)!r}"
+                   for key in ("rank", "alpha") if getattr(found, key) != getattr(lora, key)]
+    if set(found.targets) != set(lora.targets):
+        differences.append(f"lora.targets: the adapter has {list(found.targets)}, the config {list(lora.targets)}")
+    if differences:
+        raise ConfigError(f"lora.init={lora.init}: {'; '.join(differences)}")
+    model = training.model(state.params, frozen)
+    try:
+        load_peft(model, training.config.model, path)
+    except ValueError as e:
+        raise ConfigError(f"lora.init: {e}") from None
+    return state.replace(params=nnx.state(model, training.trainable))

@@ -302,6 +302,7 @@ class GenerateConfig:
     Attributes:
         checkpoint: a podtrain run, checkpoint or step directory, or a Hugging Face directory.
         step: the checkpoint step to load (None: the newest committed one).
+        adapter: a PEFT LoRA adapter directory to apply to the checkpoint's model.
         prompts: the texts to continue, batched into one `models.generate.generate` call.
         prompts_file: a text file adding one prompt per non-blank line.
         max_new_tokens: the most tokens generated per prompt.
@@ -312,6 +313,7 @@ class GenerateConfig:
 
     checkpoint: str | None = None
     step: int | None = None
+    adapter: str | None = None
     prompts: list[str] = field(default_factory=list)
     prompts_file: str | None = None
     max_new_tokens: int = 64
@@ -350,11 +352,14 @@ class ExportConfig:
         checkpoint: a podtrain run, checkpoint or step directory.
         out: the new (or empty) directory the HF files go to.
         step: the checkpoint step to export (None: the newest committed one).
+        adapter: for a LoRA run, write its adapters in the PEFT format (adapter_model.safetensors
+            and adapter_config.json) instead of the base with the adapters merged into it.
     """
 
     checkpoint: str | None = None
     out: str | None = None
     step: int | None = None
+    adapter: bool = False
 
     def validate(self, prefix: str = "export") -> None:
         """Raises ValueError naming the key when a field is out of range."""

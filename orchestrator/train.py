@@ -32,7 +32,7 @@ from podtrain.orchestrator.cluster import protocol
 from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml
 from podtrain.orchestrator.data import make_dataset, process_rows, row_positions, set_row_positions, to_global_batch
 from podtrain.orchestrator.integrity import content_hash
-from podtrain.orchestrator.load import load_base
+from podtrain.orchestrator.load import init_adapters, load_base
 from podtrain.orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
 from podtrain.orchestrator.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
 from podtrain.orchestrator.schema import Config
@@ -269,6 +269,8 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
         _restore_data_position(train_iter, rows, config.train.batch_size, resumed[1],
                                f"step {resumed[2]} in {checkpointer.directory}")
     state = resumed[0] if resumed else training.init_state(base)
+    if not resumed and config.lora.rank and config.lora.init:
+        state = init_adapters(training, state, frozen)
     del base
     start = int(state.step)
     if is_main:

@@ -5,6 +5,7 @@ the merged weights."""
 import json
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -62,6 +63,7 @@ def _hf_base(path: Path, seed: int) -> None:
 @pytest.mark.slow
 def test_a_lora_run_on_an_hf_base_resumes_only_on_that_base_and_exports_the_merged_weights(tmp_path):
     import torch
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from podtrain.models import from_hf
@@ -93,3 +95,32 @@ def test_a_lora_run_on_an_hf_base_resumes_only_on_that_base_and_exports_the_merg
     with torch.no_grad():
         theirs = hf(torch.from_numpy(tokens)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+    # The adapters alone, in the PEFT format: peft on the base gives the merged export's logits.
+    adapter = tmp_path / "adapter"
+    done = export(run, adapter, *LORA, f"lora.base={base}", "adapter=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                           adapter).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(peft_model(torch.from_numpy(tokens)).logits.numpy(), ours, atol=1e-4, rtol=0)
+
+    # `generate` on the base with the adapter continues as on the merged weights.
+    def generate(*args):
+        settings = [o for o in TINY if not o.startswith("model.")]  # an HF directory's config.json has those
+        cmd = [sys.executable, "-m", "podtrain.launch.cli", "generate", "-c", "llama3-tiny", *settings, "prompt=ab",
+               "max_new_tokens=6", *args]
+        done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [line for line in done.stdout.splitlines() if "tokens/s" not in line]  # the texts, not the times
+
+    assert generate(f"checkpoint={base}", f"adapter={adapter}") == generate(f"checkpoint={out}")
+
+    # A run whose adapters start from the exported ones: its first loss is the trained adapters'.
+    again = tmp_path / "again"
+    train(again, 1, *LORA, f"lora.base={base}", f"lora.init={adapter}")
+    fresh = tmp_path / "fresh"
+    train(fresh, 1, *LORA, f"lora.base={base}")
+    assert losses(again)[1] != losses(fresh)[1]
+    assert losses(fresh)[1] == losses(run)[1]
