@@ -147,3 +147,24 @@ def test_a_lora_run_trains_only_the_adapters_and_keeps_the_base(preset, extra):
     fresh = jax.tree.leaves(training.init_frozen())
     for got, want in zip(fresh, base_before, strict=True):  # the base is the one train.seed makes
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_the_plan_counts_the_trained_params_and_only_their_optimizer_state():
+    from podtrain.orchestrator.build import build_training
+    from podtrain.orchestrator.config import load_config as load
+    from podtrain.orchestrator.plan import format_plan, make_plan
+
+    overrides = [*STEP_TINY, "lora.targets=[q_proj,v_proj]"]
+    full = make_plan(build_training(load("llama3-tiny", overrides)))
+    lora = make_plan(build_training(load("llama3-tiny", [*overrides, "lora.rank=4"])))
+    config = load_config("llama3-tiny", overrides).model
+    adapters = config.num_layers * 4 * (config.hidden_size + config.num_heads * config.head_dim
+                                        + config.hidden_size + config.num_kv_heads * config.head_dim)
+    assert full["trainable_param_count"] == full["param_count"]
+    assert lora["trainable_param_count"] == adapters and lora["param_count"] == full["param_count"] + adapters
+    assert "lora       rank 4 on q_proj, v_proj: " in format_plan(lora) and "lora " not in format_plan(full)
+    # Per device, the step reads the weights and AdamW's two moments of what it trains (a third of
+    # the full run's state, with the adapters') and writes back only the trained params and moments.
+    full_memory, lora_memory = full["memory"], lora["memory"]
+    assert lora_memory["argument_bytes"] < 0.5 * full_memory["argument_bytes"], (full_memory, lora_memory)
+    assert lora_memory["output_bytes"] * 10 < full_memory["output_bytes"], (full_memory, lora_memory)
