@@ -38,6 +38,11 @@ def trainable_filter(lora: LoRAConfig):
     return nnx.Any(LoRAParam, nnx.PathContains("router_bias")) if lora.rank else nnx.Param
 
 
+def split_trained(params: nnx.State, lora: LoRAConfig) -> tuple[nnx.State, nnx.State | None]:
+    """(trained, frozen) parts of the model's parameters; frozen is None without LoRA."""
+    return nnx.split_state(params, trainable_filter(lora), ...) if lora.rank else (params, None)
+
+
 @dataclass
 class Training:
     """The runtime pieces of a training run (built from data, never stored in the config)."""
@@ -57,10 +62,7 @@ class Training:
         return trainable_filter(self.config.lora)
 
     def split(self, params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
-        """(trainable, frozen) parts of the model's parameters; frozen is None without LoRA."""
-        if self.frozen_shardings is None:
-            return params, None
-        return nnx.split_state(params, self.trainable, ...)
+        return split_trained(params, self.config.lora)
 
     def model(self, params: nnx.State, frozen: nnx.State | None) -> nnx.Module:
         """The model of the trained `params` and the `frozen` base."""
@@ -145,8 +147,7 @@ def build_training(config: Config, devices: Sequence[jax.Device] | None = None) 
     config = resolve_attention(config, mesh.devices.flat[0].platform)
     rules = config.sharding.rules
     graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed, config.lora), mesh, rules)
-    trained, frozen = (nnx.split_state(abstract, trainable_filter(config.lora), ...) if config.lora.rank
-                       else (abstract, None))
+    trained, frozen = split_trained(abstract, config.lora)
     params = state_shardings(trained, mesh, rules)
     frozen_shardings = None if frozen is None else state_shardings(frozen, mesh, rules)
     schedule = make_schedule(config.optimizer, config.train.steps)

@@ -93,15 +93,31 @@ def _lora_model(config: Config, checkpointer: Checkpointer, step: int, *, merge:
     training = build_training(config)
     params, meta, _ = checkpointer.restore_params(training.abstract_state().params, step=step)
     frozen = training.init_frozen(load_base(training))
-    saved = meta.get("lora_base") or {}
-    if saved.get("content_hash") not in (None, content_hash(frozen)):
-        raise ConfigError(f"lora.base: checkpoint {checkpointer.directory / str(step)} trained its adapters on "
-                          f"another base (lora.base={saved.get('path')}) than lora.base={config.lora.base}")
+    check_base(meta, base_record(config, frozen), f"checkpoint step {step} in {checkpointer.directory}",
+               remedy="pass the lora.base it was trained on")
     adapted = training.model(params, frozen)
     if not merge:
         return adapted
     graphdef, _ = abstract_model(model_factory(config.model), training.mesh, config.sharding.rules)
     return nnx.merge(graphdef, merged(adapted))
+
+
+def base_record(config: Config, frozen: nnx.State) -> dict:
+    """What a LoRA run's checkpoints record of its base: the path, and a hash of its content
+    (the same on any mesh; a collective)."""
+    return {"path": config.lora.base, "content_hash": content_hash(frozen)}
+
+
+def check_base(meta: dict, current: dict | None, where: str, *,
+               remedy: str = "resume on the base it was trained on") -> None:
+    """A LoRA step's adapters go only on the base they were trained on (by content, not path)."""
+    saved = meta.get("lora_base")
+    if current is None or saved is None or saved["content_hash"] == current["content_hash"]:
+        return
+    described = lambda base: f"lora.base={base['path']}" if base["path"] else "the base train.seed makes"  # noqa: E731
+    raise ConfigError(f"lora.base: {where} trained its adapters on another base ({described(saved)}, content hash "
+                      f"{saved['content_hash'][:16]}) than this run's ({described(current)}, "
+                      f"{current['content_hash'][:16]}): {remedy}")
 
 
 def is_hf_directory(checkpoint: str) -> bool:

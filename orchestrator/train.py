@@ -31,8 +31,7 @@ from podtrain.orchestrator.checkpoint import Checkpointer, run_metadata
 from podtrain.orchestrator.cluster import protocol
 from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml
 from podtrain.orchestrator.data import make_dataset, process_rows, row_positions, set_row_positions, to_global_batch
-from podtrain.orchestrator.integrity import content_hash
-from podtrain.orchestrator.load import init_adapters, load_base
+from podtrain.orchestrator.load import base_record, check_base, init_adapters, load_base
 from podtrain.orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
 from podtrain.orchestrator.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
 from podtrain.orchestrator.schema import Config
@@ -230,17 +229,6 @@ class _Setup:
         return row_positions(self.train_iter, self.rows)
 
 
-def _check_base(meta: dict, run_meta: dict, where: str) -> None:
-    """A LoRA run resumes only on the base its adapters were trained on (by content, not path)."""
-    saved, current = meta.get("lora_base"), run_meta.get("lora_base")
-    if current is None or saved is None or saved["content_hash"] == current["content_hash"]:
-        return
-    described = lambda base: f"lora.base={base['path']}" if base["path"] else "the base train.seed makes"
-    raise ConfigError(f"lora.base: {where} trained its adapters on another base ({described(saved)}, content hash "
-                      f"{saved['content_hash'][:16]}) than this run's ({described(current)}, "
-                      f"{current['content_hash'][:16]}): resume on the base it was trained on")
-
-
 def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
     """Builds the run, restores its latest checkpoint (or initialises the params), then writes config.yaml."""
     is_main = jax.process_index() == 0
@@ -259,13 +247,13 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
     frozen = training.init_frozen(base)
     run_meta = run_metadata(config, training.mesh)
     if frozen is not None:  # what a LoRA run's adapters are trained on
-        run_meta["lora_base"] = {"path": config.lora.base, "content_hash": content_hash(frozen)}
+        run_meta["lora_base"] = base_record(config, frozen)
     checkpointer = Checkpointer(checkpoint_directory(config.checkpoint.dir, run_dir), config.checkpoint,
                                 run_meta=run_meta)
     train_iter = iter(train_data)
     resumed = checkpointer.resume(training.abstract_state())
     if resumed:
-        _check_base(resumed[1], run_meta, f"checkpoint step {resumed[2]} in {checkpointer.directory}")
+        check_base(resumed[1], run_meta.get("lora_base"), f"checkpoint step {resumed[2]} in {checkpointer.directory}")
         _restore_data_position(train_iter, rows, config.train.batch_size, resumed[1],
                                f"step {resumed[2]} in {checkpointer.directory}")
     state = resumed[0] if resumed else training.init_state(base)

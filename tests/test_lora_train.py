@@ -82,6 +82,10 @@ def test_a_lora_run_on_an_hf_base_resumes_only_on_that_base_and_exports_the_merg
     assert "trained its adapters on another base" in done.stderr and "resume on the base it was trained on" \
         in done.stderr
 
+    done = export(run, tmp_path / "wrong", *LORA, f"lora.base={other}")  # an export on another base, too
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "trained its adapters on another base" in done.stderr and not (tmp_path / "wrong").exists()
+
     # Merge and export: the HF files are the base plus the trained adapters' update.
     out = tmp_path / "hf"
     done = export(run, out, *LORA, f"lora.base={base}")
