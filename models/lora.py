@@ -8,7 +8,10 @@ its output axes, so the sharding rules place them as they place the weight; the 
 adapter leaves the model unchanged. Adapters draw their initial values from their own stream,
 so the base weights are the same with and without them.
 
-Targets use the HF module names, as PEFT's `target_modules` do.
+Targets use the HF module names, as PEFT's `target_modules` do; "experts" adapts DeepSeek-V3's
+routed experts as PEFT's `target_parameters` adapt transformers' fused expert weights: one adapter
+per expert on `gate_up_proj` (gate and up share its `A`) and one on `down_proj`, sharded over the
+expert axis with their experts.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from flax import nnx
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-TARGETS = (*ATTENTION_TARGETS, *MLA_TARGETS, *MLP_TARGETS, "embed_tokens", "lm_head")
+TARGETS = (*ATTENTION_TARGETS, *MLA_TARGETS, *MLP_TARGETS, "experts", "embed_tokens", "lm_head")
 # The stream a layer's adapters draw from: its params key folded with this (the params stream
 # itself draws exactly what it draws without adapters).
 _STREAM = 0x10A
@@ -82,24 +85,30 @@ def _lora_param(value, names) -> LoRAParam:
 
 class Adapter(nnx.Module):
     """`scale * (x @ A) @ B` for a weight of input shape `in_shape` and output shape `out_shape`
-    (logical axes `in_names`, `out_names`); `rngs` must hold a "lora" stream."""
+    (logical axes `in_names`, `out_names`); `rngs` must hold a "lora" stream.
+
+    `batch_shape` (logical axes `batch_names`) leads independent adapters, one per expert.
+    `parts` names the weights whose outputs the first output axis indexes (an adapter of fused
+    weights); empty, the adapter `<w>_lora` adapts the weight `<w>` beside it.
+    """
 
     def __init__(self, lora: LoRAConfig, in_shape: Sequence[int], in_names: Sequence[str | None],
                  out_shape: Sequence[int], out_names: Sequence[str | None], dtype, *, rngs: nnx.Rngs,
-                 embedding: bool = False):
+                 embedding: bool = False, batch_shape: Sequence[int] = (), batch_names: Sequence[str | None] = (),
+                 parts: tuple[str, ...] = ()):
         key_a, key_b = jax.random.split(rngs.lora())
-        self.n_in, self.scale = len(in_shape), lora.scale
-        a_shape, b_shape = (*in_shape, lora.rank), (lora.rank, *out_shape)
+        self.n_in, self.scale, self.parts = len(in_shape), lora.scale, parts
+        a_shape, b_shape = (*batch_shape, *in_shape, lora.rank), (*batch_shape, lora.rank, *out_shape)
         if embedding:  # PEFT's init: for embeddings A zero and B normal, else A kaiming-uniform and B zero
             a, b = jnp.zeros(a_shape, dtype), jax.random.normal(key_b, b_shape, dtype)
         else:
             bound = 1 / math.sqrt(math.prod(in_shape))
             a, b = jax.random.uniform(key_a, a_shape, dtype, -bound, bound), jnp.zeros(b_shape, dtype)
-        self.a = _lora_param(a, (*in_names, "lora_rank"))
-        self.b = _lora_param(b, ("lora_rank", *out_names))
+        self.a = _lora_param(a, (*batch_names, *in_names, "lora_rank"))
+        self.b = _lora_param(b, (*batch_names, "lora_rank", *out_names))
 
     def delta(self) -> jax.Array:
-        """`scale * A @ B`, shaped as the weight (leading stack axes included), in float32."""
+        """`scale * A @ B`, shaped as the weight (leading stack and batch axes included), in float32."""
         a, b = self.a[...].astype(jnp.float32), self.b[...].astype(jnp.float32)
         lead = a.ndim - self.n_in - 1
         a = a.reshape(*a.shape[:lead], -1, a.shape[-1])
@@ -124,6 +133,12 @@ def merged(model: nnx.Module) -> nnx.State:
     for _path, module in nnx.iter_modules(model):
         for name, value in list(vars(module).items()):
             if name.endswith("_lora") and isinstance(value, Adapter):
-                w = getattr(module, name[: -len("_lora")])
-                w.set_value((w[...].astype(jnp.float32) + value.delta()).astype(w.dtype))
+                delta = value.delta()
+                if value.parts:  # the first output axis follows A's rank axis
+                    weights, deltas = value.parts, jnp.moveaxis(delta, value.a.ndim - 1, 0)
+                else:
+                    weights, deltas = (name[: -len("_lora")],), delta[None]
+                for weight, update in zip(weights, deltas, strict=True):
+                    w = getattr(module, weight)
+                    w.set_value((w[...].astype(jnp.float32) + update).astype(w.dtype))
     return nnx.state(model, nnx.All(nnx.Param, nnx.Not(LoRAParam)))

@@ -8,8 +8,8 @@ from flax import nnx
 
 from podtrain.models.config import ModelConfig, MoEConfig
 from podtrain.models.layers import MLP, dtype_of, param, weight
-from podtrain.models.lora import LoRAConfig
-from podtrain.sharding.experts import EXPERT_DOWN_NAMES, EXPERT_GATE_NAMES, routed_experts
+from podtrain.models.lora import Adapter, LoRAConfig
+from podtrain.sharding.experts import EXPERT_DOWN_NAMES, EXPERT_GATE_NAMES, ExpertAdapters, routed_experts
 
 
 def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
@@ -42,7 +42,9 @@ class MoE(nnx.Module):
     """Routed experts `(E, ...)` (sharded over the "experts" axis) plus always-on shared experts.
 
     Its call returns `(y, stats)`: `stats["expert_load"]` counts the tokens routed to each expert
-    over the whole batch, `stats["dropped_tokens"]` the assignments over capacity.
+    over the whole batch, `stats["dropped_tokens"]` the assignments over capacity. With the LoRA
+    target "experts" each routed expert has an adapter on its fused gate and up projections
+    (`w_gate_up_lora`, one `A` for both) and one on its down projection (`w_down_lora`).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
@@ -58,18 +60,35 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, init, (e, d, f), EXPERT_GATE_NAMES, pdt)
         self.w_up = param(rngs, init, (e, d, f), EXPERT_GATE_NAMES, pdt)
         self.w_down = param(rngs, init, (e, f, d), EXPERT_DOWN_NAMES, pdt)
+        if lora is not None and lora.wants("experts"):
+            per_expert = dict(batch_shape=(e,), batch_names=("experts",), rngs=rngs)
+            self.w_gate_up_lora = Adapter(lora, (d,), ("embed",), (2, f), (None, "mlp"), pdt, parts=("w_gate", "w_up"),
+                                          **per_expert)
+            self.w_down_lora = Adapter(lora, (f,), ("mlp",), (d,), ("embed",), pdt, **per_expert)
+        else:
+            self.w_gate_up_lora = self.w_down_lora = None
         shared = f * moe.num_shared_experts
         self.shared = MLP(c, rngs=rngs, intermediate_size=shared, lora=lora) if shared else None
 
     def __call__(self, x_BTD):
         weights, experts = route(x_BTD, weight(self.router, jnp.float32), self.router_bias[...], self.config)
         w = [p[...].astype(self.dtype) for p in (self.w_gate, self.w_up, self.w_down)]
-        y, load, dropped = routed_experts(x_BTD, experts, weights, *w, capacity_factor=self.config.capacity_factor,
+        y, load, dropped = routed_experts(x_BTD, experts, weights, *w, lora=self._adapters(),
+                                          capacity_factor=self.config.capacity_factor,
                                           buffer_factor=self.config.buffer_factor)
         y = y.astype(x_BTD.dtype)
         if self.shared is not None:
             y = y + self.shared(x_BTD)
         return y, {"expert_load": load, "dropped_tokens": dropped}
+
+    def _adapters(self) -> ExpertAdapters | None:
+        """The experts' adapters in the compute dtype, the `B`s scaled."""
+        if self.w_gate_up_lora is None:
+            return None
+        gate_up, down = self.w_gate_up_lora, self.w_down_lora
+        scale = jnp.asarray(gate_up.scale, self.dtype)
+        return ExpertAdapters(gate_up.a[...].astype(self.dtype), gate_up.b[...].astype(self.dtype) * scale,
+                              down.a[...].astype(self.dtype), down.b[...].astype(self.dtype) * scale)
 
 
 def balance_router_bias(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:

@@ -9,6 +9,8 @@ dimensions sharded over `fsdp`, summing partial results over `tp`), and a second
 brings the results home, where they are weighted and summed per token. Partial results are summed
 only over mesh axes that split the expert hidden dimension but not the tokens (devices along such
 an axis hold the same tokens); a hidden dimension split over a token axis is all-gathered instead.
+LoRA adapters of the experts travel with them: sharded over the expert axis, gathered as the
+weights are, applied beside each expert matmul; the base weights then get no gradient.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from podtrain.sharding.ragged import buffer_rows, dropless_rows
+from podtrain.sharding.ragged import ExpertAdapters, ExpertWeights, buffer_rows, dropless_rows
 from podtrain.sharding.rules import axes_of, logical_to_spec
 
 EXPERT_GATE_NAMES = ("experts", "embed", "mlp")  # w_gate and w_up, (E, D, F)
 EXPERT_DOWN_NAMES = ("experts", "mlp", "embed")  # w_down, (E, F, D)
+# The adapters' logical axes (`ragged.ExpertAdapters`): A of the fused gate and up projections
+# (E, D, r), its B (E, r, 2, F), A of the down projection (E, F, r), its B (E, r, D).
+EXPERT_LORA_NAMES = ExpertAdapters(("experts", "embed", "lora_rank"), ("experts", "lora_rank", None, "mlp"),
+                                   ("experts", "mlp", "lora_rank"), ("experts", "lora_rank", "embed"))
 DEFAULT_BUFFER_FACTOR = 1.25
 
 
@@ -44,22 +50,29 @@ def _slots(tokens: int, top_k: int, num_experts: int, capacity_factor: float) ->
     return capacity(tokens, top_k, num_experts, capacity_factor) if capacity_factor > 0 else None
 
 
-def _gather_weights(w_gate, w_up, w_down, *, embed_axes, mlp_axes, token_axes):
-    """My experts' weights with the dimensions sharded over `fsdp`-like axes all-gathered, and the
-    mesh axes whose partial results are to be summed (they split F but hold the same tokens)."""
-    if embed_axes:
-        w_gate = jax.lax.all_gather(w_gate, embed_axes, axis=1, tiled=True)
-        w_up = jax.lax.all_gather(w_up, embed_axes, axis=1, tiled=True)
-        w_down = jax.lax.all_gather(w_down, embed_axes, axis=2, tiled=True)
+def _names(lora: ExpertAdapters | None) -> ExpertWeights:
+    """The logical axes of each array of an `ExpertWeights`."""
+    return ExpertWeights(EXPERT_GATE_NAMES, EXPERT_GATE_NAMES, EXPERT_DOWN_NAMES,
+                         None if lora is None else EXPERT_LORA_NAMES)
+
+
+def _gather_weights(experts: ExpertWeights, *, embed_axes, mlp_axes, token_axes):
+    """My experts' weights (and adapters) with the dimensions sharded over `fsdp`-like axes
+    all-gathered, and the mesh axes whose partial results are to be summed (they split F but hold
+    the same tokens)."""
     gathered_mlp = tuple(a for a in mlp_axes if a in token_axes)  # devices there hold other tokens
-    if gathered_mlp:
-        w_gate = jax.lax.all_gather(w_gate, gathered_mlp, axis=2, tiled=True)
-        w_up = jax.lax.all_gather(w_up, gathered_mlp, axis=2, tiled=True)
-        w_down = jax.lax.all_gather(w_down, gathered_mlp, axis=1, tiled=True)
-    return w_gate, w_up, w_down, tuple(a for a in mlp_axes if a not in token_axes)
+    gather = {"embed": embed_axes, "mlp": gathered_mlp}
+
+    def gathered(w, names):
+        for dim, name in enumerate(names):
+            if gather.get(name):
+                w = jax.lax.all_gather(w, gather[name], axis=dim, tiled=True)
+        return w
+
+    return jax.tree.map(gathered, experts, _names(experts.lora)), tuple(a for a in mlp_axes if a not in token_axes)
 
 
-def _slot_rows(x_ND, token, sorted_expert, load, w_gate, w_up, w_down, *, num_experts, slots, ep_axis, ep,
+def _slot_rows(x_ND, token, sorted_expert, load, experts: ExpertWeights, *, num_experts, slots, ep_axis, ep,
                sum_axes):
     """Capacity dispatch: each expert takes its first `slots` rows from each device, in fixed
     buffers moved by all-to-all. Returns (rows' results, kept)."""
@@ -74,8 +87,15 @@ def _slot_rows(x_ND, token, sorted_expert, load, w_gate, w_up, w_down, *, num_ex
     if ep_axis is not None:
         buf = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [source device] -> slots of my experts
     rows = buf.reshape(ep, local_experts, slots, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * slots, d)
-    hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", rows, w_gate)) * jnp.einsum("ecd,edf->ecf", rows, w_up)
-    out = jnp.einsum("ecf,efd->ecd", hidden, w_down)
+    gate, up = jnp.einsum("ecd,edf->ecf", rows, experts.gate), jnp.einsum("ecd,edf->ecf", rows, experts.up)
+    lora = experts.lora
+    if lora is not None:
+        update = jnp.einsum("ecr,erpf->pecf", jnp.einsum("ecd,edr->ecr", rows, lora.gate_up_a), lora.gate_up_b)
+        gate, up = gate + update[0], up + update[1]
+    hidden = jax.nn.silu(gate) * up
+    out = jnp.einsum("ecf,efd->ecd", hidden, experts.down)
+    if lora is not None:
+        out = out + jnp.einsum("ecr,erd->ecd", jnp.einsum("ecf,efr->ecr", hidden, lora.down_a), lora.down_b)
     if sum_axes:
         out = jax.lax.psum(out, sum_axes)
     out = out.reshape(local_experts, ep, slots, d).transpose(1, 0, 2, 3).reshape(ep, local_experts * slots, d)
@@ -85,7 +105,7 @@ def _slot_rows(x_ND, token, sorted_expert, load, w_gate, w_up, w_down, *, num_ex
     return jnp.where(kept[:, None], out[jnp.minimum(target, num_experts * slots - 1)], 0), kept
 
 
-def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_experts, slots, ep_axis, ep,
+def _local_experts(x_ND, expert_NK, weight_NK, experts: ExpertWeights, *, num_experts, slots, ep_axis, ep,
                    embed_axes, mlp_axes, token_axes, buffer_factor):
     """One device's dispatch, expert computation and combine (the body of the shard_map).
 
@@ -99,8 +119,7 @@ def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_expe
     sorted_expert = flat_expert[order]
     load = jnp.bincount(flat_expert, length=num_experts)
     token = order // k
-    w_gate, w_up, w_down, sum_axes = _gather_weights(w_gate, w_up, w_down, embed_axes=embed_axes,
-                                                     mlp_axes=mlp_axes, token_axes=token_axes)
+    experts, sum_axes = _gather_weights(experts, embed_axes=embed_axes, mlp_axes=mlp_axes, token_axes=token_axes)
     real = sorted_expert < num_experts
     if slots is None:
         counts = load.reshape(1, ep, num_experts // ep)
@@ -108,12 +127,12 @@ def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_expe
             counts = jax.lax.all_gather(counts[0], ep_axis)  # (sender, owner, local expert)
         buffer = buffer_rows(n * k, ep, k, num_experts // ep, buffer_factor)
         one_round = buffer >= ep * n * min(k, num_experts // ep)
-        contribution = dropless_rows(x_ND[token], weight_NK.reshape(-1)[order], counts, w_gate, w_up, w_down,
-                                     ep_axis, buffer, sum_axes, one_round)
+        contribution = dropless_rows(x_ND[token], weight_NK.reshape(-1)[order], counts, experts, ep_axis, buffer,
+                                     sum_axes, one_round, experts.lora is None)
         kept = real
     else:
-        out, kept = _slot_rows(x_ND, token, sorted_expert, load, w_gate, w_up, w_down, num_experts=num_experts,
-                               slots=slots, ep_axis=ep_axis, ep=ep, sum_axes=sum_axes)
+        out, kept = _slot_rows(x_ND, token, sorted_expert, load, experts, num_experts=num_experts, slots=slots,
+                               ep_axis=ep_axis, ep=ep, sum_axes=sum_axes)
         contribution = out * weight_NK.reshape(-1)[order][:, None].astype(out.dtype)
     y = jnp.zeros((n, d), contribution.dtype).at[token].add(contribution)
     dropped = jnp.sum(real & ~kept).astype(jnp.float32)
@@ -123,7 +142,8 @@ def _local_experts(x_ND, expert_NK, weight_NK, w_gate, w_up, w_down, *, num_expe
     return y, load, dropped
 
 
-def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, capacity_factor: float = 0.0,
+def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+                   lora: ExpertAdapters | None = None, capacity_factor: float = 0.0,
                    buffer_factor: float = DEFAULT_BUFFER_FACTOR):
     """sum_k weight[k] * SwiGLU expert `expert[k]`(x) for every token, experts run where they live.
 
@@ -132,6 +152,8 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
         expert_BTK: int expert ids chosen per token (B, T, K).
         weight_BTK: their combine weights (B, T, K).
         w_gate_EDF, w_up_EDF, w_down_EFD: the experts' weights, in the compute dtype.
+        lora: the experts' LoRA adapters (`B`s scaled by `alpha / rank`), in the compute dtype;
+            with them the base weights are frozen (they get no gradient).
         capacity_factor: 0 for dropless, else the per-expert slot budget (see `capacity`).
         buffer_factor: dropless only: rows per exchange round as a multiple of a device's own
             assignments (see `ragged.buffer_rows`); routing beyond it takes more rounds.
@@ -142,19 +164,24 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
     """
     b, t, d = x_BTD.shape
     num_experts = w_gate_EDF.shape[0]
+    experts = ExpertWeights(w_gate_EDF, w_up_EDF, w_down_EFD, lora)
+    if lora is not None:
+        experts = experts._replace(gate=jax.lax.stop_gradient(w_gate_EDF), up=jax.lax.stop_gradient(w_up_EDF),
+                                   down=jax.lax.stop_gradient(w_down_EFD))
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh is None or mesh.empty else dict(mesh.shape)
     if not any(size > 1 for size in sizes.values()):
         y, load, dropped = _local_experts(
             x_BTD.reshape(b * t, d), expert_BTK.reshape(b * t, -1), weight_BTK.reshape(b * t, -1),
-            w_gate_EDF, w_up_EDF, w_down_EFD, num_experts=num_experts,
+            experts, num_experts=num_experts,
             slots=_slots(b * t, expert_BTK.shape[-1], num_experts, capacity_factor), ep_axis=None, ep=1,
             embed_axes=(), mlp_axes=(), token_axes=(), buffer_factor=buffer_factor,
         )
         return y.reshape(b, t, d), load, dropped
 
-    gate_spec = logical_to_spec(EXPERT_GATE_NAMES, sizes, shape=w_gate_EDF.shape, what="MoE expert weights")
-    down_spec = logical_to_spec(EXPERT_DOWN_NAMES, sizes, shape=w_down_EFD.shape, what="MoE expert weights")
+    specs = jax.tree.map(lambda w, names: logical_to_spec(names, sizes, shape=w.shape, what="MoE expert weights"),
+                         experts, _names(lora))
+    gate_spec = specs.gate
     token_spec = logical_to_spec(("batch", "seq"), sizes, what="MoE tokens")
     # The shard_map needs token dimensions its mesh axes divide: a batch of one prompt (generation,
     # samples at evals) on an fsdp or ep mesh gets padding rows, which pick no expert and are dropped.
@@ -164,8 +191,8 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
         widths = ((0, pad_b), (0, pad_t), (0, 0))
         y, load, dropped = routed_experts(
             jnp.pad(x_BTD, widths), jnp.pad(expert_BTK, widths, constant_values=num_experts),
-            jnp.pad(weight_BTK, widths), w_gate_EDF, w_up_EDF, w_down_EFD, capacity_factor=capacity_factor,
-            buffer_factor=buffer_factor)
+            jnp.pad(weight_BTK, widths), w_gate_EDF, w_up_EDF, w_down_EFD, lora=lora,
+            capacity_factor=capacity_factor, buffer_factor=buffer_factor)
         return y[:b, :t], load, dropped
     expert_axes = axes_of(gate_spec[0])
     token_axes = tuple(a for entry in token_spec for a in axes_of(entry))
@@ -189,15 +216,15 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
         token_axes=token_axes, buffer_factor=buffer_factor,
     )
 
-    def flat(x, expert, weight, w_gate, w_up, w_down):
+    def flat(x, expert, weight, experts):
         lb, lt = x.shape[:2]
         y, load, dropped = body(x.reshape(lb * lt, d), expert.reshape(lb * lt, -1), weight.reshape(lb * lt, -1),
-                                w_gate, w_up, w_down)
+                                experts)
         return y.reshape(lb, lt, d), load, dropped
 
     return jax.shard_map(
         flat,
-        in_specs=(x_spec, x_spec, x_spec, gate_spec, gate_spec, down_spec),
+        in_specs=(x_spec, x_spec, x_spec, specs),
         out_specs=(x_spec, PartitionSpec(), PartitionSpec()),
         check_vma=body.keywords["slots"] is not None,  # see ragged.dropless_rows
-    )(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    )(x_BTD, expert_BTK, weight_BTK, experts)

@@ -20,11 +20,31 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from podtrain.sharding.mesh import current_platform
+
+
+class ExpertAdapters(NamedTuple):
+    """LoRA adapters of the experts, `B`s already scaled: gate and up share `gate_up_a` (the
+    adapter of HF's fused `gate_up_proj`)."""
+
+    gate_up_a: jax.Array  # (L, D, r)
+    gate_up_b: jax.Array  # (L, r, 2, F): gate's, then up's
+    down_a: jax.Array  # (L, F, r)
+    down_b: jax.Array  # (L, r, D)
+
+
+class ExpertWeights(NamedTuple):
+    """A device's SwiGLU experts (F possibly a shard) and, with LoRA, their adapters."""
+
+    gate: jax.Array  # (L, D, F)
+    up: jax.Array  # (L, D, F)
+    down: jax.Array  # (L, F, D)
+    lora: ExpertAdapters | None = None
 
 
 def buffer_rows(rows: int, ep: int, top_k: int, local_experts: int, buffer_factor: float) -> int:
@@ -117,37 +137,70 @@ def grouped_matmul(rows, w_LKN, sizes):
     return ops.gmm(rows, w_LKN.astype(rows.dtype), sizes, rows.dtype, tiling)
 
 
-def _round(plan, r, rows, w_gate, w_up, w_down, axis, sum_axes):
+def _in_projections(window, experts: ExpertWeights, sizes):
+    """The gate and up projections of a window in expert order (with the adapters' updates)."""
+    gate, up = grouped_matmul(window, experts.gate, sizes), grouped_matmul(window, experts.up, sizes)
+    if experts.lora is None:
+        return gate, up
+    local, rank, _, f = experts.lora.gate_up_b.shape
+    low = grouped_matmul(window, experts.lora.gate_up_a, sizes)
+    update = grouped_matmul(low, experts.lora.gate_up_b.reshape(local, rank, 2 * f), sizes)
+    return gate + update[:, :f], up + update[:, f:]
+
+
+def _out_projection(hidden, experts: ExpertWeights, sizes):
+    """The down projection of the experts' hidden rows (with the adapter's update)."""
+    out = grouped_matmul(hidden, experts.down, sizes)
+    if experts.lora is None:
+        return out
+    return out + grouped_matmul(grouped_matmul(hidden, experts.lora.down_a, sizes), experts.lora.down_b, sizes)
+
+
+def _round(plan, r, rows, experts, axis, sum_axes):
     """Round `r` at the owner: its window through my experts, the results in the window's sender
     order (summed over `sum_axes`), and what the backward pass needs of it (the window in expert
     order, its gate and up projections and my F slice's part of its results, the order and the
     group sizes)."""
     window, order, sizes = _window_rows(plan, r, rows, axis)
-    gate, up, partial = _experts(window, sizes, w_gate, w_up, w_down)
+    gate, up, partial = _experts(window, sizes, experts)
     result = _unsort(partial, order)
     if sum_axes:
         result = jax.lax.psum(result, sum_axes)
     return result, (window, gate, up, partial, order, sizes)
 
 
-def _experts(window, sizes, w_gate, w_up, w_down):
+def _experts(window, sizes, experts: ExpertWeights):
     """The SwiGLU experts over a window in expert order: (gate and up projections, results)."""
-    gate, up = grouped_matmul(window, w_gate, sizes), grouped_matmul(window, w_up, sizes)
-    return gate, up, grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
+    gate, up = _in_projections(window, experts, sizes)
+    return gate, up, _out_projection(jax.nn.silu(gate) * up, experts, sizes)
 
 
-def _expert_grads(window, gate, up, partial, sizes, w_gate, w_up, w_down, d_y, weight):
-    """(d window | d combine weight, d w_gate, d w_up, d w_down) of the weighted SwiGLU experts
-    at a window, from its gate and up projections and results (no forward matmul is recomputed:
-    the outputs of those the VJPs trace go unused)."""
+def _trained_vjp(f, x, experts: ExpertWeights, train_base: bool):
+    """`jax.vjp` of `f(x, experts)` in `x` and the trained part of `experts`: all of it, or with a
+    frozen base only the adapters (the base weights' cotangents are None, never computed)."""
+    if train_base:
+        return jax.vjp(f, x, experts)[1]
+    pull = jax.vjp(lambda x, lora: f(x, experts._replace(lora=lora)), x, experts.lora)[1]
+
+    def pullback(cotangent):
+        d_x, d_lora = pull(cotangent)
+        return d_x, ExpertWeights(None, None, None, d_lora)
+
+    return pullback
+
+
+def _expert_grads(window, gate, up, partial, sizes, experts, d_y, weight, train_base):
+    """(d window | d combine weight, d experts) of the weighted SwiGLU experts at a window, from
+    its gate and up projections and results (no forward matmul of the weights is recomputed: the
+    outputs of those the VJPs trace go unused)."""
     d_weight = jnp.sum(d_y.astype(jnp.float32) * partial.astype(jnp.float32), axis=1, keepdims=True)
     hidden, act_vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
-    d_hidden, d_down = jax.vjp(lambda h, w: grouped_matmul(h, w, sizes), hidden, w_down)[1](
-        (d_y * weight).astype(hidden.dtype))
-    in_vjp = jax.vjp(lambda x, wg, wu: (grouped_matmul(x, wg, sizes), grouped_matmul(x, wu, sizes)),
-                     window, w_gate, w_up)[1]
-    d_window, d_gate, d_up = in_vjp(act_vjp(d_hidden))
-    return jnp.concatenate([d_window.astype(jnp.float32), d_weight], axis=1), d_gate, d_up, d_down
+    d_hidden, d_out_experts = _trained_vjp(lambda h, e: _out_projection(h, e, sizes), hidden, experts,
+                                           train_base)((d_y * weight).astype(hidden.dtype))
+    d_window, d_in_experts = _trained_vjp(lambda x, e: _in_projections(x, e, sizes), window, experts,
+                                          train_base)(act_vjp(d_hidden))
+    return (jnp.concatenate([d_window.astype(jnp.float32), d_weight], axis=1),
+            _add(_add(None, d_out_experts), d_in_experts))
 
 
 def _window_rows(plan, r, rows, axis):
@@ -167,8 +220,9 @@ def _overflow(plan, one_round, body, init):
     return init if one_round else jax.lax.fori_loop(1, plan.rounds, body, init)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def dropless_rows(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def dropless_rows(rows, row_weights, counts_SJL, experts: ExpertWeights, axis, buffer, sum_axes, one_round,
+                  train_base):
     """`row_weights[i]` x SwiGLU expert `e`(rows[i]) for each of my rows (sorted by expert), the
     expert run on the device owning `e`.
 
@@ -177,11 +231,13 @@ def dropless_rows(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buf
             (padding) are not sent and give zeros.
         row_weights: (N,) their combine weights.
         counts_SJL: int (ep, ep, L): rows device s has for local expert l of device j.
-        w_gate, w_up (L, D, F), w_down (L, F, D): my experts' weights (F possibly a shard).
+        experts: my experts' weights (and adapters).
         axis: the expert mesh axis (None: one device holds every expert).
         buffer: rows per round (`buffer_rows`).
         sum_axes: mesh axes whose devices hold the same rows and other slices of F.
         one_round: the buffer holds whatever a device can receive (no loop is built).
+        train_base: False gives the experts' base weights no gradient (a LoRA run's frozen base:
+            the backward pass computes only the adapters' gradients and the rows').
 
     The backward pass keeps round 0 at the owners (each its window, gate and up projections and
     results): the output gradients and combine weights go to the owners, and the rows' and
@@ -192,31 +248,31 @@ def dropless_rows(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buf
     share a replicated output's cotangent among its copies and sum a replicated input's: the
     output's is summed over `sum_axes` here.
     """
-    return _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)[0] \
+    return _forward(rows, counts_SJL, experts, axis, buffer, sum_axes, one_round)[0] \
         * row_weights[:, None].astype(rows.dtype)
 
 
-def _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
+def _forward(rows, counts_SJL, experts, axis, buffer, sum_axes, one_round):
     """(my rows' unweighted results, round 0's owner-side values)."""
     plan = _Plan(counts_SJL, jax.lax.axis_index(axis) if axis is not None else 0, buffer)
 
     def round_(r, out):
-        result, _ = _round(plan, r, rows, w_gate, w_up, w_down, axis, sum_axes)
+        result, _ = _round(plan, r, rows, experts, axis, sum_axes)
         return exchange(result, out, *plan.combine(r), axis=axis, chunk=plan.buffer)
 
-    first, kept = _round(plan, 0, rows, w_gate, w_up, w_down, axis, sum_axes)
+    first, kept = _round(plan, 0, rows, experts, axis, sum_axes)
     out = exchange(first, jnp.zeros_like(rows), *plan.combine(0), axis=axis, chunk=plan.buffer)
     return _overflow(plan, one_round, round_, out), kept
 
 
-def _dropless_fwd(rows, row_weights, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round):
-    out, kept = _forward(rows, counts_SJL, w_gate, w_up, w_down, axis, buffer, sum_axes, one_round)
+def _dropless_fwd(rows, row_weights, counts_SJL, experts, axis, buffer, sum_axes, one_round, train_base):
+    out, kept = _forward(rows, counts_SJL, experts, axis, buffer, sum_axes, one_round)
     weighted = out * row_weights[:, None].astype(out.dtype)
-    return weighted, (rows, row_weights, counts_SJL, w_gate, w_up, w_down, kept)
+    return weighted, (rows, row_weights, counts_SJL, experts, kept)
 
 
-def _dropless_bwd(axis, buffer, sum_axes, one_round, residuals, d_out):
-    rows, row_weights, counts_SJL, w_gate, w_up, w_down, (window, gate, up, partial, order, sizes) = residuals
+def _dropless_bwd(axis, buffer, sum_axes, one_round, train_base, residuals, d_out):
+    rows, row_weights, counts_SJL, experts, (window, gate, up, partial, order, sizes) = residuals
     plan = _Plan(counts_SJL, jax.lax.axis_index(axis) if axis is not None else 0, buffer)
     width = rows.shape[1]
     if sum_axes:  # the output is the same along these axes: each device got a share of its gradient
@@ -235,22 +291,26 @@ def _dropless_bwd(axis, buffer, sum_axes, one_round, residuals, d_out):
         back, grads = carry
         sent, order, sizes = _window_rows(plan, r, jnp.concatenate([rows, d_y], axis=1), axis)
         x, d_window_y = sent[:, :width], sent[:, width:]
-        result, *d_weights = _expert_grads(x, *_experts(x, sizes, w_gate, w_up, w_down), sizes, w_gate, w_up,
-                                           w_down, d_window_y[:, :width], d_window_y[:, width:])
-        return send_back(r, result, order, back), _add(grads, d_weights)
+        result, d_experts = _expert_grads(x, *_experts(x, sizes, experts), sizes, experts, d_window_y[:, :width],
+                                          d_window_y[:, width:], train_base)
+        return send_back(r, result, order, back), _add(grads, d_experts)
 
     d_window_y = _window_rows(plan, 0, d_y, axis)[0]
-    result, *d_weights = _expert_grads(window, gate, up, partial, sizes, w_gate, w_up, w_down,
-                                       d_window_y[:, :width], d_window_y[:, width:])
-    first = (send_back(0, result, order, jnp.zeros((rows.shape[0], width + 1), rows.dtype)), _add(None, d_weights))
+    result, d_experts = _expert_grads(window, gate, up, partial, sizes, experts, d_window_y[:, :width],
+                                      d_window_y[:, width:], train_base)
+    first = (send_back(0, result, order, jnp.zeros((rows.shape[0], width + 1), rows.dtype)), _add(None, d_experts))
     back, grads = _overflow(plan, one_round, round_, first)
-    return (back[:, :width], back[:, width].astype(row_weights.dtype), None,
-            *(g.astype(w.dtype) for g, w in zip(grads, (w_gate, w_up, w_down), strict=True)))
+    d_experts = jax.tree.map(lambda g, w: None if g is None else g.astype(w.dtype), grads, experts,
+                             is_leaf=lambda x: x is None)
+    return back[:, :width], back[:, width].astype(row_weights.dtype), None, d_experts
 
 
 def _add(total, grads):
-    grads = tuple(g.astype(jnp.float32) for g in grads)
-    return grads if total is None else tuple(t + g for t, g in zip(total, grads, strict=True))
+    """`total + grads` in float32 over pytrees whose None leaves are gradients not computed."""
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    if total is None:
+        return grads
+    return jax.tree.map(lambda t, g: None if t is None else t + g, total, grads, is_leaf=lambda x: x is None)
 
 
 dropless_rows.defvjp(_dropless_fwd, _dropless_bwd, optimize_remat=True)

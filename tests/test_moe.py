@@ -13,12 +13,20 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from podtrain.models.lora import LoRAConfig, LoRAParam
 from podtrain.models.moe import MoE, balance_router_bias, route
 from podtrain.orchestrator.build import build_training
 from podtrain.orchestrator.config import ConfigError, load_config, validate
 from podtrain.orchestrator.synthetic import random_batch
 from podtrain.sharding import ragged
-from podtrain.sharding.experts import capacity, routed_experts
+from podtrain.sharding.experts import (
+    EXPERT_DOWN_NAMES,
+    EXPERT_GATE_NAMES,
+    EXPERT_LORA_NAMES,
+    ExpertAdapters,
+    capacity,
+    routed_experts,
+)
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model
 from podtrain.sharding.ragged import buffer_rows
@@ -159,6 +167,64 @@ def test_dropless_gradients_equal_the_float64_reference(mesh_name, buffer_factor
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+def _adapters(seed=4, rank=3):
+    """Random expert adapters (`ExpertAdapters`, B scaled) and the merged weights they make."""
+    rng = np.random.default_rng(seed)
+    lora = ExpertAdapters(*(rng.normal(scale=0.15, size=s).astype(np.float32)
+                            for s in ((E, D, rank), (E, rank, 2, F), (E, F, rank), (E, rank, D))))
+    return lora, lora.gate_up_a @ lora.gate_up_b.reshape(E, rank, 2 * F), lora.down_a @ lora.down_b
+
+
+@pytest.mark.parametrize("mesh_name", ["ep1", "ep2_fsdp2", "ep2_tp2", "dp2_ep2_tp2"])
+@pytest.mark.parametrize("capacity_factor, buffer_factor", [(0.0, 1.25), (0.0, 0.25), (E / K, 1.25)])
+def test_expert_adapters_train_alone_and_their_gradients_equal_the_float64_reference(mesh_name, capacity_factor,
+                                                                                      buffer_factor):
+    """With LoRA adapters on the experts (dropless in one round and in several, and the capacity
+    dispatch with room for every token), the output is that of the merged weights, the adapters'
+    gradients follow from the merged weights' (dA = dW B^T, dB = A^T dW; gate and up share A), and
+    the frozen base weights get none."""
+    x, experts, weights, w = _inputs(seed=2)
+    lora, gate_up, down = _adapters()
+    merged_w = [w[0] + gate_up[..., :F], w[1] + gate_up[..., F:], w[2] + down]
+    cotangent = np.random.default_rng(3).normal(size=x.shape).astype(np.float32)
+    mesh = _mesh(MESHES[mesh_name])
+    if buffer_factor < 1:
+        assert _rounds(experts, mesh, buffer_factor) > 1
+    want_y, _ = _reference(x, experts, weights, merged_w, shards=1, slots=x.shape[0] * x.shape[1])
+    dx, _, d_gate, d_up, d_down = _reference_grads(x, experts, weights, merged_w, cotangent)
+    a64, b64 = lora.gate_up_a.astype(np.float64), lora.gate_up_b.astype(np.float64)
+    want = {
+        "x": dx,
+        "gate_up_a": d_gate @ b64[:, :, 0].transpose(0, 2, 1) + d_up @ b64[:, :, 1].transpose(0, 2, 1),
+        "gate_up_b": np.stack([a64.transpose(0, 2, 1) @ d_gate, a64.transpose(0, 2, 1) @ d_up], axis=2),
+        "down_a": d_down @ lora.down_b.astype(np.float64).transpose(0, 2, 1),
+        "down_b": lora.down_a.astype(np.float64).transpose(0, 2, 1) @ d_down,
+    }
+
+    def place(a, names):
+        spec = logical_to_spec(names, dict(mesh.shape), shape=a.shape, rules=DEFAULT_RULES)
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    tokens = ("batch", "seq", None)
+    base = [place(w[0], EXPERT_GATE_NAMES), place(w[1], EXPERT_GATE_NAMES), place(w[2], EXPERT_DOWN_NAMES)]
+    adapters = ExpertAdapters(*(place(a, names) for a, names in zip(lora, EXPERT_LORA_NAMES, strict=True)))
+    experts_placed, weights_placed = place(experts, tokens), place(weights, tokens)
+
+    def loss(x, adapters, base):
+        y, _, _ = routed_experts(x, experts_placed, weights_placed, *base, lora=adapters,
+                                 capacity_factor=capacity_factor, buffer_factor=buffer_factor)
+        return jnp.sum(y * cotangent), y
+
+    with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
+        (d_x, d_adapters, d_base), y = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            place(x, tokens), adapters, base)
+    np.testing.assert_allclose(np.asarray(y), want_y, rtol=0, atol=2e-5)
+    for name, got in [("x", d_x), *d_adapters._asdict().items()]:
+        np.testing.assert_allclose(np.asarray(got), want[name], rtol=1e-4, atol=1e-4, err_msg=name)
+    for got in d_base:
+        assert not np.asarray(got).any()
+
+
 @pytest.mark.parametrize("mesh_name, rules", [
     ("ep2_fsdp2", {"mlp": "fsdp", "embed": None}),  # the expert hidden dim over a batch axis
     ("ep2_tp2", {"seq": "tp"}),  # tokens over tp too (sequence parallel), the hidden dim over tp
@@ -223,21 +289,23 @@ def test_routing_is_group_limited_and_weighted_as_configured():
 needs_tpu = pytest.mark.skipif(not __import__("importlib").util.find_spec("libtpu"), reason="needs podtrain[aot]")
 
 
-def _compiled_moe(config, sizes: dict, devices, rules=DEFAULT_RULES, tokens=(8, 128)):
+def _compiled_moe(config, sizes: dict, devices, rules=DEFAULT_RULES, tokens=(8, 128), lora=None):
     """The compiled forward and backward pass of one MoE layer (routed experts only) over
-    `tokens`, and the bytes of one device's shard of its expert weights."""
+    `tokens`, and the bytes of one device's shard of its expert weights. With `lora` (a
+    `LoRAConfig`) the gradient is the adapters' and the tokens' only, as in a LoRA run."""
     config = config.replace(moe=dataclasses.replace(config.moe, num_shared_experts=0), dtype="bfloat16",
                             param_dtype="bfloat16")
     mesh = build_mesh({"fsdp": 1, **sizes}, devices[: int(np.prod(list(sizes.values())))])
-    graphdef, state = abstract_model(lambda: MoE(config, rngs=nnx.Rngs(0)), mesh, rules)
+    graphdef, state = abstract_model(lambda: MoE(config, rngs=nnx.Rngs(0), lora=lora), mesh, rules)
+    trained, frozen = nnx.split_state(state, LoRAParam if lora else nnx.Param, ...)
     token_spec = logical_to_spec(("batch", "seq", None), dict(mesh.shape), rules=rules)
     x = jax.ShapeDtypeStruct((*tokens, D), jnp.bfloat16, sharding=NamedSharding(mesh, token_spec))
 
-    def loss(state, x):
-        return nnx.merge(graphdef, state)(x)[0].astype(jnp.float32).sum()
+    def loss(trained, x, frozen):
+        return nnx.merge(graphdef, trained, frozen)(x)[0].astype(jnp.float32).sum()
 
     with jax.set_mesh(mesh), use_rules(rules):
-        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, x).compile()
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(trained, x, frozen).compile()
     w = state["w_gate"].get_value()
     return compiled, 3 * math.prod(w.sharding.shard_shape(w.shape)) * w.dtype.itemsize, mesh
 
@@ -268,6 +336,28 @@ def test_expert_parallelism_at_a_fixed_device_count_shards_the_experts_and_keeps
     flops = {"replicated": replicated.cost_analysis()["flops"], "ep": ep.cost_analysis()["flops"]}
     assert 3 * routed <= flops["replicated"] <= 3.2 * routed, flops  # backward twice the forward, no recompute
     assert 0.97 <= flops["ep"] / flops["replicated"] <= 1.03, flops
+
+
+@needs_tpu
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
+def test_expert_adapters_on_tpu_leave_the_frozen_experts_without_weight_gradients(monkeypatch):
+    """EP=4 on four TPU chips with LoRA on the experts: the backward pass computes the tokens'
+    gradients and the adapters', never the expert weights' (a full run's third routed pass), so
+    the step costs two routed passes plus the adapters' own matmuls (and the router, exchanges and
+    activations, within a quarter of a routed pass)."""
+    from podtrain.orchestrator.targets import compile_devices, parse_target
+
+    devices = compile_devices(parse_target("v5p-8"))
+    config = TINY.replace(moe=dataclasses.replace(TINY.moe, buffer_factor=1.0))
+    _first_round_only(monkeypatch)
+    rank, rows = 8, 8 * 128 // 4 * K  # a device's assignments
+    full = _compiled_moe(config, {"ep": 4}, devices)[0].cost_analysis()["flops"]
+    lora = _compiled_moe(config, {"ep": 4}, devices, lora=LoRAConfig(rank=rank, targets=("experts",)))[0]
+    routed = rows * 3 * 2 * D * F
+    adapters = 3 * rows * 2 * rank * (D + 2 * F + F + D)  # forward and backward of A and B, gate_up and down
+    flops = lora.cost_analysis()["flops"]
+    assert 3 * routed <= full <= 3.2 * routed, full
+    assert 2 * routed + adapters <= flops <= 2.25 * routed + adapters, (flops, routed, adapters)
 
 
 @needs_tpu
