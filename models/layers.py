@@ -173,12 +173,13 @@ def _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used):
             & (slot >= j * block) & (slot < cache_used))
 
 
-def with_adapter(lora: Adapter | None, x: jax.Array, dtype):
+def with_adapter(lora: Adapter | None, x: jax.Array, dtype, dropout_key: jax.Array | None = None):
     """The LoRA update `scale * (x @ A) @ B` of a weight's output for input `x`, in `dtype` (0
-    without an adapter); the weight's own matmul is untouched, so a frozen base gets no gradient."""
+    without an adapter); the weight's own matmul is untouched, so a frozen base gets no gradient.
+    With a `dropout_key` (training) the adapter's input is dropped first (`Adapter.dropped`)."""
     if lora is None:
         return 0
-    low = dense(x, weight(lora.a, dtype), lora.n_in)
+    low = dense(lora.dropped(x, dropout_key), weight(lora.a, dtype), lora.n_in)
     return dense(low, weight(lora.b, dtype)) * jnp.asarray(lora.scale, dtype)
 
 
@@ -314,27 +315,27 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _project(self, x, w, b, name, lora):
-        y = dense(x, weight(w, self.dtype)) + with_adapter(lora, x, self.dtype)
+    def _project(self, x, w, b, name, lora, dropout_key):
+        y = dense(x, weight(w, self.dtype)) + with_adapter(lora, x, self.dtype, dropout_key)
         if b is not None:
             y = y + b[...].astype(self.dtype)
         return checkpoint_name(y, name)
 
-    def __call__(self, x_BTD, *, positions_BT, mask=None, kv=None, layer=None, **cache_kwargs):
+    def __call__(self, x_BTD, *, positions_BT, mask=None, kv=None, layer=None, dropout_key=None, **cache_kwargs):
         """Attends `x` to itself (under `mask`, a `models.attention.Mask`), or to itself and a stacked cache.
 
         With a cache, `kv = (k, v)` are the whole stacks (L, B, S, K, D), read only; this is layer
         `layer`, and `cache_kwargs` are `cached_attention`'s `key_positions_BT`,
-        `cache_positions_BS` and `cache_used`.
+        `cache_positions_BS` and `cache_used`. `dropout_key` drops the adapters' inputs (training).
 
         Returns:
             (out_BTD, new_kv): new_kv is the new tokens' (k, v), each (B, T, K, D), to be written
             into the cache at its next slots; None without a cache.
         """
         inv_freq = np.asarray(self.inv_freq, np.float32)
-        q = self._project(x_BTD, self.wq, self.bq, "query", self.wq_lora)
-        k = self._project(x_BTD, self.wk, self.bk, "key", self.wk_lora)
-        v = self._project(x_BTD, self.wv, self.bv, "value", self.wv_lora)
+        q = self._project(x_BTD, self.wq, self.bq, "query", self.wq_lora, dropout_key)
+        k = self._project(x_BTD, self.wk, self.bk, "key", self.wk_lora, dropout_key)
+        v = self._project(x_BTD, self.wv, self.bv, "value", self.wv_lora, dropout_key)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, positions_BT, inv_freq, self.rope_scale), ("batch", "seq", "act_heads", None))
@@ -346,7 +347,8 @@ class Attention(nnx.Module):
             out = cached_attention([q * scale], [k], v, kv[:1], kv[1], layer=layer, positions_BT=positions_BT,
                                    **cache_kwargs)
         new_kv = None if kv is None else (k, v)
-        out = dense(out, weight(self.wo, self.dtype), n_in=2) + with_adapter(self.wo_lora, out, self.dtype)
+        out = dense(out, weight(self.wo, self.dtype), n_in=2) + with_adapter(self.wo_lora, out, self.dtype,
+                                                                             dropout_key)
         if self.bo is not None:
             out = out + self.bo[...].astype(self.dtype)
         return checkpoint_name(out, "attn_out"), new_kv
@@ -376,14 +378,15 @@ class MLP(nnx.Module):
         else:
             self.b_gate = self.b_up = self.b_down = None
 
-    def _dense(self, x, w, b, lora):
-        y = dense(x, weight(w, self.dtype)) + with_adapter(lora, x, self.dtype)
+    def _dense(self, x, w, b, lora, dropout_key):
+        y = dense(x, weight(w, self.dtype)) + with_adapter(lora, x, self.dtype, dropout_key)
         return y if b is None else y + b[...].astype(self.dtype)
 
-    def __call__(self, x_BTD):
-        gate = self._dense(x_BTD, self.w_gate, self.b_gate, self.w_gate_lora)
-        up = self._dense(x_BTD, self.w_up, self.b_up, self.w_up_lora)
-        return self._dense(jax.nn.silu(gate) * up, self.w_down, self.b_down, self.w_down_lora)
+    def __call__(self, x_BTD, *, dropout_key=None):
+        """`dropout_key` drops the adapters' inputs (training)."""
+        gate = self._dense(x_BTD, self.w_gate, self.b_gate, self.w_gate_lora, dropout_key)
+        up = self._dense(x_BTD, self.w_up, self.b_up, self.w_up_lora, dropout_key)
+        return self._dense(jax.nn.silu(gate) * up, self.w_down, self.b_down, self.w_down_lora, dropout_key)
 
 
 class DecoderLayer(nnx.Module):
@@ -401,13 +404,15 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs, lora=lora) if mlp is None else mlp
 
-    def __call__(self, x_BTD, *, positions_BT, **attention_kwargs):
+    def __call__(self, x_BTD, *, positions_BT, dropout_key=None, **attention_kwargs):
         """Returns (x, outputs): `outputs["kv"]` is the updated stacked cache pair (None without a
         cache), plus the MoE block's statistics when the layer has one. `attention_kwargs` (the mask
-        or the cache arguments) go to the attention block."""
-        attn, new_kv = self.attn(self.input_norm(x_BTD), positions_BT=positions_BT, **attention_kwargs)
+        or the cache arguments) go to the attention block; `dropout_key` (training) to both blocks'
+        adapters, each of which folds in its own target."""
+        attn, new_kv = self.attn(self.input_norm(x_BTD), positions_BT=positions_BT, dropout_key=dropout_key,
+                                 **attention_kwargs)
         x_BTD = x_BTD + attn
-        mlp_out = self.mlp(self.post_attn_norm(x_BTD))
+        mlp_out = self.mlp(self.post_attn_norm(x_BTD), dropout_key=dropout_key)
         stats = {}
         if isinstance(mlp_out, tuple):
             mlp_out, stats = mlp_out

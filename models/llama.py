@@ -107,6 +107,7 @@ class Llama(nnx.Module):
         scan: bool | None = None,
         return_hidden: bool = False,
         return_stats: bool = False,
+        dropout_key: jax.Array | None = None,
     ):
         """Logits for `input_ids` (batch, seq).
 
@@ -122,6 +123,7 @@ class Llama(nnx.Module):
                 logits (for a loss that applies `head()` chunk by chunk).
             return_stats: also return the layers' statistics (for MoE stacks: `expert_load`,
                 tokens per expert per layer, and `dropped_tokens` per layer; empty otherwise).
+            dropout_key: training's key of LoRA dropout (`lora.dropout`); None drops nothing.
 
         Returns:
             logits (B, T, vocab) in the compute dtype, or (logits, new_cache) with a cache;
@@ -153,8 +155,10 @@ class Llama(nnx.Module):
             kwargs = {"key_positions_BT": key_positions, "cache_positions_BS": kv_cache.positions,
                       "cache_used": kv_cache.index}
         stats, new_pairs = {}, []
-        for stack, pair in zip(stacks, pairs, strict=True):
-            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, positions_BT=positions, **kwargs)
+        for i, (stack, pair) in enumerate(zip(stacks, pairs, strict=True)):
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, dropout_key=key, positions_BT=positions,
+                                    **kwargs)
             new_entries = outputs.pop("kv")
             if pair is not None:
                 new_pairs.append(tuple(write_tokens(cache, new, kv_cache.index)

@@ -36,11 +36,13 @@ _STREAM = 0x10A
 @dataclass(frozen=True)
 class LoRAConfig:
     """`rank` 0 means no adapters. `alpha / rank` scales the update (PEFT's `lora_alpha`);
+    `dropout` is the rate at which training drops an adapter's inputs (PEFT's `lora_dropout`);
     `targets` are HF module names (`TARGETS`); `base` is what a training run adapts (read by
     `orchestrator.load.load_base`), `init` a PEFT adapter its adapters start from."""
 
     rank: int = 0
     alpha: float = 16.0
+    dropout: float = 0.0
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     base: str | None = None  # a run's base weights: an HF directory or podtrain checkpoint (None: train.seed's)
     init: str | None = None  # a PEFT adapter directory a run's adapters start from (None: new adapters)
@@ -57,6 +59,13 @@ class LoRAConfig:
             raise ValueError(f"{prefix}.rank: expected 0 (no adapters) or a positive integer, found {self.rank}")
         if not self.alpha > 0:
             raise ValueError(f"{prefix}.alpha: expected a number > 0, found {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"{prefix}.dropout: expected a rate in [0, 1), found {self.dropout}")
+        undropped = [t for t in ("experts", "lm_head") if t in self.targets]
+        if self.dropout and undropped:
+            raise ValueError(f"{prefix}.dropout: expected 0 with the target(s) {undropped}, found {self.dropout} (the "
+                             "experts' adapters, as PEFT's on fused expert weights, and the LM head's, which the loss "
+                             "reads merged into the head, take no dropout); set lora.dropout=0 or leave them out")
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown:
             raise ValueError(f"{prefix}.targets: unknown module name(s) {unknown}; expected some of {list(TARGETS)}")
@@ -92,12 +101,13 @@ class Adapter(nnx.Module):
     weights); empty, the adapter `<w>_lora` adapts the weight `<w>` beside it.
     """
 
-    def __init__(self, lora: LoRAConfig, in_shape: Sequence[int], in_names: Sequence[str | None],
+    def __init__(self, lora: LoRAConfig, target: str, in_shape: Sequence[int], in_names: Sequence[str | None],
                  out_shape: Sequence[int], out_names: Sequence[str | None], dtype, *, rngs: nnx.Rngs,
                  embedding: bool = False, batch_shape: Sequence[int] = (), batch_names: Sequence[str | None] = (),
                  parts: tuple[str, ...] = ()):
         key_a, key_b = jax.random.split(rngs.lora())
         self.n_in, self.scale, self.parts = len(in_shape), lora.scale, parts
+        self.target, self.dropout = target, lora.dropout
         a_shape, b_shape = (*batch_shape, *in_shape, lora.rank), (*batch_shape, lora.rank, *out_shape)
         if embedding:  # PEFT's init: for embeddings A zero and B normal, else A kaiming-uniform and B zero
             a, b = jnp.zeros(a_shape, dtype), jax.random.normal(key_b, b_shape, dtype)
@@ -106,6 +116,16 @@ class Adapter(nnx.Module):
             a, b = jax.random.uniform(key_a, a_shape, dtype, -bound, bound), jnp.zeros(b_shape, dtype)
         self.a = _lora_param(a, (*batch_names, *in_names, "lora_rank"))
         self.b = _lora_param(b, (*batch_names, "lora_rank", *out_names))
+
+    def dropped(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
+        """The adapter's input `x` in training: each entry zeroed at the `dropout` rate and the rest
+        scaled up to keep the mean, as PEFT's `lora_dropout` does; the mask is drawn from `key` (a
+        layer's dropout key) folded with the target, so each adapter of a layer draws its own. `x`
+        itself without a key (evaluation, generation) or without dropout."""
+        if key is None or not self.dropout:
+            return x
+        keep = jax.random.bernoulli(jax.random.fold_in(key, TARGETS.index(self.target)), 1 - self.dropout, x.shape)
+        return jnp.where(keep, x / jnp.asarray(1 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
 
     def delta(self) -> jax.Array:
         """`scale * A @ B`, shaped as the weight (leading stack and batch axes included), in float32."""
@@ -122,7 +142,7 @@ def adapter(lora: LoRAConfig | None, target: str, w: nnx.Param, n_in: int, *, rn
     if lora is None or not lora.wants(target):
         return None
     names = tuple(w.get_metadata().get("out_sharding") or (None,) * w.ndim)
-    return Adapter(lora, w.shape[:n_in], names[:n_in], w.shape[n_in:], names[n_in:], w.dtype, rngs=rngs,
+    return Adapter(lora, target, w.shape[:n_in], names[:n_in], w.shape[n_in:], names[n_in:], w.dtype, rngs=rngs,
                    embedding=embedding)
 
 

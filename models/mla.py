@@ -81,15 +81,15 @@ class MLAttention(nnx.Module):
     def _w(self, w) -> jax.Array:
         return weight(w, self.dtype)
 
-    def _dense(self, x, w, lora) -> jax.Array:
-        return dense(x, self._w(w)) + with_adapter(lora, x, self.dtype)
+    def _dense(self, x, w, lora, dropout_key) -> jax.Array:
+        return dense(x, self._w(w)) + with_adapter(lora, x, self.dtype, dropout_key)
 
     def _rope(self, x, positions_BT):
         if self.interleave:
             x = _deinterleave(x)
         return apply_rope(x, positions_BT, np.asarray(self.inv_freq, np.float32), self.rope_scale)
 
-    def __call__(self, x_BTD, *, positions_BT, mask=None, kv=None, layer=None, **cache_kwargs):
+    def __call__(self, x_BTD, *, positions_BT, mask=None, kv=None, layer=None, dropout_key=None, **cache_kwargs):
         """Attends `x` to itself, or to itself and a stacked cache `kv = (latent, rope_key)`.
 
         The cache holds (L, B, S, 1, kv_lora_rank) normed latents and (L, B, S, 1, qk_rope_head_dim)
@@ -102,20 +102,21 @@ class MLAttention(nnx.Module):
             (out_BTD, new_kv): new_kv is the new tokens' (latent, rotary key), None without a cache.
         """
         if self.wq is None:
-            q_low = self.q_norm(self._dense(x_BTD, self.wq_a, self.wq_a_lora))
-            q = self._dense(q_low, self.wq_b, self.wq_b_lora)
+            q_low = self.q_norm(self._dense(x_BTD, self.wq_a, self.wq_a_lora, dropout_key))
+            q = self._dense(q_low, self.wq_b, self.wq_b_lora, dropout_key)
         else:
-            q = self._dense(x_BTD, self.wq, self.wq_lora)
+            q = self._dense(x_BTD, self.wq, self.wq_lora, dropout_key)
         q = checkpoint_name(q, "query")
         q_nope, q_rope = q[..., : self.nope], self._rope(q[..., self.nope:], positions_BT)
-        compressed = self._dense(x_BTD, self.wkv_a, self.wkv_a_lora)
+        compressed = self._dense(x_BTD, self.wkv_a, self.wkv_a_lora, dropout_key)
         latent = self.kv_norm(compressed[..., : self.rank])[:, :, None, :]
         rope_key = self._rope(compressed[..., None, self.rank:], positions_BT)
         wkv_b = self._w(self.wkv_b)  # (R, H, nope + v)
         if kv is None:
             new_kv = None
             q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "seq", "act_heads", None))
-            kv_heads = dense(latent[:, :, 0], wkv_b) + with_adapter(self.wkv_b_lora, latent[:, :, 0], self.dtype)
+            kv_heads = dense(latent[:, :, 0], wkv_b) + with_adapter(self.wkv_b_lora, latent[:, :, 0], self.dtype,
+                                                                    dropout_key)
             kv_heads = checkpoint_name(kv_heads, "key")
             k_nope, v = kv_heads[..., : self.nope], kv_heads[..., self.nope:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, (*k_nope.shape[:-1], self.rope_dim))], axis=-1)
@@ -130,5 +131,5 @@ class MLAttention(nnx.Module):
                 layer=layer, positions_BT=positions_BT, **cache_kwargs,
             )
             out = jnp.einsum("bthr,rhv->bthv", latent_out.astype(self.dtype), wkv_b[..., self.nope:])
-        out = dense(out, self._w(self.wo), n_in=2) + with_adapter(self.wo_lora, out, self.dtype)
+        out = dense(out, self._w(self.wo), n_in=2) + with_adapter(self.wo_lora, out, self.dtype, dropout_key)
         return checkpoint_name(out, "attn_out"), new_kv

@@ -62,15 +62,16 @@ class MoE(nnx.Module):
         self.w_down = param(rngs, init, (e, f, d), EXPERT_DOWN_NAMES, pdt)
         if lora is not None and lora.wants("experts"):
             per_expert = dict(batch_shape=(e,), batch_names=("experts",), rngs=rngs)
-            self.w_gate_up_lora = Adapter(lora, (d,), ("embed",), (2, f), (None, "mlp"), pdt, parts=("w_gate", "w_up"),
-                                          **per_expert)
-            self.w_down_lora = Adapter(lora, (f,), ("mlp",), (d,), ("embed",), pdt, **per_expert)
+            self.w_gate_up_lora = Adapter(lora, "experts", (d,), ("embed",), (2, f), (None, "mlp"), pdt,
+                                          parts=("w_gate", "w_up"), **per_expert)
+            self.w_down_lora = Adapter(lora, "experts", (f,), ("mlp",), (d,), ("embed",), pdt, **per_expert)
         else:
             self.w_gate_up_lora = self.w_down_lora = None
         shared = f * moe.num_shared_experts
         self.shared = MLP(c, rngs=rngs, intermediate_size=shared, lora=lora) if shared else None
 
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, *, dropout_key=None):
+        """`dropout_key` drops the shared experts' adapter inputs in training (`lora.Adapter.dropped`)."""
         weights, experts = route(x_BTD, weight(self.router, jnp.float32), self.router_bias[...], self.config)
         w = [p[...].astype(self.dtype) for p in (self.w_gate, self.w_up, self.w_down)]
         y, load, dropped = routed_experts(x_BTD, experts, weights, *w, lora=self._adapters(),
@@ -78,7 +79,7 @@ class MoE(nnx.Module):
                                           buffer_factor=self.config.buffer_factor)
         y = y.astype(x_BTD.dtype)
         if self.shared is not None:
-            y = y + self.shared(x_BTD)
+            y = y + self.shared(x_BTD, dropout_key=dropout_key)
         return y, {"expert_load": load, "dropped_tokens": dropped}
 
     def _adapters(self) -> ExpertAdapters | None:

@@ -81,6 +81,7 @@ def run_layers(
     remat: str = "none",
     scan: bool = True,
     kv: tuple[jax.Array, ...] | None = None,
+    dropout_key: jax.Array | None = None,
     **layer_kwargs,
 ):
     """Runs the stacked layers over the hidden state `h`, layer 0 first.
@@ -99,6 +100,7 @@ def run_layers(
             tokens' entries as `outputs["kv"]`; the caller writes them into the cache after the
             scan, in place (`models.kv_cache.write_tokens`). Writing inside the scan would make
             XLA copy the whole cache, since the layers read what the writes overwrite.
+        dropout_key: training's LoRA dropout key; layer `i` gets it folded with `i`.
 
     Returns:
         (h, outputs): the final hidden state and every layer's outputs stacked on a leading
@@ -113,6 +115,8 @@ def run_layers(
         layer_state, index = xs
         layer = nnx.merge(graphdef, layer_state)
         cache_kwargs = {} if kv is None else {"kv": kv, "layer": index}
+        if dropout_key is not None:
+            cache_kwargs["dropout_key"] = jax.random.fold_in(dropout_key, index)
         return layer(h, **cache_kwargs, **layer_kwargs)
 
     if remat != "none":

@@ -157,6 +157,7 @@ def build_training(config: Config, devices: Sequence[jax.Device] | None = None) 
     batch = batch_sharding(mesh, rules, config.train.batch_size)
     step_fn = make_train_step(graphdef, tx, loss_chunk=config.train.loss_chunk, grad_accum=config.train.grad_accum,
                               schedule=schedule, expert_bias_rate=config.model.moe.bias_update_rate,
-                              trainable=trainable_filter(config.lora))
+                              trainable=trainable_filter(config.lora),
+                              dropout_seed=config.train.seed if config.lora.rank and config.lora.dropout else None)
     step = ShardedStep(step_fn, mesh, rules, shardings, batch, frozen_shardings)
     return Training(config, mesh, graphdef, abstract, tx, shardings, batch, step, frozen_shardings)

@@ -251,6 +251,9 @@ def _validate_lora(config: Config) -> None:
     if m.tie_word_embeddings and "lm_head" in lora.targets:
         raise ConfigError("lora.targets: lm_head is the embedding in a model with tied embeddings "
                           "(model.tie_word_embeddings); target embed_tokens instead")
+    if "experts" in lora.targets and not (m.model_type == "deepseek_v3" and m.num_moe_layers):
+        raise ConfigError(f"lora.targets: experts adapts routed experts, and this {m.model_type} model has none; "
+                          "remove it from lora.targets")
 
 
 def validate(config: Config, num_devices: int | None = None) -> dict[str, int] | None:

@@ -25,6 +25,7 @@ class TrainState:
 def make_train_step(
     graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_chunk: int = 0, grad_accum: int = 1,
     schedule: optax.Schedule | None = None, expert_bias_rate: float = 0.0, trainable=nnx.Param,
+    dropout_seed: int | None = None,
 ) -> Callable:
     """The pure step: forward, float32 causal-LM loss, backward, optimizer update.
 
@@ -37,26 +38,32 @@ def make_train_step(
     MoE models add `expert_load` (tokens per expert per MoE layer) and `dropped_tokens` to the
     metrics; `expert_bias_rate` > 0 then moves the router biases towards balance after the update
     (with a frozen base, `trainable` is the filter of the trained params, the biases among them).
+    With `dropout_seed` the model's LoRA dropout draws from that seed's key folded with the step
+    (and the micro-batch), so a resumed run drops what the uninterrupted one would have.
     """
 
     grad_fn = jax.value_and_grad(make_eval_step(graphdef, loss_chunk=loss_chunk), has_aux=True)
 
-    def accumulate(params, batch, frozen):
+    def accumulate(params, batch, frozen, key):
         # Micro-batch i takes rows i, i + A, i + 2A, ...: each keeps the batch axis' sharding.
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1),
                              batch)
 
-        def one(carry, micro_batch):
-            (total, (count, stats)), grads = grad_fn(params, micro_batch, frozen)
+        def one(carry, micro_batch_index):
+            micro_batch, i = micro_batch_index
+            (total, (count, stats)), grads = grad_fn(params, micro_batch, frozen,
+                                                     None if key is None else jax.random.fold_in(key, i))
             return jax.tree.map(jnp.add, carry, ((total, count), grads)), stats
 
         zeros = ((jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, params))
-        ((total, count), grads), stats = jax.lax.scan(one, zeros, micro)
+        ((total, count), grads), stats = jax.lax.scan(one, zeros, (micro, jnp.arange(grad_accum)))
         return (total, (count, jax.tree.map(lambda x: x.sum(0), stats))), grads
 
     def train_step(state: TrainState, batch: dict, frozen: nnx.State | None = None):
+        key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
         (total, (count, stats)), grads = (
-            grad_fn(state.params, batch, frozen) if grad_accum == 1 else accumulate(state.params, batch, frozen)
+            grad_fn(state.params, batch, frozen, key) if grad_accum == 1
+            else accumulate(state.params, batch, frozen, key)
         )
         scale = 1.0 / jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
@@ -77,15 +84,17 @@ def make_train_step(
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, loss_chunk: int = 0) -> Callable:
-    """`(params, batch, frozen) -> (loss_sum, (num_tokens, stats))`: the training loss without an
-    update, of the model of `params` and the `frozen` base of a LoRA run (None without).
+    """`(params, batch, frozen, dropout_key) -> (loss_sum, (num_tokens, stats))`: the training loss
+    without an update, of the model of `params` and the `frozen` base of a LoRA run (None without);
+    `dropout_key` (training) drops the adapters' inputs, None (evaluation) nothing.
 
     `stats` holds the model's layer statistics (MoE expert loads; empty for dense models).
     """
 
-    def eval_step(params, batch, frozen=None):
+    def eval_step(params, batch, frozen=None, dropout_key=None):
         model = nnx.merge(graphdef, params, *(() if frozen is None else (frozen,)))
-        kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids"), "return_stats": True}
+        kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids"), "return_stats": True,
+                  "dropout_key": dropout_key}
         if loss_chunk:
             h, stats = model(batch["inputs"], return_hidden=True, **kwargs)
             loss, count = chunked_causal_lm_loss(h, model.head(stored=True), batch["targets"],

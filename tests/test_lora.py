@@ -112,7 +112,7 @@ STEP_TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_s
 
 @pytest.mark.parametrize("preset, extra", [
     ("llama3-tiny", ["lora.targets=[q_proj,v_proj,o_proj,gate_proj,down_proj,lm_head,embed_tokens]"]),
-    ("deepseek-v3-tiny", ["lora.targets=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,up_proj]",
+    ("deepseek-v3-tiny", ["lora.targets=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,up_proj,experts]",
                           "mesh.tp=1", "mesh.ep=2"]),
 ])
 def test_a_lora_run_trains_only_the_adapters_and_keeps_the_base(preset, extra):
@@ -168,3 +168,89 @@ def test_the_plan_counts_the_trained_params_and_only_their_optimizer_state():
     full_memory, lora_memory = full["memory"], lora["memory"]
     assert lora_memory["argument_bytes"] < 0.5 * full_memory["argument_bytes"], (full_memory, lora_memory)
     assert lora_memory["output_bytes"] * 10 < full_memory["output_bytes"], (full_memory, lora_memory)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.25])
+def test_lora_on_the_experts_trains_the_same_with_ep2_as_with_ep1(capacity_factor):
+    """Expert adapters sharded over ep=2 with their experts train as with every expert on every
+    device (ep=1, the batch over fsdp=2): same losses, same adapters after three steps (SGD, so
+    that the optimizer does not amplify rounding in near-zero gradients)."""
+    from podtrain.orchestrator.build import build_training
+    from podtrain.orchestrator.config import load_config as load
+    from podtrain.orchestrator.synthetic import random_batch
+
+    overrides = [o for o in STEP_TINY if not o.startswith(("mesh.", "optimizer."))] + [
+        "lora.rank=4", "lora.targets=[experts,q_b_proj]", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
+        "optimizer.schedule=constant", f"model.moe.capacity_factor={capacity_factor}"]
+    runs = {}
+    for name, mesh in {"ep2": ["mesh.ep=2", "mesh.fsdp=1"], "ep1": ["mesh.ep=1", "mesh.fsdp=2"]}.items():
+        training = build_training(load("deepseek-v3-tiny", overrides + mesh), jax.devices()[:2])
+        state, frozen = training.init_state(), training.init_frozen()
+        expert_a = state.params["moe_layers"]["mlp"]["w_gate_up_lora"]["a"].get_value()
+        assert tuple(expert_a.sharding.spec)[:2] == (None, "ep" if name == "ep2" else None)
+        losses = []
+        for step in range(3):
+            state, metrics = training.step(state, random_batch(training, seed=step), frozen)
+            losses.append(float(metrics["loss"]))
+        runs[name] = losses, {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state.params)}
+    np.testing.assert_allclose(runs["ep2"][0], runs["ep1"][0], rtol=1e-5)
+    assert runs["ep2"][0][-1] < runs["ep2"][0][0]
+    experts = [path for path in runs["ep1"][1] if "w_gate_up_lora" in path or "w_down_lora" in path]
+    assert len(experts) == 4
+    for path, want in runs["ep1"][1].items():
+        np.testing.assert_allclose(runs["ep2"][1][path], want, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
+def test_lora_dropout_drops_each_adapters_inputs_in_training_only():
+    config = load_config("llama3-tiny").model.replace(scan_layers=True)
+    cls = ARCHITECTURES[config.model_type].model_class
+    targets = ("q_proj", "v_proj", "down_proj")
+    dropping = cls(config, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4, dropout=0.25, targets=targets))
+    plain = cls(config, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4, targets=targets))
+    _randomise_adapters(dropping)
+    _randomise_adapters(plain)
+    ids, key = _ids(config), jax.random.key(0)
+    undropped = np.asarray(plain(ids))
+    np.testing.assert_array_equal(np.asarray(dropping(ids)), undropped)  # no key: evaluation, generation
+    np.testing.assert_array_equal(np.asarray(plain(ids, dropout_key=key)), undropped)  # rate 0
+    dropped = np.asarray(dropping(ids, dropout_key=key))
+    np.testing.assert_array_equal(np.asarray(dropping(ids, dropout_key=key)), dropped)
+    assert np.abs(dropped - undropped).max() > 1e-3
+    assert np.abs(np.asarray(dropping(ids, dropout_key=jax.random.key(1))) - dropped).max() > 1e-3
+    # An input's entries are dropped at the rate and the rest scaled by 1 / (1 - rate); each target
+    # of a layer draws its own mask.
+    x = jnp.ones((64, 256))
+    masks = [np.asarray(a.dropped(x, key)) for a in (dropping.layers.attn.wq_lora, dropping.layers.attn.wv_lora)]
+    for mask in masks:
+        assert set(np.unique(mask).tolist()) == {0.0, np.float32(1 / 0.75)}
+        assert abs((mask == 0).mean() - 0.25) < 0.01
+    assert (masks[0] != masks[1]).any()
+
+
+def test_a_lora_run_with_dropout_drops_from_its_second_step_on():
+    """B starts at zero, so the first loss is dropout's too; then the dropped inputs change it."""
+    from podtrain.orchestrator.build import build_training
+    from podtrain.orchestrator.config import load_config as load
+    from podtrain.orchestrator.synthetic import random_batch
+
+    losses = {}
+    for rate in (0.0, 0.3):
+        training = build_training(load("llama3-tiny", [*STEP_TINY, "lora.rank=4", f"lora.dropout={rate}",
+                                                       "train.grad_accum=2"]))
+        state, frozen = training.init_state(), training.init_frozen()
+        losses[rate] = []
+        for step in range(2):
+            state, metrics = training.step(state, random_batch(training, seed=step), frozen)
+            losses[rate].append(float(metrics["loss"]))
+    assert losses[0.0][0] == losses[0.3][0] and losses[0.0][1] != losses[0.3][1], losses
+
+
+def test_lora_dropout_is_refused_where_it_is_not_applied():
+    config = load_config("deepseek-v3-tiny").model
+    cls = ARCHITECTURES[config.model_type].model_class
+    for targets in (("q_b_proj", "experts"), ("o_proj", "lm_head")):
+        with pytest.raises(ValueError, match=r"^lora.dropout: expected 0 with the target\(s\) \['(experts|lm_head)'\], "
+                                             r"found 0.1 .*set lora.dropout=0 or leave them out"):
+            cls(config, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4, dropout=0.1, targets=targets))
+    with pytest.raises(ValueError, match=r"^lora.dropout: expected a rate in \[0, 1\), found 1.0"):
+        LoRAConfig(rank=4, dropout=1.0).validate()

@@ -15,6 +15,8 @@ from test_train import ROOT, TINY, command, env, export, losses, train, wait_for
 
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=[q_proj,v_proj,o_proj,down_proj,lm_head]",
         "optimizer.learning_rate=0.01"]
+# With dropout, which a resume must draw as the uninterrupted run did (the LM head takes none).
+DROPOUT = [*LORA[:2], "lora.targets=[q_proj,v_proj,o_proj,down_proj]", "lora.dropout=0.1", *LORA[3:]]
 
 
 def _state_bytes(step_dir: Path) -> int:
@@ -24,7 +26,7 @@ def _state_bytes(step_dir: Path) -> int:
 @pytest.mark.slow
 def test_a_lora_run_checkpoints_only_the_adapters_and_kill_resume_is_bit_exact(tmp_path):
     reference = tmp_path / "reference"
-    train(reference, 6, *LORA)
+    train(reference, 6, *DROPOUT)
     full = tmp_path / "full"
     train(full, 2)
     # The adapters and their two moments against every parameter and its two moments.
@@ -33,18 +35,18 @@ def test_a_lora_run_checkpoints_only_the_adapters_and_kill_resume_is_bit_exact(t
     assert meta["lora_base"]["path"] is None and len(meta["lora_base"]["content_hash"]) == 64
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(command(killed, 6, *LORA), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(command(killed, 6, *DROPOUT), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     wait_for_step(killed, proc, 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     committed = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
     assert committed and committed[-1] < 6
-    train(killed, 6, *LORA)
+    train(killed, 6, *DROPOUT)
     assert losses(killed) == losses(reference)
 
     # Other adapters cannot resume the run: one line, exit 2.
-    done = subprocess.run(command(killed, 8, *LORA[1:], "lora.rank=8"), cwd=ROOT, env=env(), capture_output=True,
+    done = subprocess.run(command(killed, 8, *DROPOUT[1:], "lora.rank=8"), cwd=ROOT, env=env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "lora.rank: checkpoint has 4, config has 8" in done.stderr
