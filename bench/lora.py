@@ -5,7 +5,8 @@
 
 `sizes`: for `llama3-70b` on v5p-128 and `deepseek-v3-671b` on v5p-1024 (the batch and mesh of
 `bench/plan_targets.py`), full fine-tuning and LoRA of ranks 8 and 64 on every attention and MLP
-projection (DeepSeek-V3: its latent attention and dense and shared-expert MLPs): the model's and the
+projection (DeepSeek-V3: its latent attention and dense and shared-expert MLPs, then the same and
+its routed experts): the model's and the
 trained parameters, the optimizer state and the checkpoint (the TrainState: step, trained params and
 optimizer state) over the whole slice, from the abstract state built for the target's compile-only
 devices; with `--compile`, the TPU compiler's peak per chip of the real train step (`plan --target`).
@@ -33,11 +34,13 @@ from podtrain.orchestrator.build import build_training  # noqa: E402
 from podtrain.orchestrator.config import load_config  # noqa: E402
 
 GiB = 2**30
+DEEPSEEK_PROJECTIONS = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,up_proj,down_proj"
+# preset: (target, overrides, the lora.targets of each LoRA run)
 TARGETS = {
     "llama3-70b": ("v5p-128", ["train.batch_size=64", "mesh.fsdp=-1", "mesh.tp=1"],
-                   "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"),
+                   ["[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"]),
     "deepseek-v3-671b": ("v5p-1024", ["train.batch_size=512", "mesh.fsdp=-1", "mesh.ep=64"],
-                         "[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,up_proj,down_proj]"),
+                         [f"[{DEEPSEEK_PROJECTIONS}]", f"[{DEEPSEEK_PROJECTIONS},experts]"]),
 }
 
 
@@ -45,22 +48,27 @@ def _bytes(tree) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def sizes(only: str, compile_step: bool) -> list[dict]:
+def sizes(only: str, compile_step: bool, experts_only: bool = False) -> list[dict]:
     from podtrain.orchestrator.target_plan import plan_on_target
     from podtrain.orchestrator.targets import compile_devices, parse_target
 
     rows = []
-    for preset, (target_name, overrides, targets) in TARGETS.items():
+    for preset, (target_name, overrides, target_lists) in TARGETS.items():
         if only not in preset:
             continue
         target = parse_target(target_name)
         devices = compile_devices(target)
-        for rank in (0, 8, 64):
+        runs = [(0, "")] + [(rank, targets) for targets in target_lists for rank in (8, 64)]
+        for rank, targets in runs:
+            experts = "experts" in targets
+            if experts_only and not experts:
+                continue
             lora = [f"lora.rank={rank}", f"lora.targets={targets}"] if rank else []
             config = load_config(preset, overrides + lora)
             training = build_training(config, devices)
             state = training.abstract_state()
-            row = {"preset": preset, "target": target_name, "run": f"LoRA rank {rank}" if rank else "full",
+            name = f"LoRA rank {rank}{' + experts' if experts else ''}" if rank else "full"
+            row = {"preset": preset, "target": target_name, "run": name,
                    "params": sum(math.prod(v.shape) for v in jax.tree.leaves(training.abstract_params)),
                    "trained": sum(math.prod(v.shape) for v in jax.tree.leaves(state.params)),
                    "optimizer_gib": _bytes(state.opt_state) / GiB, "checkpoint_gib": _bytes(state) / GiB}
@@ -78,7 +86,7 @@ def speed(steps: int) -> list[dict]:
     from podtrain.orchestrator.synthetic import random_batch
 
     runs = {}
-    for name, extra in (("full", []), ("LoRA rank 8", ["lora.rank=8", "lora.targets=" + TARGETS["llama3-70b"][2]])):
+    for name, extra in (("full", []), ("LoRA rank 8", ["lora.rank=8", "lora.targets=" + TARGETS["llama3-70b"][2][0]])):
         training = build_training(load_config("llama3-tiny", extra))
         state, frozen = training.init_state(), training.init_frozen()
         batch = random_batch(training, seed=0)
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=("sizes", "speed"))
     parser.add_argument("--compile", action="store_true", help="sizes: also compile the step for the target")
     parser.add_argument("--only", default="", help="sizes: the presets whose name contains this")
+    parser.add_argument("--experts", action="store_true", help="sizes: only the runs that adapt the routed experts")
     parser.add_argument("--steps", type=int, default=20, help="speed: timed steps of each run")
     args = parser.parse_args(argv)
     print(f"# LoRA {args.what}; {machine_description()}\n")
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                    ("optimizer_gib", "optimizer GiB (slice)", ".2f"), ("checkpoint_gib", "checkpoint GiB", ".3f")]
         if args.compile:
             columns += [("peak_gib", "peak GiB / chip", ".1f"), ("fits", "fits", ""), ("compile_s", "compile s", ".0f")]
-        print(format_table(sizes(args.only, args.compile), tuple(columns)))
+        print(format_table(sizes(args.only, args.compile, args.experts), tuple(columns)))
     else:
         columns = (("run", "run", "<12"), ("trained", "trained params", ",d"), ("step_s", "median step s", ".4f"),
                    ("tokens_per_s", "tokens/s", ".0f"))
