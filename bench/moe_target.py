@@ -1,7 +1,7 @@
 """MoE layer on a TPU target: per-device FLOPs and all-to-all bytes over the routed ideal.
 
     PYTHONPATH=. .venv/bin/python bench/moe_target.py [--target v5p-16] [--ep 8] [--tokens 4096]
-                                                      [--preset deepseek-v3-671b] [--json]
+                                                      [--preset deepseek-v3-671b] [--lora RANK] [--json]
 
 One MoE layer of the preset (routed experts only: the shared expert is a dense MLP), forward and
 backward of sum(y), compiled for `--ep` chips of the compile-only TPU devices of `--target`
@@ -22,6 +22,11 @@ rematerialisation (the presets' `model.remat: full`: a scan over two stacked lay
   `tokens x k` rows of `D` leaving each device `(ep - 1) / ep` of the time, to their experts and
   back in the forward, gradients both ways in the backward, and the rows again under remat;
   `+ round` in routed one-way exchanges, like the FLOPs.
+
+`--lora RANK`: the experts carry LoRA adapters of that rank (the "experts" target) and the
+gradient is the adapters' and the tokens', as in a LoRA run: the ideal has no weight-gradient
+pass (forward and the tokens' gradient, and the second forward under remat); the adapters' own
+matmuls are above it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from bench.common import format_table, machine_description  # noqa: E402
+from podtrain.models.lora import LoRAConfig, LoRAParam  # noqa: E402
 from podtrain.models.moe import MoE  # noqa: E402
 from podtrain.orchestrator import hlo_comm  # noqa: E402
 from podtrain.orchestrator.config import load_config  # noqa: E402
@@ -67,12 +73,13 @@ def schemes(num_experts: int, top_k: int) -> dict[str, dict]:
     }
 
 
-def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: bool) -> dict:
+def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: bool, lora_rank: int = 0) -> dict:
     model = load_config(preset).model
     moe = dataclasses.replace(model.moe, num_shared_experts=0, **scheme)
     config = model.replace(moe=moe, dtype="bfloat16", param_dtype="bfloat16")
     mesh = build_mesh({"fsdp": 1, "ep": ep}, devices[:ep])
-    graphdef, state = abstract_model(lambda: MoE(config, rngs=nnx.Rngs(0)), mesh, DEFAULT_RULES)
+    lora = LoRAConfig(rank=lora_rank, targets=("experts",)) if lora_rank else None
+    graphdef, state = abstract_model(lambda: MoE(config, rngs=nnx.Rngs(0), lora=lora), mesh, DEFAULT_RULES)
     x = jax.ShapeDtypeStruct((ep, tokens, config.hidden_size), jnp.bfloat16,
                              sharding=NamedSharding(mesh, PartitionSpec("ep")))
 
@@ -80,9 +87,13 @@ def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: boo
         state = jax.tree.map(lambda v: jax.ShapeDtypeStruct(
             (2, *v.shape), v.dtype, sharding=NamedSharding(mesh, PartitionSpec(None, *v.sharding.spec))), state)
 
-    def loss(state, x):
+    trained, frozen = nnx.split_state(state, LoRAParam if lora else nnx.Param, ...)
+
+    def loss(trained, x, frozen):
         def layer(state, x):  # a new function each trace: jax.checkpoint caches its traces by function
-            return nnx.merge(graphdef, state)(x)[0]
+            return nnx.merge(graphdef, *state)(x)[0]
+
+        state = (trained, frozen)
 
         if not remat:
             return layer(state, x).astype(jnp.float32).sum()
@@ -98,7 +109,7 @@ def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: boo
 
     def compile_():
         with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
-            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, x).compile()
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(trained, x, frozen).compile()
 
     layers = 2 if remat else 1
     start = time.perf_counter()
@@ -113,7 +124,7 @@ def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: boo
     crossing = tokens * k * d * 2 * (ep - 1) / ep
     return {
         # cost_analysis() counts a scan's body once: one layer's forward and backward either way
-        "flops": flops, "flops_ideal": (3 + remat) * forward, "flops_round": extra[0] / forward,
+        "flops": flops, "flops_ideal": (3 + remat - bool(lora)) * forward, "flops_round": extra[0] / forward,
         "a2a_bytes": sent, "a2a_ideal": (4 + remat) * crossing, "a2a_round": extra[1] / crossing,
         "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30, "compile_s": seconds,
     }
@@ -133,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="deepseek-v3-671b")
     parser.add_argument("--only", default="", help="the dispatches whose name contains this")
     parser.add_argument("--remat", choices=("both", "none", "full"), default="both")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA adapters of this rank on the experts")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     devices = jax.devices("cpu") if args.target == "cpu" else compile_devices(parse_target(args.target))
@@ -143,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only not in name:
             continue
         for remat in remats:
-            row = measure(args.preset, scheme, devices, args.ep, args.tokens, remat)
+            row = measure(args.preset, scheme, devices, args.ep, args.tokens, remat, args.lora)
             rows.append(row | {"scheme": name, "remat": "full" if remat else "none",
                                "flops_ratio": row["flops"] / row["flops_ideal"],
                                "a2a_ratio": row["a2a_bytes"] / row["a2a_ideal"]})
@@ -151,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"machine": machine_description(), "args": vars(args), "rows": rows}))
         return 0
+    lora = f", LoRA rank {args.lora} on the experts (base frozen)" if args.lora else ""
     print(f"# MoE layer on {args.target}: {args.preset} layer shapes ({moe.num_experts} experts, top-"
-          f"{moe.num_experts_per_tok}), ep {args.ep}, {args.tokens} tokens per chip; {machine_description()}\n")
+          f"{moe.num_experts_per_tok}), ep {args.ep}, {args.tokens} tokens per chip{lora}; {machine_description()}\n")
     print(format_table(rows, COLUMNS))
     return 0
 

@@ -164,10 +164,8 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
     """
     b, t, d = x_BTD.shape
     num_experts = w_gate_EDF.shape[0]
-    experts = ExpertWeights(w_gate_EDF, w_up_EDF, w_down_EFD, lora)
-    if lora is not None:
-        experts = experts._replace(gate=jax.lax.stop_gradient(w_gate_EDF), up=jax.lax.stop_gradient(w_up_EDF),
-                                   down=jax.lax.stop_gradient(w_down_EFD))
+    base = (w_gate_EDF, w_up_EDF, w_down_EFD)
+    experts = ExpertWeights(*(base if lora is None else map(jax.lax.stop_gradient, base)), lora)
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh is None or mesh.empty else dict(mesh.shape)
     if not any(size > 1 for size in sizes.values()):
