@@ -114,10 +114,10 @@ def run_layers(
     def body(h, xs):
         layer_state, index = xs
         layer = nnx.merge(graphdef, layer_state)
-        cache_kwargs = {} if kv is None else {"kv": kv, "layer": index}
+        per_layer = {} if kv is None else {"kv": kv, "layer": index}
         if dropout_key is not None:
-            cache_kwargs["dropout_key"] = jax.random.fold_in(dropout_key, index)
-        return layer(h, **cache_kwargs, **layer_kwargs)
+            per_layer["dropout_key"] = jax.random.fold_in(dropout_key, index)
+        return layer(h, **per_layer, **layer_kwargs)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=_POLICIES[remat], prevent_cse=not scan)
