@@ -1,5 +1,5 @@
-"""Model maths: layers, the stacking helper and layer runner, Llama 3 / Qwen3 / DeepSeek-V3, HF weights,
-generation."""
+"""Model maths: kernels, layers, the stacking helper and layer runner, Llama 3 / Qwen3 / DeepSeek-V3,
+HF weights, adapters applied to a built model, generation."""
 
 from podtrain.models.architectures import ARCHITECTURES, Architecture, flops_per_token
 from podtrain.models.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig

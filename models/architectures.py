@@ -1,4 +1,5 @@
-"""The architectures podtrain builds, by `ModelConfig.model_type`: each one's pieces in one spec."""
+"""The registry: every architecture podtrain builds, by `ModelConfig.model_type`, with all that
+differs between them in one spec (module class, checks, HF config and tensor names, FLOPs, PEFT)."""
 
 from __future__ import annotations
 
@@ -6,27 +7,52 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from podtrain.models import deepseek, llama
-from podtrain.models.config import ModelConfig
 from podtrain.models.hf_mapping import DEEPSEEK_V3, LLAMA3, QWEN3, HFMapping
+
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """An architecture's module class, its training FLOPs per token and its HF checkpoint layout."""
+    """One architecture's pieces.
 
+    Attributes:
+        name: how messages name it.
+        model_class: the module (`model_class(config, rngs=...)`).
+        validate: `validate(config, prefix)` checks the config sections it reads (ValueError naming the key).
+        flops_per_token: model FLOPs of one training token at a sequence length.
+        hf_class: the transformers class config.json's `architectures` names.
+        hf_fields: `hf_fields(config_json, source)`: the ModelConfig fields its config.json sets
+            beyond the keys every architecture shares.
+        hf_keys: `hf_keys(config, shared)`: its config.json from the shared keys.
+        hf_mapping: its HF checkpoint's tensor names and layouts.
+        peft_unwritable: adapter targets PEFT would read as other modules (refused on export).
+    """
+
+    name: str
     model_class: type[llama.Llama]
-    flops_per_token: Callable[[ModelConfig, int], float]
+    validate: Callable
+    flops_per_token: Callable
+    hf_class: str
+    hf_fields: Callable
+    hf_keys: Callable
     hf_mapping: HFMapping
+    peft_unwritable: tuple[str, ...] = ()
 
 
 ARCHITECTURES = {
-    "llama": Architecture(llama.Llama, llama.flops_per_token, LLAMA3),
-    "qwen3": Architecture(llama.Llama, llama.flops_per_token, QWEN3),
-    "deepseek_v3": Architecture(deepseek.DeepseekV3, deepseek.flops_per_token, DEEPSEEK_V3),
+    "llama": Architecture("Llama 3", llama.Llama, llama.validate_config, llama.flops_per_token, "LlamaForCausalLM",
+                          llama.llama_from_hf, llama.llama_to_hf, LLAMA3),
+    "qwen3": Architecture("Qwen3", llama.Llama, llama.validate_config, llama.flops_per_token, "Qwen3ForCausalLM",
+                          llama.qwen3_from_hf, llama.qwen3_to_hf, QWEN3),
+    # peft takes the MLP module names to mean the routed experts' fused projections.
+    "deepseek_v3": Architecture("DeepSeek-V3", deepseek.DeepseekV3, deepseek.validate_config, deepseek.flops_per_token,
+                                "DeepseekV3ForCausalLM", deepseek.deepseek_from_hf, deepseek.deepseek_to_hf,
+                                DEEPSEEK_V3, peft_unwritable=MLP_MODULES),
 }
 
 
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+def flops_per_token(config, seq_len: int) -> float:
     """Model FLOPs of one training token of `config` at `seq_len` (forward + backward, no remat
     recompute), as its architecture counts them."""
     return ARCHITECTURES[config.model_type].flops_per_token(config, seq_len)

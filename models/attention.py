@@ -1,19 +1,4 @@
-"""Self-attention of a training or prefill forward, behind one backend choice (`model.attention`).
-
-- "xla": the reference, any platform: the (queries x keys) scores as batched matmuls, softmax in
-  float32, a backward pass that recomputes the probabilities from the saved row logsumexp.
-- "splash": the Pallas splash attention kernel that ships with JAX (TPU flash attention); on a CPU
-  it runs in Pallas's interpret mode, for tests.
-- "cudnn": cuDNN's flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`), CUDA
-  GPUs only, bfloat16 or float16.
-- "auto": splash on TPU, cudnn on CUDA GPUs at a 16-bit compute dtype, xla otherwise (and for
-  sequences that are not a multiple of 128 tokens, the kernels' tile).
-
-The flash kernels never build the score matrix. They mask causally by token index within
-segments (packed documents), which equals the reference's causal-by-position mask when positions
-count up from each segment's start (as the data pipeline makes them). A forward with a padding
-mask (`attention_mask`) takes the xla path.
-"""
+"""Attention: the mask, self-attention by backend, attention to a stacked KV cache, and the GQA block."""
 
 from __future__ import annotations
 
@@ -23,45 +8,29 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from podtrain.models.config import ATTENTION_BACKENDS as BACKENDS
-from podtrain.sharding.mesh import current_platform
-from podtrain.sharding.rules import axes_of, logical_to_spec
-
-NEG_INF = float(np.finfo(np.float32).min)
-FLASH_SEQ_MULTIPLE = 128  # the splash kernel's tiles are multiples of the TPU's 128 lanes
-_SPLASH_BLOCK = 512
-
-
-def backend_for(name: str, platform: str, dtype: str = "bfloat16", seq_len: int | None = None) -> str:
-    """The backend `name` resolves to on devices of `platform` ("cpu", "tpu", "gpu") for sequences
-    of `seq_len` tokens (None: any length the kernels take)."""
-    if name != "auto":
-        return name
-    if seq_len is not None and seq_len % FLASH_SEQ_MULTIPLE:
-        return "xla"
-    if platform == "tpu":
-        return "splash"
-    if platform in ("gpu", "cuda") and dtype in ("bfloat16", "float16"):
-        return "cudnn"
-    return "xla"
+from podtrain.models.config import ModelConfig
+from podtrain.models.kernels.attention import (
+    NEG_INF,
+    cudnn_attention,
+    sharded,
+    splash_attention,
+    xla_attention,
+)
+from podtrain.models.layers import RMSNorm
+from podtrain.models.linear import dtype_of, linear, param
+from podtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq
+from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
 
-def check_backend(name: str, platform: str, dtype: str, seq_len: int | None = None, key: str = "model.attention"):
-    """Raises ValueError naming `key` when backend `name` cannot run on `platform` at `dtype`."""
-    if name not in BACKENDS:
-        raise ValueError(f"{key}: expected one of {list(BACKENDS)}, found {name!r}")
-    if name == "cudnn":
-        if platform not in ("gpu", "cuda"):
-            raise ValueError(f"{key}=cudnn: cuDNN attention needs CUDA GPUs, found {platform} devices")
-        if dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"{key}=cudnn: cuDNN attention needs model.dtype bfloat16 or float16, found {dtype}")
-    if name == "splash" and platform not in ("tpu", "cpu"):
-        raise ValueError(f"{key}=splash: splash attention runs on TPU (interpreted on CPU), found {platform} devices")
-    if name in ("splash", "cudnn") and seq_len is not None and seq_len % FLASH_SEQ_MULTIPLE:
-        raise ValueError(f"{key}={name}: train.seq_len must be a multiple of {FLASH_SEQ_MULTIPLE}, "
-                         f"found {seq_len}")
+def causal_mask(q_positions_BT, kv_positions_BS, q_segments_BT=None, kv_segments_BS=None) -> jax.Array:
+    """Boolean (B, T, S) mask: causal by position, no empty slot or padding (position < 0), same segment."""
+    mask = (kv_positions_BS[:, None, :] <= q_positions_BT[:, :, None]) & (kv_positions_BS[:, None, :] >= 0)
+    if q_segments_BT is not None:
+        mask &= q_segments_BT[:, :, None] == kv_segments_BS[:, None, :]
+    return mask
 
 
 @jax.tree_util.register_dataclass
@@ -70,146 +39,202 @@ class Mask:
     """What each query of a self-attention may attend to, in the form its backend reads.
 
     `dense_BTS` (xla): a boolean (B, T, S) mask. `segments_BT` (flash kernels): causal by index
-    within equal segment ids, or within the whole row when None.
+    within equal segment ids, or within the whole row when None. `interpret` runs a Pallas kernel
+    in interpret mode.
     """
 
     dense_BTS: jax.Array | None = None
     segments_BT: jax.Array | None = None
     backend: str = dataclasses.field(default="xla", metadata={"static": True})
+    interpret: bool = dataclasses.field(default=False, metadata={"static": True})
 
 
-def make_mask(backend: str, q_positions_BT, kv_positions_BS, segment_ids_BT=None, *, padded: bool = False) -> Mask:
-    """The mask of a self-attention under `backend` (already resolved); `padded`: the keys'
-    positions mark padding with -1, which only the xla path reads."""
-    if backend == "xla" or padded:
-        dense = (kv_positions_BS[:, None, :] <= q_positions_BT[:, :, None]) & (kv_positions_BS[:, None, :] >= 0)
-        if segment_ids_BT is not None:
-            dense &= segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-        return Mask(dense_BTS=dense, backend="xla")
-    return Mask(segments_BT=segment_ids_BT, backend=backend)
+def make_mask(backend: str, q_positions_BT, kv_positions_BS, segment_ids_BT=None, *, padded: bool = False,
+              interpret: bool = False) -> Mask:
+    """The mask of a self-attention under `backend` (a resolved name: xla, splash or cudnn;
+    `model.attention`). The flash kernels mask by index within segments, which equals the
+    causal-by-position mask when positions count up from each segment's start (as the data
+    pipeline makes them); `padded` (keys' positions mark padding with -1) and sequences that are
+    not a multiple of the kernels' tile take the xla path."""
+    if backend == "auto" or backend == "xla" or padded or q_positions_BT.shape[1] % 128:
+        return Mask(dense_BTS=causal_mask(q_positions_BT, kv_positions_BS, segment_ids_BT, segment_ids_BT))
+    return Mask(segments_BT=segment_ids_BT, backend=backend, interpret=interpret)
 
 
-def _batched_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """(B, K, M, C) @ (B, K, C, N) -> (B, K, M, N) in float32."""
-    return jax.lax.dot_general(a, b, (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
-
-
-def _masked_scores(q, k_t, bias_BTS):
-    """q (B, K, G*T, D) @ k_t (B, K, D, S) plus the (B, T, S) bias broadcast over K and G."""
-    scores = _batched_matmul(q, k_t)
-    b, kv_heads, gt, s = scores.shape
-    t = bias_BTS.shape[1]
-    return (scores.reshape(b, kv_heads, gt // t, t, s) + bias_BTS[:, None, None]).reshape(scores.shape)
-
-
-@jax.custom_vjp
-def attend(q, k_t, v, bias_BTS):
-    """softmax(q k_t + bias) v for q (B, K, G*T, D), k_t (B, K, D, S), v (B, K, S, D); softmax in float32.
-
-    The backward pass recomputes the probabilities from the saved row logsumexp (as flash
-    attention does) instead of keeping them, and every (queries x keys) array is made and used
-    by canonical batched matmuls, so XLA never copies one into a transposed layout.
-    """
-    return _attend_fwd(q, k_t, v, bias_BTS)[0]
-
-
-def _attend_fwd(q, k_t, v, bias_BTS):
-    scores = _masked_scores(q, k_t, bias_BTS)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    unnormalised = jnp.exp(scores - row_max)
-    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
-    out = _batched_matmul((unnormalised / row_sum).astype(v.dtype), v).astype(v.dtype)
-    return out, (q, k_t, v, bias_BTS, out, row_max + jnp.log(row_sum))
-
-
-def _attend_bwd(residuals, d_out):
-    q, k_t, v, bias_BTS, out, logsumexp = residuals
-    probs = jnp.exp(_masked_scores(q, k_t, bias_BTS) - logsumexp)
-    d_v_t = _batched_matmul(jnp.swapaxes(d_out, 2, 3), probs.astype(d_out.dtype))
-    d_probs = _batched_matmul(d_out, jnp.swapaxes(v, 2, 3))
-    d_scores = probs * (d_probs - jnp.sum(d_out * out, axis=-1, keepdims=True, dtype=jnp.float32))
-    d_scores = d_scores.astype(q.dtype)
-    d_q = _batched_matmul(d_scores, jnp.swapaxes(k_t, 2, 3)).astype(q.dtype)
-    d_k_t = _batched_matmul(jnp.swapaxes(q, 2, 3), d_scores).astype(k_t.dtype)
-    return d_q, d_k_t, jnp.swapaxes(d_v_t, 2, 3).astype(v.dtype), None
-
-
-attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def _xla(q_BTHD, k_BSKD, v_BSKE, mask_BTS):
-    """`attend` in head-major layout: (B, K, G*T, D) queries, one batched matmul per kv head."""
-    b, t, heads, d = q_BTHD.shape
-    kv_heads = k_BSKD.shape[2]
-    group = heads // kv_heads
-    q = q_BTHD.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)
-    bias_BTS = jnp.where(mask_BTS, 0.0, NEG_INF).astype(jnp.float32)
-    out = attend(q, k_BSKD.transpose(0, 2, 3, 1), v_BSKE.transpose(0, 2, 1, 3), bias_BTS)
-    e = out.shape[-1]
-    return out.reshape(b, kv_heads, group, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e)
-
-
-def _splash_local(q_BTHD, k_BSKD, v_BSKE, segments_BT):
-    """One device's splash attention: causal within segments, GQA by the kernel's head groups."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    _, t, heads, _ = q_BTHD.shape
-    s = k_BSKD.shape[1]
-    bq, bkv = math.gcd(_SPLASH_BLOCK, t), math.gcd(_SPLASH_BLOCK, s)
-    sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
-                              block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    mask = splash.MultiHeadMask([splash.CausalMask((t, s))] * heads)
-    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                    interpret=current_platform() == "cpu")
-    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BTHD, k_BSKD, v_BSKE))
-    if segments_BT is None:
-        out = jax.vmap(kernel)(q, k, v)
-    else:
-        out = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg)))(
-            q, k, v, segments_BT)
-    return out.transpose(0, 2, 1, 3)
-
-
-def _cudnn_local(q_BTHD, k_BSKD, v_BSKE, segments_BT):
-    """One device's cuDNN flash attention (scale already applied to q)."""
-    mask = None if segments_BT is None else (segments_BT[:, None, :, None] == segments_BT[:, None, None, :])
-    return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKE, mask=mask, scale=1.0, is_causal=True,
-                                        implementation="cudnn")
-
-
-def _flash(local, q_BTHD, k_BSKD, v_BSKE, segments_BT):
-    """`local` on each device's batch rows and heads: a kernel the partitioner cannot split itself."""
+def _kernel_axes(batch: int, heads: int, kv_heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mesh axes that split a flash kernel's batch rows and heads under the active mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh is None or mesh.empty else dict(mesh.shape)
     if not any(size > 1 for size in sizes.values()):
-        return local(q_BTHD, k_BSKD, v_BSKE, segments_BT)
-    b, _, heads, _ = q_BTHD.shape
-    kv_heads = k_BSKD.shape[2]
-    batch = axes_of(logical_to_spec(("batch",), sizes)[0])
-    batch = batch if b % math.prod(sizes[a] for a in batch) == 0 else ()
-    head_axes = tuple(a for a in axes_of(logical_to_spec(("act_heads",), sizes)[0]) if a not in batch)
+        return (), ()
+    batch_axes = axes_of(logical_to_spec(("batch",), sizes)[0])
+    batch_axes = batch_axes if batch % math.prod(sizes[a] for a in batch_axes) == 0 else ()
+    head_axes = tuple(a for a in axes_of(logical_to_spec(("act_heads",), sizes)[0]) if a not in batch_axes)
     split = math.prod(sizes[a] for a in head_axes)
     # Each head shard must hold its own kv heads (mesh.tp divides both counts unless the rules differ).
     head_axes = head_axes if heads % split == 0 and kv_heads % split == 0 else ()
-    entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
-    x_spec = PartitionSpec(entry(batch), None, entry(head_axes), None)
-    seg_spec = PartitionSpec(entry(batch), None)
-    if segments_BT is None:
-        body, args, specs = (lambda q, k, v: local(q, k, v, None)), (q_BTHD, k_BSKD, v_BSKE), (x_spec,) * 3
-    else:
-        body, args, specs = local, (q_BTHD, k_BSKD, v_BSKE, segments_BT), (x_spec,) * 3 + (seg_spec,)
-    return jax.shard_map(body, in_specs=specs, out_specs=x_spec, check_vma=False)(*args)
+    return batch_axes, head_axes
 
 
-_LOCAL = {"splash": _splash_local, "cudnn": _cudnn_local}
-
-
-def attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, scale: float) -> jax.Array:
+def self_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, scale: float) -> jax.Array:
     """Grouped-query self-attention, `scale` applied to q: (B, T, H, D) queries against (B, S, K, D)
     keys and (B, S, K, E) values (H a multiple of K) -> (B, T, H, E), by `mask.backend`."""
     q_BTHD = q_BTHD * scale
     if mask.backend == "xla":
-        return _xla(q_BTHD, k_BSKD, v_BSKE, mask.dense_BTS)
+        return xla_attention(q_BTHD, k_BSKD, v_BSKE, mask.dense_BTS)
     dtype = q_BTHD.dtype
     k_BSKD, v_BSKE = k_BSKD.astype(dtype), v_BSKE.astype(dtype)
-    return _flash(_LOCAL[mask.backend], q_BTHD, k_BSKD, v_BSKE, mask.segments_BT).astype(dtype)
+    if mask.backend == "splash":
+        local = lambda q, k, v, s: splash_attention(q, k, v, s, interpret=mask.interpret)  # noqa: E731
+    else:
+        local = cudnn_attention
+    batch_axes, head_axes = _kernel_axes(q_BTHD.shape[0], q_BTHD.shape[2], k_BSKD.shape[2])
+    return sharded(local, q_BTHD, k_BSKD, v_BSKE, mask.segments_BT, batch_axes=batch_axes,
+                   head_axes=head_axes).astype(dtype)
+
+
+def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
+                     key_positions_BT, cache_positions_BS, cache_used, block: int = 128) -> jax.Array:
+    """Attention of T new tokens to themselves and to the filled slots of one layer of a stacked cache.
+
+    Args:
+        queries: per key part, the scaled queries (B, T, H, Dp). GQA has one part; MLA two (its
+            absorbed latent queries and its rotary queries). Scores are summed over the parts.
+        new_keys: per part, the new tokens' keys (B, T, K, Dp); `new_values` (B, T, K, E).
+        key_caches: per part, the stacked cache (L, B, S, K, Dp); `value_cache` (L, B, S, K, E).
+            Only read, never written: the caller writes the new tokens after all layers ran.
+        layer: the layer (traced or static) whose slots are read.
+        positions_BT: the new tokens' positions; `key_positions_BT` the same with -1 at padding.
+        cache_positions_BS: the position held in each slot (-1: empty or padding).
+        cache_used: slots filled before these tokens (a traced scalar).
+        block: slots per step of the running softmax.
+
+    The new tokens are attended first (causally, by position); then the cache's slots below
+    `cache_used`, `block` at a time, straight from the stacked cache with a running softmax: a
+    token's cost grows with the filled length, not with `max_len`, prefill and decode alike.
+    Every product is batched over (batch, kv head): with the kv heads sharded (tensor
+    parallelism) each device reads only its own heads' slots and nothing crosses devices.
+    Returns (B, T, H, E) in the values' dtype.
+    """
+    b, t, heads, _ = queries[0].shape
+    length, kv_heads, e = value_cache.shape[2], value_cache.shape[3], value_cache.shape[4]
+    block = min(block, length)
+    layer = jnp.asarray(layer, jnp.int32)
+    group = heads // kv_heads
+    dtype = new_values.dtype
+    queries = [q.reshape(b, t, kv_heads, group, q.shape[-1]) for q in queries]
+
+    def scores_of(keys, valid_BTS):
+        scores = sum(jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+                     for q, k in zip(queries, keys, strict=True))
+        valid = valid_BTS[:, None, None]
+        return jnp.where(valid, scores, NEG_INF), valid
+
+    def accumulate(carry, scores, valid, values):
+        row_max, row_sum, acc = carry
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1, keepdims=True))
+        probs = jnp.where(valid, jnp.exp(scores - new_max), 0.0)
+        correction = jnp.exp(row_max - new_max)
+        weighted = jnp.einsum("bkgts,bske->bkgte", probs.astype(dtype), values.astype(dtype),
+                              preferred_element_type=jnp.float32)
+        return new_max, row_sum * correction + jnp.sum(probs, axis=-1, keepdims=True), acc * correction + weighted
+
+    def step(j, carry):
+        start = jnp.minimum(j * block, length - block)
+        valid = _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used)
+        scores, valid = scores_of([_read_block(k, layer, start, block) for k in key_caches], valid)
+        return accumulate(carry, scores, valid, _read_block(value_cache, layer, start, block))
+
+    init = (
+        jnp.full((b, kv_heads, group, t, 1), NEG_INF, jnp.float32),
+        jnp.zeros((b, kv_heads, group, t, 1), jnp.float32),
+        jnp.zeros((b, kv_heads, group, t, e), jnp.float32),
+    )
+    scores, valid = scores_of(new_keys, causal_mask(positions_BT, key_positions_BT))
+    carry = accumulate(init, scores, valid, new_values)
+    filled_blocks = (cache_used + block - 1) // block
+    _, row_sum, acc = jax.lax.fori_loop(0, filled_blocks, step, carry)
+    out = acc / jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e).astype(dtype)
+
+
+def _read_block(cache, layer, start, block):
+    """Slots `start`..`start + block` of layer `layer` of a stacked cache (L, B, S, ...): (B, block, ...)."""
+    zero = jnp.zeros((), jnp.int32)
+    size = (1, cache.shape[1], block, *cache.shape[3:])
+    return jax.lax.dynamic_slice(cache, (layer, zero, start) + (zero,) * (cache.ndim - 3), size)[0]
+
+
+def _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used):
+    """(B, T, block): which slots of the block at `start` (loop step `j`) each new token attends to.
+
+    The last block may overlap the one before it (`start` is clamped to fit the cache): its slots
+    below `j * block` were already read.
+    """
+    slot_pos = jax.lax.dynamic_slice_in_dim(cache_positions_BS, start, block, axis=1)
+    slot = start + jnp.arange(block)
+    return ((slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= positions_BT[:, :, None])
+            & (slot >= j * block) & (slot < cache_used))
+
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE, optional q/k RMSNorm (Qwen3) and optional biases."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pdt = dtype_of(c.param_dtype)
+        self.dtype = dtype_of(c.dtype)
+        self.head_dim = c.head_dim
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope))
+        self.rope_scale = rope_attention_factor(c.rope)
+        init = nnx.initializers.normal(c.initializer_range)
+        d, h, kvh, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.wq = linear(rngs, init, (d,), (h, hd), ("embed", "heads", "head_dim"), pdt)
+        self.wk = linear(rngs, init, (d,), (kvh, hd), ("embed", "kv_heads", "head_dim"), pdt)
+        self.wv = linear(rngs, init, (d,), (kvh, hd), ("embed", "kv_heads", "head_dim"), pdt)
+        self.wo = linear(rngs, init, (h, hd), (d,), ("heads", "head_dim", "embed"), pdt)
+        if c.attention_bias:
+            zeros = nnx.initializers.zeros
+            self.bq = param(rngs, zeros, (h, hd), ("heads", "head_dim"), pdt)
+            self.bk = param(rngs, zeros, (kvh, hd), ("kv_heads", "head_dim"), pdt)
+            self.bv = param(rngs, zeros, (kvh, hd), ("kv_heads", "head_dim"), pdt)
+            self.bo = param(rngs, zeros, (d,), ("norm",), pdt)
+        else:
+            self.bq = self.bk = self.bv = self.bo = None
+        if c.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=c.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+            self.k_norm = RMSNorm(hd, eps=c.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _biased(self, y, b):
+        return y if b is None else y + b[...].astype(self.dtype)
+
+    def __call__(self, x_BTD, *, positions_BT, mask=None, kv=None, layer=None, **cache_kwargs):
+        """Attends `x` to itself (under `mask`, a `Mask`), or to itself and a stacked cache.
+
+        With a cache, `kv = (k, v)` are the whole stacks (L, B, S, K, D), read only; this is layer
+        `layer`, and `cache_kwargs` are `cached_attention`'s `key_positions_BT`,
+        `cache_positions_BS` and `cache_used`.
+
+        Returns:
+            (out_BTD, new_kv): new_kv is the new tokens' (k, v), each (B, T, K, D), to be written
+            into the cache at its next slots; None without a cache.
+        """
+        inv_freq = np.asarray(self.inv_freq, np.float32)
+        q = checkpoint_name(self._biased(self.wq(x_BTD), self.bq), "query")
+        k = checkpoint_name(self._biased(self.wk(x_BTD), self.bk), "key")
+        v = checkpoint_name(self._biased(self.wv(x_BTD), self.bv), "value")
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = constrain(apply_rope(q, positions_BT, inv_freq, self.rope_scale), ("batch", "seq", "act_heads", None))
+        k = apply_rope(k, positions_BT, inv_freq, self.rope_scale)
+        scale = self.head_dim**-0.5
+        if kv is None:
+            out = self_attention(q, k, v, mask, scale=scale)
+        else:
+            out = cached_attention([q * scale], [k], v, kv[:1], kv[1], layer=layer, positions_BT=positions_BT,
+                                   **cache_kwargs)
+        new_kv = None if kv is None else (k, v)
+        return checkpoint_name(self._biased(self.wo(out), self.bo), "attn_out"), new_kv

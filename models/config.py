@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-MODEL_TYPES = ("llama", "qwen3", "deepseek_v3")
+from podtrain.models.kernels.attention import BACKENDS as ATTENTION_BACKENDS
+from podtrain.models.kernels.exchange import IMPLEMENTATIONS as EXCHANGES
+from podtrain.models.kernels.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMULS
+from podtrain.models.runner import REMAT
+
 ROPE_TYPES = ("default", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out", "save_qkv_attn_out")
-ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,21 @@ class MLAConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    def validate(self, prefix: str, num_heads: int, num_kv_heads: int) -> None:
+        """Raises ValueError naming the key when a field is out of range (`prefix`: the section's key)."""
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
+        if self.q_lora_rank < 0:
+            raise ValueError(f"{prefix}.q_lora_rank: expected 0 (no query compression) or more, "
+                             f"found {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"{prefix}.qk_rope_head_dim: RoPE needs an even size, found {self.qk_rope_head_dim}")
+        if num_kv_heads != num_heads:
+            model = prefix.rpartition(".")[0]
+            raise ValueError(f"{model}.num_kv_heads: MLA has one key/value per query head; expected {num_heads}, "
+                             f"found {num_kv_heads}")
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -70,6 +87,10 @@ class MoEConfig:
     `capacity_factor * tokens * k / num_experts` and counts the tokens dropped.
     `bias_update_rate > 0` turns on auxiliary-loss-free balancing: after each step the router's
     correction bias moves by this rate towards the experts that got fewer tokens than average.
+    `grouped_matmul` (megablox, ragged_dot) and `exchange` (ragged_all_to_all, all_to_all: padded)
+    pick the dropless dispatch's kernels (`models/kernels/`); "auto" is resolved for the devices
+    when a run is built (megablox on TPU, the padded exchange on CPU), and a model made directly
+    with "auto" runs ragged_dot and the padded exchange, which run anywhere.
     """
 
     num_experts: int = 0
@@ -84,6 +105,44 @@ class MoEConfig:
     capacity_factor: float = 0.0
     buffer_factor: float = 1.25
     bias_update_rate: float = 0.0
+    grouped_matmul: str = "auto"
+    exchange: str = "auto"
+
+    def validate(self, prefix: str, num_layers: int) -> None:
+        """Raises ValueError naming the key when a field is out of range (`prefix`: the section's key)."""
+        model = prefix.rpartition(".")[0]
+        if not 0 <= self.first_k_dense_replace <= num_layers:
+            raise ValueError(f"{prefix}.first_k_dense_replace: expected 0..{model}.num_layers ({num_layers}), "
+                             f"found {self.first_k_dense_replace}")
+        if self.first_k_dense_replace == num_layers:
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"{prefix}.num_shared_experts: expected >= 0, found {self.num_shared_experts}")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"{prefix}.n_group={self.n_group} must divide {prefix}.num_experts={self.num_experts}")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError(f"{prefix}.n_group: group scores sum each group's best 2 experts; "
+                             f"groups of {self.num_experts // self.n_group} expert(s) are too small")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"{prefix}.topk_group={self.topk_group} must be <= {prefix}.n_group={self.n_group}")
+        routable = self.topk_group * (self.num_experts // self.n_group)
+        if self.num_experts_per_tok > routable:
+            raise ValueError(f"{prefix}.num_experts_per_tok={self.num_experts_per_tok} exceeds the {routable} experts "
+                             f"in the best {prefix}.topk_group={self.topk_group} groups")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"{prefix}.routed_scaling_factor: expected a number > 0, "
+                             f"found {self.routed_scaling_factor}")
+        for name in ("capacity_factor", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{prefix}.{name}: expected a number >= 0, found {getattr(self, name)}")
+        if not self.buffer_factor > 0:
+            raise ValueError(f"{prefix}.buffer_factor: expected a number > 0, found {self.buffer_factor}")
+        for name, choices in (("grouped_matmul", GROUPED_MATMULS), ("exchange", EXCHANGES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{prefix}.{name}: expected one of {list(choices)}, found {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +155,10 @@ class ModelConfig:
     `remat` names what the per-layer `jax.checkpoint` keeps for the backward pass (the policies
     are described in `models/runner.py`); `scan_layers=False` unrolls the layer loop (a reference
     and benchmark baseline); `dtype` is the compute dtype, `param_dtype` the storage dtype.
-    `attention` picks the self-attention backend (`models/attention.py`: auto, xla, splash, cudnn).
+    `attention` picks the self-attention backend (`models/kernels/attention.py`: auto, xla, splash,
+    cudnn); "auto" is resolved for the devices when a run is built, and a model made directly with
+    "auto" runs xla. `interpret_kernels` runs the Pallas kernels (splash, megablox) in Pallas's
+    interpret mode: set when a run is built on CPU devices, where they cannot compile.
     """
 
     model_type: str = "llama"
@@ -118,6 +180,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "full"
     attention: str = "auto"
+    interpret_kernels: bool = False
     scan_layers: bool = True
     initializer_range: float = 0.02
     mla: MLAConfig = field(default_factory=MLAConfig)
@@ -125,10 +188,10 @@ class ModelConfig:
 
     def validate(self, prefix: str = "model") -> None:
         """Raises ValueError naming the key when a field is out of range."""
-        if self.model_type not in MODEL_TYPES:
-            raise ValueError(
-                f"{prefix}.model_type: expected one of {list(MODEL_TYPES)}, found {self.model_type!r}"
-            )
+        from podtrain.models.architectures import ARCHITECTURES  # the registry imports the model modules
+
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"{prefix}.model_type: expected one of {list(ARCHITECTURES)}, found {self.model_type!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -146,16 +209,13 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{prefix}.{name}: expected one of {list(DTYPES)}, found {getattr(self, name)!r}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(
-                f"{prefix}.remat: unknown remat policy {self.remat!r}; valid policies: {', '.join(REMAT_POLICIES)}"
-            )
+        if self.remat not in REMAT:
+            raise ValueError(f"{prefix}.remat: unknown remat policy {self.remat!r}; valid policies: {', '.join(REMAT)}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"{prefix}.attention: expected one of {list(ATTENTION_BACKENDS)}, found {self.attention!r}")
         self._validate_rope(f"{prefix}.rope")
-        if self.model_type == "deepseek_v3":
-            self._validate_deepseek(prefix)
+        ARCHITECTURES[self.model_type].validate(self, prefix)  # the sections its architecture reads
 
     def _validate_rope(self, prefix: str) -> None:
         rope = self.rope
@@ -179,58 +239,6 @@ class ModelConfig:
                 if not getattr(rope, name) >= 0:
                     raise ValueError(f"{prefix}.{name}: expected a number >= 0 (0: unset), found {getattr(rope, name)}")
 
-    def _validate_deepseek(self, prefix: str) -> None:
-        mla, moe = self.mla, self.moe
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if getattr(mla, name) <= 0:
-                raise ValueError(f"{prefix}.mla.{name}: expected a positive integer, found {getattr(mla, name)}")
-        if mla.q_lora_rank < 0:
-            raise ValueError(
-                f"{prefix}.mla.q_lora_rank: expected 0 (no query compression) or more, found {mla.q_lora_rank}"
-            )
-        if mla.qk_rope_head_dim % 2:
-            raise ValueError(f"{prefix}.mla.qk_rope_head_dim: RoPE needs an even size, found {mla.qk_rope_head_dim}")
-        if self.num_kv_heads != self.num_heads:
-            raise ValueError(
-                f"{prefix}.num_kv_heads: MLA has one key/value per query head; expected {self.num_heads}, "
-                f"found {self.num_kv_heads}"
-            )
-        if not 0 <= moe.first_k_dense_replace <= self.num_layers:
-            raise ValueError(
-                f"{prefix}.moe.first_k_dense_replace: expected 0..{prefix}.num_layers ({self.num_layers}), "
-                f"found {moe.first_k_dense_replace}"
-            )
-        if moe.first_k_dense_replace == self.num_layers:
-            return
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"):
-            if getattr(moe, name) <= 0:
-                raise ValueError(f"{prefix}.moe.{name}: expected a positive integer, found {getattr(moe, name)}")
-        if moe.num_shared_experts < 0:
-            raise ValueError(f"{prefix}.moe.num_shared_experts: expected >= 0, found {moe.num_shared_experts}")
-        if moe.num_experts % moe.n_group:
-            raise ValueError(
-                f"{prefix}.moe.n_group={moe.n_group} must divide {prefix}.moe.num_experts={moe.num_experts}"
-            )
-        if moe.n_group > 1 and moe.num_experts // moe.n_group < 2:
-            raise ValueError(f"{prefix}.moe.n_group: group scores sum each group's best 2 experts; "
-                             f"groups of {moe.num_experts // moe.n_group} expert(s) are too small")
-        if moe.topk_group > moe.n_group:
-            raise ValueError(f"{prefix}.moe.topk_group={moe.topk_group} must be <= {prefix}.moe.n_group={moe.n_group}")
-        routable = moe.topk_group * (moe.num_experts // moe.n_group)
-        if moe.num_experts_per_tok > routable:
-            raise ValueError(
-                f"{prefix}.moe.num_experts_per_tok={moe.num_experts_per_tok} exceeds the {routable} experts "
-                f"in the best {prefix}.moe.topk_group={moe.topk_group} groups"
-            )
-        if not moe.routed_scaling_factor > 0:
-            raise ValueError(f"{prefix}.moe.routed_scaling_factor: expected a number > 0, "
-                             f"found {moe.routed_scaling_factor}")
-        for name in ("capacity_factor", "bias_update_rate"):
-            if getattr(moe, name) < 0:
-                raise ValueError(f"{prefix}.moe.{name}: expected a number >= 0, found {getattr(moe, name)}")
-        if not moe.buffer_factor > 0:
-            raise ValueError(f"{prefix}.moe.buffer_factor: expected a number > 0, found {moe.buffer_factor}")
-
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
@@ -240,10 +248,8 @@ class ModelConfig:
 
     @property
     def num_dense_layers(self) -> int:
-        """Layers with the dense MLP (all of them unless the model has MoE layers)."""
-        if self.model_type != "deepseek_v3":
-            return self.num_layers
-        return self.moe.first_k_dense_replace
+        """Layers with the dense MLP: all of them unless the model has routed experts (`moe.num_experts`)."""
+        return self.moe.first_k_dense_replace if self.moe.num_experts else self.num_layers
 
     @property
     def num_moe_layers(self) -> int:

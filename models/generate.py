@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from podtrain.models.layers import dense
+from podtrain.models.linear import dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +97,9 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
 
     Returns (tokens (B, max_new_tokens) padded with `pad_id`, the number of steps made)."""
     model = nnx.merge(graphdef, state)
+    # Always the scanned runner: unrolled layers would each hand the cache to their own block loop,
+    # and XLA copies it for every one of them.
+    model.config = dataclasses.replace(model.config, scan_layers=True)
     batch, prompt_len = prompt_ids.shape
     head = model.head()
 
@@ -108,9 +111,7 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
 
     cache = model.init_cache(batch, max_len)
     real = jnp.arange(prompt_len)[None] < lengths[:, None]
-    # Always the scanned runner: unrolled layers would each hand the cache to their own block loop,
-    # and XLA copies it for every one of them.
-    hidden, cache = model(prompt_ids, attention_mask=real, kv_cache=cache, return_hidden=True, scan=True)
+    hidden, cache, _ = model.hidden_states(prompt_ids, cache=cache, attention_mask=real)
     key, first_key = jax.random.split(key)
     token, done = next_token(hidden[jnp.arange(batch), lengths - 1], first_key, jnp.zeros((batch,), bool))
     tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
@@ -122,7 +123,7 @@ def _generate(graphdef, state, prompt_ids, lengths, stop, key, *, max_new_tokens
     def body(carry):
         step, cache, token, tokens, done, key = carry
         positions = (lengths + step - 1)[:, None]
-        hidden, cache = model(token[:, None], positions=positions, kv_cache=cache, return_hidden=True, scan=True)
+        hidden, cache, _ = model.hidden_states(token[:, None], positions=positions, cache=cache)
         key, step_key = jax.random.split(key)
         token, done = next_token(hidden[:, 0], step_key, done)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)

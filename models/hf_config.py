@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from podtrain.models.config import DTYPES, ROPE_TYPES, MLAConfig, ModelConfig, MoEConfig, RopeConfig
-
-# model_type -> the transformers class that config.json's `architectures` names.
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+from podtrain.models.architectures import ARCHITECTURES
+from podtrain.models.config import DTYPES, ROPE_TYPES, ModelConfig, RopeConfig
 
 # ModelConfig field -> config.json key, for the fields that carry over unchanged.
 HF_KEYS = {
@@ -19,27 +17,6 @@ HF_KEYS = {
 }
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 YARN_ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-# DeepSeek-V3 config.json keys -> (section, field) of ModelConfig.
-DEEPSEEK_KEYS = {
-    "q_lora_rank": ("mla", "q_lora_rank"), "kv_lora_rank": ("mla", "kv_lora_rank"),
-    "qk_nope_head_dim": ("mla", "qk_nope_head_dim"), "qk_rope_head_dim": ("mla", "qk_rope_head_dim"),
-    "v_head_dim": ("mla", "v_head_dim"), "rope_interleave": ("mla", "rope_interleave"),
-    "n_routed_experts": ("moe", "num_experts"), "num_experts_per_tok": ("moe", "num_experts_per_tok"),
-    "moe_intermediate_size": ("moe", "moe_intermediate_size"), "n_shared_experts": ("moe", "num_shared_experts"),
-    "n_group": ("moe", "n_group"), "topk_group": ("moe", "topk_group"), "norm_topk_prob": ("moe", "norm_topk_prob"),
-    "routed_scaling_factor": ("moe", "routed_scaling_factor"),
-    "first_k_dense_replace": ("moe", "first_k_dense_replace"),
-}
-# What transformers' DeepseekV3Config takes for a key config.json leaves out (the DeepSeek-V3 release's
-# values), so that a hand-written config routes and scales as transformers would read it.
-DEEPSEEK_HF_DEFAULTS = {
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "rope_interleave": True, "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
-    "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 3,
-}
-
-
 def _dtype_name(dtype, what: str) -> str:
     try:
         name = jnp.dtype(dtype).name
@@ -93,8 +70,8 @@ def config_from_hf(hf_config: dict, *, dtype=None, source: str = "config.json") 
     """
     hf = hf_config
     model_type = hf.get("model_type")
-    if model_type not in HF_CLASSES:
-        raise ValueError(f"{source}: model_type: expected one of {list(HF_CLASSES)}, found {model_type!r}")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"{source}: model_type: expected one of {list(ARCHITECTURES)}, found {model_type!r}")
     missing = [HF_KEYS[f] for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
                if HF_KEYS[f] not in hf]
     if missing:
@@ -114,62 +91,30 @@ def config_from_hf(hf_config: dict, *, dtype=None, source: str = "config.json") 
     fields.setdefault("num_kv_heads", fields["num_heads"])
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"])
     fields.setdefault("rms_norm_eps", 1e-6)  # transformers' default for these families
-    if model_type == "deepseek_v3":
-        fields |= _deepseek_from_hf(hf, source)
-    config = ModelConfig(
-        model_type=model_type, rope=_rope_from_hf(hf, source), qk_norm=model_type == "qwen3",
-        param_dtype=_dtype_name(dtype, what), **fields,
-    )
+    fields |= ARCHITECTURES[model_type].hf_fields(hf, source)
+    config = ModelConfig(model_type=model_type, rope=_rope_from_hf(hf, source), param_dtype=_dtype_name(dtype, what),
+                         **fields)
     config.validate()
     return config
 
 
-def _deepseek_from_hf(hf: dict, source: str) -> dict:
-    for key, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-        if hf.get(key, expected) != expected:
-            raise ValueError(f"{source}: {key}: expected {expected!r}, found {hf[key]!r}")
-    if hf.get("attention_bias"):
-        raise ValueError(f"{source}: attention_bias: expected false for deepseek_v3 (MLA biases are not supported)")
-    sections = {"mla": {}, "moe": {}}
-    for key, (section, field) in DEEPSEEK_KEYS.items():
-        sections[section][field] = hf.get(key, DEEPSEEK_HF_DEFAULTS[key])
-    sections["mla"]["q_lora_rank"] = sections["mla"]["q_lora_rank"] or 0  # null: no query compression
-    return {
-        "num_kv_heads": hf["num_attention_heads"], "head_dim": sections["mla"].get("qk_rope_head_dim", 64),
-        "mla": MLAConfig(**sections["mla"]), "moe": MoEConfig(**sections["moe"]),
-    }
-
-
-def _deepseek_to_hf(config: ModelConfig) -> dict:
-    out = {key: getattr(getattr(config, section), field) for key, (section, field) in DEEPSEEK_KEYS.items()}
-    out["q_lora_rank"] = out["q_lora_rank"] or None
-    out["num_nextn_predict_layers"] = 0
-    return out
-
-
 def config_to_hf(config: ModelConfig) -> dict:
-    """The transformers-5 `config.json` for `config` (Llama, Qwen3 or DeepseekV3 ForCausalLM).
+    """The transformers-5 `config.json` for `config` (Llama, Qwen3 or DeepseekV3 ForCausalLM): the
+    shared keys as its architecture completes them.
 
     Raises:
         ValueError: when transformers has no architecture for the combination (Llama with qk_norm,
             Qwen3 without qk_norm or with mlp_bias).
     """
     c = config
-    if c.qk_norm != (c.model_type == "qwen3") or (c.model_type == "qwen3" and c.mlp_bias):
-        raise ValueError(
-            f"model: transformers' {HF_CLASSES[c.model_type]} has qk_norm={c.model_type == 'qwen3'} and no "
-            f"mlp_bias for qwen3; found qk_norm={c.qk_norm}, mlp_bias={c.mlp_bias}"
-        )
+    architecture = ARCHITECTURES[c.model_type]
     rope = {"rope_type": c.rope.rope_type, "rope_theta": c.rope.theta}
     if c.rope.rope_type == "llama3":
         rope |= {k: getattr(c.rope, k) for k in LLAMA3_ROPE_KEYS}
     if c.rope.rope_type == "yarn":
         rope |= {k: getattr(c.rope, k) for k in YARN_ROPE_KEYS if getattr(c.rope, k)}
     out = {
-        "architectures": [HF_CLASSES[c.model_type]], "model_type": c.model_type, "hidden_act": "silu",
+        "architectures": [architecture.hf_class], "model_type": c.model_type, "hidden_act": "silu",
         "rope_parameters": rope, "dtype": c.param_dtype, **{key: getattr(c, field) for field, key in HF_KEYS.items()},
     }
-    if c.model_type == "deepseek_v3":
-        del out["mlp_bias"], out["head_dim"]
-        out |= _deepseek_to_hf(c)
-    return out
+    return architecture.hf_keys(c, out)

@@ -5,16 +5,47 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
-from podtrain.models.attention import backend_for, make_mask
+from podtrain.models.attention import Attention, make_mask
 from podtrain.models.config import ModelConfig
+from podtrain.models.embedding import embedding
 from podtrain.models.kv_cache import KVCache, write_tokens
-from podtrain.models.layers import DecoderLayer, RMSNorm, dense, dtype_of, gathered, param
-from podtrain.models.lora import LoRAConfig, adapter, model_rngs
+from podtrain.models.layers import MLP, DecoderLayer, RMSNorm
+from podtrain.models.linear import dense, dtype_of, gathered, linear
 from podtrain.models.runner import run_layers, stack_layers
-from podtrain.sharding.mesh import current_platform
-from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
+from podtrain.sharding.rules import constrain
+
+
+def validate_config(config: ModelConfig, prefix: str = "model") -> None:
+    """Llama 3 and Qwen3 have no routed experts (and read no `mla` section)."""
+    if config.moe.num_experts:
+        raise ValueError(f"{prefix}.moe.num_experts: a {config.model_type} model has no routed experts; "
+                         f"expected 0, found {config.moe.num_experts}")
+
+
+def llama_from_hf(hf: dict, source: str) -> dict:
+    """The ModelConfig fields of a LlamaForCausalLM config.json beyond the shared keys: none."""
+    return {}
+
+
+def llama_to_hf(config: ModelConfig, shared: dict) -> dict:
+    """The config.json of a LlamaForCausalLM: the shared keys (it has no q/k norms)."""
+    if config.qk_norm:
+        raise ValueError("model: transformers' LlamaForCausalLM has no q/k norms; found qk_norm=True")
+    return shared
+
+
+def qwen3_from_hf(hf: dict, source: str) -> dict:
+    """Qwen3 is Llama 3 with RMSNorm on the queries and keys."""
+    return {"qk_norm": True}
+
+
+def qwen3_to_hf(config: ModelConfig, shared: dict) -> dict:
+    """The config.json of a Qwen3ForCausalLM: the shared keys (it has q/k norms and no mlp_bias)."""
+    if not config.qk_norm or config.mlp_bias:
+        raise ValueError("model: transformers' Qwen3ForCausalLM has q/k norms and no mlp_bias; found "
+                         f"qk_norm={config.qk_norm}, mlp_bias={config.mlp_bias}")
+    return shared
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -33,32 +64,6 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params + attention
 
 
-def embed_tokens(table_VD: jax.Array, ids_BT: jax.Array, dtype) -> jax.Array:
-    """Rows `ids_BT` of the (vocab, hidden) table, in the compute `dtype`, sharded over the batch.
-
-    The table is not gathered (that would move vocab x hidden per device and step): it stays sharded
-    over its hidden dimension, each device takes from its shard the rows of all tokens of its group
-    along those mesh axes, and one all-to-all hands every device its own tokens' whole rows. Pinning
-    the rows to that layout after the cast keeps the all-to-all and its transpose in `dtype` (left to
-    itself, XLA casts the cotangent to float32 before moving it) and the batch sharded over the other
-    axes; the tp devices, which hold the same tokens, then need not sum the table's gradient. The
-    gradient is summed in the table's dtype, as for a plain `take(table, ids).astype(dtype)`.
-    """
-    # Gathering rows from a vocab-sharded table would make XLA replicate it: unshard vocab first.
-    table = constrain(table_VD, (None, "embed"))
-    mesh = jax.sharding.get_abstract_mesh()
-    hidden = None if mesh is None or mesh.empty else logical_to_spec(("embed",), dict(mesh.shape))[0]
-    if hidden is not None:
-        # Gather the ids only over the hidden dimension's mesh axes: the other batch axes keep theirs.
-        batch_axes = [a for a in axes_of(logical_to_spec(("batch",), dict(mesh.shape))[0]) if a not in axes_of(hidden)]
-        batch = tuple(batch_axes) or None
-        ids_BT = jax.lax.with_sharding_constraint(ids_BT, PartitionSpec(batch, None))
-    h = jnp.take(table, ids_BT, axis=0).astype(dtype)
-    if hidden is not None:
-        h = jax.lax.with_sharding_constraint(h, PartitionSpec(batch, None, hidden))
-    return constrain(h, ("batch", "seq", "act_embed"))
-
-
 class Llama(nnx.Module):
     """A decoder-only LM whose `num_layers` blocks are one stacked module run by `run_layers`.
 
@@ -66,124 +71,95 @@ class Llama(nnx.Module):
     embedding, positions, masks, cache handling and head are shared.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
-        """`lora` adds LoRA adapters to the weights it targets (`models/lora.py`)."""
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         config.validate()
-        if lora is not None:
-            lora.validate()
-            if config.tie_word_embeddings and lora.wants("lm_head"):
-                raise ValueError("lora.targets: lm_head is the embedding in a model with tied embeddings "
-                                 "(model.tie_word_embeddings); target embed_tokens instead")
         self.config = config
         pdt = dtype_of(config.param_dtype)
         init = nnx.initializers.normal(config.initializer_range)
-        self.embed = param(rngs, init, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pdt)
-        self._build_stacks(config, rngs, lora)
+        self.embed = embedding(rngs, init, config.vocab_size, config.hidden_size, pdt)
+        self._build_stacks(config, rngs)
         self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = param(rngs, init, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pdt)
-        adapter_rngs = model_rngs()
-        self.embed_lora = adapter(lora, "embed_tokens", self.embed, 1, rngs=adapter_rngs, embedding=True)
-        self.lm_head_lora = None if self.lm_head is None else adapter(lora, "lm_head", self.lm_head, 1,
-                                                                       rngs=adapter_rngs)
+            self.lm_head = linear(rngs, init, (config.hidden_size,), (config.vocab_size,), ("embed", "vocab"), pdt)
 
-    def _build_stacks(self, config: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None) -> None:
-        self.layers = stack_layers(lambda r: DecoderLayer(config, rngs=r, lora=lora), config.num_layers, rngs)
+    def _build_stacks(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+        def layer(r):
+            return DecoderLayer(config, rngs=r, attention=lambda r: Attention(config, rngs=r),
+                                mlp=lambda r: MLP(config, rngs=r))
+
+        self.layers = stack_layers(layer, config.num_layers, rngs)
 
     def stacks(self) -> list[nnx.Module]:
         """The layer stacks, in the order they run (and their cache pairs are kept)."""
         return [self.layers]
 
-    def __call__(
-        self,
-        input_ids: jax.Array,
-        positions: jax.Array | None = None,
-        attention_mask: jax.Array | None = None,
-        kv_cache: KVCache | None = None,
-        *,
-        segment_ids: jax.Array | None = None,
-        scan: bool | None = None,
-        return_hidden: bool = False,
-        return_stats: bool = False,
-        dropout_key: jax.Array | None = None,
-    ):
-        """Logits for `input_ids` (batch, seq).
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, cache: KVCache | None = None,
+                 attention_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache | None, dict]:
+        """(logits, cache, stats) for `input_ids` (batch, seq).
 
         Args:
             input_ids: int token ids (B, T).
             positions: token positions (B, T); defaults to 0..T-1 (after the cache's filled slots).
-            attention_mask: 1 for real tokens, 0 for padding (B, T); padding is never attended to.
-            kv_cache: a stacked `KVCache`; the new keys and values are written at `kv_cache.index`.
             segment_ids: packed-document ids (B, T); tokens attend only within their segment.
-            scan: False runs the layers in an unrolled Python loop (reference and benchmarks);
-                None follows `config.scan_layers`.
-            return_hidden: return the final-normed hidden state (B, T, hidden) instead of the
-                logits (for a loss that applies `head()` chunk by chunk).
-            return_stats: also return the layers' statistics (for MoE stacks: `expert_load`,
-                tokens per expert per layer, and `dropped_tokens` per layer; empty otherwise).
-            dropout_key: training's key of LoRA dropout (`lora.dropout`); None drops nothing.
+            cache: a stacked `KVCache`; the new keys and values are written at `cache.index`.
+            attention_mask: 1 for real tokens, 0 for padding (B, T); padding is never attended to.
 
         Returns:
-            logits (B, T, vocab) in the compute dtype, or (logits, new_cache) with a cache;
-            with `return_stats`, a (..., stats) tuple.
+            logits (B, T, vocab) in the compute dtype; the updated cache (None without one); the
+            layers' statistics (for MoE stacks `expert_load`, tokens per expert per layer, and
+            `dropped_tokens` per layer; empty otherwise).
         """
+        h, cache, stats = self.hidden_states(input_ids, positions, segment_ids, cache, attention_mask)
+        return constrain(dense(h, self.head()), ("batch", "seq", "act_vocab")), cache, stats
+
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None, cache: KVCache | None = None,
+                      attention_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache | None, dict]:
+        """As the call, with the final-normed hidden state (B, T, hidden) in place of the logits
+        (for a loss that applies the head a slice at a time, and for sampling the last token)."""
         c = self.config
-        dtype = dtype_of(c.dtype)
-        scan = c.scan_layers if scan is None else scan
         b, t = input_ids.shape
         if positions is None:
-            start = 0 if kv_cache is None else kv_cache.index
+            start = 0 if cache is None else cache.index
             positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = positions.astype(jnp.int32)
         # A padding token gets position -1 as a key, so nothing attends to it.
         key_positions = positions if attention_mask is None else jnp.where(attention_mask > 0, positions, -1)
-        h = embed_tokens(self.embed[...], input_ids, dtype)
-        if self.embed_lora is not None:
-            lora = self.embed_lora
-            low = jnp.take(lora.a[...].astype(dtype), input_ids, axis=0)
-            h = h + constrain(dense(low, lora.b[...].astype(dtype)) * jnp.asarray(lora.scale, dtype),
-                              ("batch", "seq", "act_embed"))
+        h = self.embed(input_ids, dtype_of(c.dtype))
         stacks = self.stacks()
-        if kv_cache is None:
-            backend = backend_for(c.attention, current_platform(), c.dtype, t)
-            mask = make_mask(backend, positions, key_positions, segment_ids, padded=attention_mask is not None)
+        if cache is None:
+            mask = make_mask(c.attention, positions, key_positions, segment_ids, padded=attention_mask is not None,
+                             interpret=c.interpret_kernels)
             pairs, remat, kwargs = [None] * len(stacks), c.remat, {"mask": mask}
         else:
-            pairs, remat = kv_cache.split(), "none"
-            kwargs = {"key_positions_BT": key_positions, "cache_positions_BS": kv_cache.positions,
-                      "cache_used": kv_cache.index}
+            pairs, remat = cache.split(), "none"
+            kwargs = {"key_positions_BT": key_positions, "cache_positions_BS": cache.positions,
+                      "cache_used": cache.index}
         stats, new_pairs = {}, []
-        for i, (stack, pair) in enumerate(zip(stacks, pairs, strict=True)):
-            key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-            h, outputs = run_layers(stack, h, remat=remat, scan=scan, kv=pair, dropout_key=key, positions_BT=positions,
+        for stack, pair in zip(stacks, pairs, strict=True):
+            h, outputs = run_layers(stack, h, remat=remat, scan=c.scan_layers, kv=pair, positions_BT=positions,
                                     **kwargs)
             new_entries = outputs.pop("kv")
             if pair is not None:
-                new_pairs.append(tuple(write_tokens(cache, new, kv_cache.index)
-                                       for cache, new in zip(pair, new_entries, strict=True)))
+                new_pairs.append(tuple(write_tokens(stacked, new, cache.index)
+                                       for stacked, new in zip(pair, new_entries, strict=True)))
             stats |= outputs
-        if kv_cache is not None:
-            slot_positions = jax.lax.dynamic_update_slice_in_dim(kv_cache.positions, key_positions, kv_cache.index,
-                                                                 axis=1)
-            new_cache = kv_cache.join(new_pairs, positions=slot_positions, index=kv_cache.index + t)
-        h = self.final_norm(h)
-        out = h if return_hidden else constrain(dense(h, self.head()), ("batch", "seq", "act_vocab"))
-        result = (out,) if kv_cache is None else (out, new_cache)
-        if return_stats:
-            result += (stats,)
-        return result[0] if len(result) == 1 else result
+        if cache is not None:
+            slot_positions = jax.lax.dynamic_update_slice_in_dim(cache.positions, key_positions, cache.index, axis=1)
+            cache = cache.join(new_pairs, positions=slot_positions, index=cache.index + t)
+        return self.final_norm(h), cache, stats
 
     def head(self, *, stored: bool = False) -> jax.Array:
         """The output projection (hidden, vocab) (the embedding when tied), logical axes ("embed",
         "vocab"): in the compute dtype, gathered here once (a caller looping over chunks would
         otherwise gather it in each); with `stored`, as stored (param dtype, own sharding), for
         `chunked_causal_lm_loss`, which gathers it a vocabulary slice at a time."""
-        w, lora = (self.embed, self.embed_lora) if self.lm_head is None else (self.lm_head, self.lm_head_lora)
-        names = tuple(w.get_metadata().get("out_sharding") or ())
-        head = w[...] if lora is None else (w[...] + lora.delta().astype(w.dtype))  # the merged weight
-        head, names = (head.T, names[::-1]) if self.lm_head is None else (head, names)
+        w = self.embed if self.lm_head is None else self.lm_head
+        names = w.axes()
+        head, names = (w.merged().T, names[::-1]) if self.lm_head is None else (w.merged(), names)
         return head if stored else gathered(head.astype(dtype_of(self.config.dtype)), names)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:

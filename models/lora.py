@@ -1,22 +1,33 @@
-"""LoRA adapters: a low-rank update `scale * A @ B` beside a frozen weight, stacked with its layers.
+"""LoRA: low-rank adapters applied to a built model, a pass over its projections and routed experts.
 
-A weight `W (*in, *out)` that a config targets gets `A (*in, rank)` and `B (rank, *out)`, both
-`LoRAParam`s (the only parameters a LoRA run trains), created with the layer, so inside a stack
-they are `(num_layers, ...)` like the weight. `A` carries the weight's input logical axes and `B`
-its output axes, so the sharding rules place them as they place the weight; the rank axis,
-"lora_rank", is replicated. `B` starts at zero (for embeddings `A`, as PEFT does), so a new
-adapter leaves the model unchanged. Adapters draw their initial values from their own stream,
-so the base weights are the same with and without them.
+`apply_lora(model, lora)` wraps every weight a config targets (by its HF module name, as PEFT's
+`target_modules` do) in an adapter module holding the weight as `base` and two `LoRAParam`s:
+`lora_a (*in, rank)` and `lora_b (rank, *out)`, with a leading layer axis inside a stack, so a
+weight `W` computes `x @ W + scale * (x @ A) @ B` (`scale = alpha / rank`) and the frozen
+matmul gets no gradient. `A` carries the weight's input logical axes and `B` its output axes,
+so the sharding rules place them as they place the weight; the rank axis, "lora_rank", is
+replicated. `B` starts at zero (for embeddings `A`, as PEFT does), so a new adapter leaves the
+model unchanged; adapters draw their initial values from their own stream, so the base is the
+same with and without them.
 
-Targets use the HF module names, as PEFT's `target_modules` do; "experts" adapts DeepSeek-V3's
-routed experts as PEFT's `target_parameters` adapt transformers' fused expert weights: one adapter
-per expert on `gate_up_proj` (gate and up share its `A`) and one on `down_proj`, sharded over the
-expert axis with their experts.
+"experts" adapts DeepSeek-V3's routed experts as PEFT's `target_parameters` adapt transformers'
+fused expert weights: one adapter per expert on `gate_up_proj` (gate and up share its `A`) and one
+on `down_proj`, sharded over the expert axis with their experts and applied inside the expert
+dispatch beside each grouped matmul (`AdaptedExperts`); the base experts then get no gradient.
+
+Training drops an adapter's inputs at `lora.dropout` under `dropout(key)`: the mask of each
+adapter comes from that key (the adapters' stream folded with the step and micro-batch) folded
+with its stack, its layer and its target, so it is the same on any mesh and a resumed run draws
+what the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,12 +35,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from podtrain.models.embedding import Embedding
+from podtrain.models.linear import Linear, dense, gathered
+from podtrain.models.moe.block import MoE
+from podtrain.models.moe.experts import SwiGLUExperts
+from podtrain.models.runner import created_layers, current_layer
+from podtrain.sharding.rules import constrain
+
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = (*ATTENTION_TARGETS, *MLA_TARGETS, *MLP_TARGETS, "experts", "embed_tokens", "lm_head")
-# The stream a layer's adapters draw from: its params key folded with this (the params stream
-# itself draws exactly what it draws without adapters).
+# The HF module name of each projection weight, by its attribute name in the model.
+WEIGHT_TARGETS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "wq_a": "q_a_proj",
+                  "wq_b": "q_b_proj", "wkv_a": "kv_a_proj_with_mqa", "wkv_b": "kv_b_proj", "w_gate": "gate_proj",
+                  "w_up": "up_proj", "w_down": "down_proj", "embed": "embed_tokens", "lm_head": "lm_head"}
+# The adapters' own random stream: `train.seed`'s key folded with this.
 _STREAM = 0x10A
 
 
@@ -37,15 +58,16 @@ _STREAM = 0x10A
 class LoRAConfig:
     """`rank` 0 means no adapters. `alpha / rank` scales the update (PEFT's `lora_alpha`);
     `dropout` is the rate at which training drops an adapter's inputs (PEFT's `lora_dropout`);
-    `targets` are HF module names (`TARGETS`); `base` is what a training run adapts (read by
-    `orchestrator.load.load_base`), `init` a PEFT adapter its adapters start from."""
+    `targets` are HF module names (`TARGETS`); `base` is what a training run adapts (an HF
+    directory or a podtrain checkpoint; None: the base `train.seed` makes), `init` a PEFT adapter
+    its adapters start from (None: new adapters)."""
 
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    base: str | None = None  # a run's base weights: an HF directory or podtrain checkpoint (None: train.seed's)
-    init: str | None = None  # a PEFT adapter directory a run's adapters start from (None: new adapters)
+    base: str | None = None
+    init: str | None = None
 
     @property
     def scale(self) -> float:
@@ -77,88 +99,295 @@ class LoRAParam(nnx.Param):
     """A LoRA adapter matrix: what a LoRA run trains and checkpoints."""
 
 
-def layer_rngs(key: jax.Array) -> nnx.Rngs:
-    """The Rngs of one stacked layer made from its params `key`: adapters get their own stream."""
-    return nnx.Rngs(params=key, lora=jax.random.fold_in(key, _STREAM))
+_DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("podtrain_lora_dropout", default=None)
 
 
-def model_rngs() -> nnx.Rngs:
-    """The stream of the adapters outside the layer stacks (embeddings, LM head)."""
-    return nnx.Rngs(lora=jax.random.key(_STREAM))
+@contextlib.contextmanager
+def dropout(key: jax.Array | None):
+    """Inside the block, model calls drop their adapters' inputs at `lora.dropout`, masks drawn from
+    `key` (training: `dropout_key(seed, step)` folded with the micro-batch); None drops nothing."""
+    token = _DROPOUT_KEY.set(key)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEY.reset(token)
 
 
-def _lora_param(value, names) -> LoRAParam:
+def dropout_key(seed: int, step) -> jax.Array:
+    """The adapters' stream of `seed` folded with the training `step`."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _STREAM), step)
+
+
+def _param(value, names) -> LoRAParam:
     # Sharding comes from the logical names (`sharding/`), never eagerly at creation.
     return LoRAParam(nnx.with_partitioning(lambda *_: value, tuple(names), eager_sharding=False)(None))
 
 
 class Adapter(nnx.Module):
-    """`scale * (x @ A) @ B` for a weight of input shape `in_shape` and output shape `out_shape`
-    (logical axes `in_names`, `out_names`); `rngs` must hold a "lora" stream.
+    """`scale * (x @ A) @ B` beside a weight of input shape `(*lead, *in)` and output `out`: `A`
+    is `(*lead, *in, rank)` and `B` `(*lead, rank, *out)`, `lead` the stack's layer axis and
+    (experts) the expert axis, which index independent adapters."""
 
-    `batch_shape` (logical axes `batch_names`) leads independent adapters, one per expert.
-    `parts` names the weights whose outputs the first output axis indexes (an adapter of fused
-    weights); empty, the adapter `<w>_lora` adapts the weight `<w>` beside it.
-    """
+    def __init__(self, a: jax.Array, b: jax.Array, names_a, names_b, *, n_in: int, scale: float, target: str,
+                 rate: float, stack: int | None):
+        self.lora_a, self.lora_b = _param(a, names_a), _param(b, names_b)
+        self.n_in, self.scale, self.target, self.rate, self.stack = n_in, scale, target, rate, stack
 
-    def __init__(self, lora: LoRAConfig, target: str, in_shape: Sequence[int], in_names: Sequence[str | None],
-                 out_shape: Sequence[int], out_names: Sequence[str | None], dtype, *, rngs: nnx.Rngs,
-                 embedding: bool = False, batch_shape: Sequence[int] = (), batch_names: Sequence[str | None] = (),
-                 parts: tuple[str, ...] = ()):
-        key_a, key_b = jax.random.split(rngs.lora())
-        self.n_in, self.scale, self.parts = len(in_shape), lora.scale, parts
-        self.target, self.dropout = target, lora.dropout
-        a_shape, b_shape = (*batch_shape, *in_shape, lora.rank), (*batch_shape, lora.rank, *out_shape)
-        if embedding:  # PEFT's init: for embeddings A zero and B normal, else A kaiming-uniform and B zero
-            a, b = jnp.zeros(a_shape, dtype), jax.random.normal(key_b, b_shape, dtype)
-        else:
-            bound = 1 / math.sqrt(math.prod(in_shape))
-            a, b = jax.random.uniform(key_a, a_shape, dtype, -bound, bound), jnp.zeros(b_shape, dtype)
-        self.a = _lora_param(a, (*batch_names, *in_names, "lora_rank"))
-        self.b = _lora_param(b, (*batch_names, "lora_rank", *out_names))
-
-    def dropped(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
-        """The adapter's input `x` in training: each entry zeroed at the `dropout` rate and the rest
-        scaled up to keep the mean, as PEFT's `lora_dropout` does; the mask is drawn from `key` (a
-        layer's dropout key) folded with the target, so each adapter of a layer draws its own. `x`
-        itself without a key (evaluation, generation) or without dropout."""
-        if key is None or not self.dropout:
+    def dropped(self, x: jax.Array) -> jax.Array:
+        """The adapter's input `x` in training: each entry zeroed at the dropout rate and the rest
+        scaled up to keep the mean, as PEFT's `lora_dropout` does; `x` itself outside `dropout(key)`."""
+        key = _DROPOUT_KEY.get()
+        if key is None or not self.rate:
             return x
-        keep = jax.random.bernoulli(jax.random.fold_in(key, TARGETS.index(self.target)), 1 - self.dropout, x.shape)
-        return jnp.where(keep, x / jnp.asarray(1 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
+        for index in (self.stack, current_layer(), TARGETS.index(self.target)):
+            key = jax.random.fold_in(key, 0 if index is None else index)
+        keep = jax.random.bernoulli(key, 1 - self.rate, x.shape)
+        return jnp.where(keep, x / jnp.asarray(1 - self.rate, x.dtype), jnp.zeros((), x.dtype))
+
+    def axes(self) -> tuple:
+        """The adapted weight's logical axes."""
+        return self.base.axes()
+
+    def update(self, x: jax.Array, dtype) -> jax.Array:
+        """`scale * (x @ A) @ B` in `dtype`, each matrix gathered once over the batch axes."""
+        a = gathered(self.lora_a[...].astype(dtype), self.lora_a.get_metadata().get("out_sharding"))
+        b = gathered(self.lora_b[...].astype(dtype), self.lora_b.get_metadata().get("out_sharding"))
+        return dense(dense(self.dropped(x), a, self.n_in), b) * jnp.asarray(self.scale, dtype)
 
     def delta(self) -> jax.Array:
-        """`scale * A @ B`, shaped as the weight (leading stack and batch axes included), in float32."""
-        a, b = self.a[...].astype(jnp.float32), self.b[...].astype(jnp.float32)
+        """`scale * A @ B`, shaped as the weight (leading axes included), in float32."""
+        a, b = self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32)
         lead = a.ndim - self.n_in - 1
         a = a.reshape(*a.shape[:lead], -1, a.shape[-1])
         update = jnp.einsum("...ir,...ro->...io", a, b.reshape(*b.shape[: lead + 1], -1))
-        return (update * self.scale).reshape(*self.a.shape[:-1], *self.b.shape[lead + 1:])
+        return (update * self.scale).reshape(*self.lora_a.shape[:-1], *self.lora_b.shape[lead + 1:])
 
 
-def adapter(lora: LoRAConfig | None, target: str, w: nnx.Param, n_in: int, *, rngs: nnx.Rngs,
-            embedding: bool = False) -> Adapter | None:
-    """The adapter of the weight `w` (its first `n_in` axes the input) when `lora` targets it."""
-    if lora is None or not lora.wants(target):
-        return None
-    names = tuple(w.get_metadata().get("out_sharding") or (None,) * w.ndim)
-    return Adapter(lora, target, w.shape[:n_in], names[:n_in], w.shape[n_in:], names[n_in:], w.dtype, rngs=rngs,
-                   embedding=embedding)
+class LoRALinear(Adapter):
+    """A `Linear` with an adapter: `base(x) + scale * (x @ A) @ B`."""
+
+    def __init__(self, base: Linear, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.base = base
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.base(x) + self.update(x, x.dtype)
+
+    def merged(self) -> jax.Array:
+        """`W + scale * A @ B` as the weight is stored."""
+        w = self.base[...]
+        return (w.astype(jnp.float32) + self.delta()).astype(w.dtype)
+
+    def matrix(self, dtype) -> jax.Array:
+        """The merged weight as a matmul in `dtype` reads it (what absorbs it, as MLA's cached decoding does)."""
+        return gathered(self.merged().astype(dtype), self.base.axes())
+
+
+class LoRAEmbedding(Adapter):
+    """An `Embedding` with an adapter: the rows of the table plus `scale * A[ids] @ B`."""
+
+    def __init__(self, base: Embedding, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.base = base
+
+    def __call__(self, ids_BT: jax.Array, dtype) -> jax.Array:
+        low = jnp.take(self.lora_a[...].astype(dtype), ids_BT, axis=0)
+        update = dense(low, self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)
+        return self.base(ids_BT, dtype) + constrain(update, ("batch", "seq", "act_embed"))
+
+    def merged(self) -> jax.Array:
+        w = self.base[...]
+        return (w.astype(jnp.float32) + self.delta()).astype(w.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AdaptedExperts:
+    """SwiGLU experts with an adapter on their fused gate and up projections (one `A` for both)
+    and one on their down projection, `B`s scaled; only the adapters are trained."""
+
+    base: SwiGLUExperts
+    gate_up_a: jax.Array  # (E, D, r)
+    gate_up_b: jax.Array  # (E, r, 2, F): gate's, then up's
+    down_a: jax.Array  # (E, F, r)
+    down_b: jax.Array  # (E, r, D)
+
+    def weights(self) -> SwiGLUExperts:
+        return self.base
+
+    def names(self) -> AdaptedExperts:
+        return AdaptedExperts(self.base.names(), ("experts", "embed", "lora_rank"),
+                              ("experts", "lora_rank", None, "mlp"), ("experts", "mlp", "lora_rank"),
+                              ("experts", "lora_rank", "embed"))
+
+    def in_projections(self, rows, matmul):
+        gate, up = self.base.in_projections(rows, matmul)
+        experts, rank, _, f = self.gate_up_b.shape
+        update = matmul(matmul(rows, self.gate_up_a), self.gate_up_b.reshape(experts, rank, 2 * f))
+        return gate + update[..., :f], up + update[..., f:]
+
+    def out_projection(self, hidden, matmul):
+        return self.base.out_projection(hidden, matmul) + matmul(matmul(hidden, self.down_a), self.down_b)
+
+    def split(self):
+        return self.base, (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
+
+    @staticmethod
+    def join(frozen, trained):
+        return AdaptedExperts(frozen, *trained)
+
+
+class LoRAExperts(nnx.Module):
+    """A MoE block whose routed experts have adapters (`AdaptedExperts`), the base experts frozen."""
+
+    def __init__(self, base: MoE, gate_up: Adapter, down: Adapter):
+        self.base, self.gate_up, self.down = base, gate_up, down
+
+    def __call__(self, x_BTD):
+        dtype = self.base.dtype
+        scale = jnp.asarray(self.gate_up.scale, dtype)
+        matrices = [m[...].astype(dtype) for m in (self.gate_up.lora_a, self.gate_up.lora_b, self.down.lora_a,
+                                                   self.down.lora_b)]
+        experts = AdaptedExperts(jax.tree.map(jax.lax.stop_gradient, self.base.experts()), matrices[0],
+                                 matrices[1] * scale, matrices[2], matrices[3] * scale)
+        return self.base(x_BTD, experts=experts)
+
+
+def _stacked(variable: nnx.Variable) -> bool:
+    names = variable.get_metadata().get("out_sharding") or ()
+    return bool(names) and names[0] == "layers"
+
+
+def _adapter_values(key, in_shape, out_shape, lead: int, dtype, rank: int, *, embedding: bool, batch=()):
+    """Initial `(A, B)` of adapters on `lead` created layers (0: unstacked) of a weight: PEFT's init,
+    each layer from the key folded with its index (the index a `created_layers` stack gives it)."""
+    a_shape, b_shape = (*batch, *in_shape, rank), (*batch, rank, *out_shape)
+
+    def one(key):
+        key_a, key_b = jax.random.split(key)
+        if embedding:  # PEFT's init: for embeddings A zero and B normal, else A kaiming-uniform and B zero
+            return jnp.zeros(a_shape, dtype), jax.random.normal(key_b, b_shape, dtype)
+        bound = 1 / math.sqrt(math.prod(in_shape))
+        return jax.random.uniform(key_a, a_shape, dtype, -bound, bound), jnp.zeros(b_shape, dtype)
+
+    if not lead:
+        return one(key)
+    return jax.vmap(lambda i: one(jax.random.fold_in(key, i)))(created_layers(lead))
+
+
+def _wrap_linear(weight: Linear | Embedding, target: str, lora: LoRAConfig, key, stack: int | None):
+    names = tuple(weight.get_metadata().get("out_sharding") or (None,) * weight.ndim)
+    lead = 1 if _stacked(weight) else 0
+    embedding = isinstance(weight, Embedding)
+    n_in = 1 if embedding else weight.n_in
+    in_shape, out_shape = weight.shape[lead:lead + n_in], weight.shape[lead + n_in:]
+    a, b = _adapter_values(key, in_shape, out_shape, weight.shape[0] if lead else 0, weight.dtype, lora.rank,
+                           embedding=embedding)
+    lead_names, in_names, out_names = names[:lead], names[lead:lead + n_in], names[lead + n_in:]
+    args = (a, b, (*lead_names, *in_names, "lora_rank"), (*lead_names, "lora_rank", *out_names))
+    kwargs = dict(n_in=n_in, scale=lora.scale, target=target, rate=lora.dropout, stack=stack)
+    return LoRAEmbedding(weight, *args, **kwargs) if embedding else LoRALinear(weight, *args, **kwargs)
+
+
+def _wrap_experts(moe: MoE, lora: LoRAConfig, key, stack: int | None) -> LoRAExperts:
+    layers, experts, d, f = moe.w_gate.shape
+    dtype, kwargs = moe.w_gate.dtype, dict(scale=lora.scale, target="experts", rate=0.0, stack=stack)
+    key_gate_up, key_down = jax.random.split(key)
+    lead = ("layers", "experts")
+    a, b = _adapter_values(key_gate_up, (d,), (2, f), layers, dtype, lora.rank, embedding=False, batch=(experts,))
+    gate_up = Adapter(a, b, (*lead, "embed", "lora_rank"), (*lead, "lora_rank", None, "mlp"), n_in=1, **kwargs)
+    a, b = _adapter_values(key_down, (f,), (d,), layers, dtype, lora.rank, embedding=False, batch=(experts,))
+    down = Adapter(a, b, (*lead, "mlp", "lora_rank"), (*lead, "lora_rank", "embed"), n_in=1, **kwargs)
+    return LoRAExperts(moe, gate_up, down)
+
+
+def apply_lora(model: nnx.Module, lora: LoRAConfig, seed: int = 0) -> nnx.Module:
+    """`model` with adapters on the weights `lora` targets (changed in place and returned); a
+    model without adapters when `lora.rank` is 0. Adapters draw from `seed`'s adapter stream folded
+    with each weight's path, so a weight's adapters are the same whatever else is targeted."""
+    if not lora.rank:
+        return model
+    lora.validate()
+    check_targets(lora, model.config)
+    stream = jax.random.fold_in(jax.random.key(seed), _STREAM)
+    stacks = {id(stack): i for i, stack in enumerate(model.stacks())} if hasattr(model, "stacks") else {}
+    for path, module in list(nnx.iter_modules(model)):
+        stack = next((stacks[id(m)] for m in _ancestors(model, path) if id(m) in stacks), None)
+        for name, value in list(vars(module).items()):
+            where = ".".join(str(p) for p in (*path, name))
+            key = jax.random.fold_in(stream, zlib.crc32(where.encode()))
+            if isinstance(value, MoE) and lora.wants("experts"):
+                setattr(module, name, _wrap_experts(value, lora, key, stack))
+            elif isinstance(value, Linear | Embedding) and lora.wants(WEIGHT_TARGETS.get(name, "")):
+                setattr(module, name, _wrap_linear(value, WEIGHT_TARGETS[name], lora, key, stack))
+    return model
+
+
+def check_targets(lora: LoRAConfig, config) -> None:
+    """Raises ValueError naming `lora.targets` for a target the model (a `ModelConfig`) lacks."""
+    if not lora.rank:
+        return
+    if config.tie_word_embeddings and lora.wants("lm_head"):
+        raise ValueError("lora.targets: lm_head is the embedding in a model with tied embeddings "
+                         "(model.tie_word_embeddings); target embed_tokens instead")
+    if lora.wants("experts") and not config.num_moe_layers:
+        raise ValueError(f"lora.targets: experts adapts routed experts, and this {config.model_type} model has none; "
+                         "remove it from lora.targets")
+
+
+def _ancestors(model: nnx.Module, path: Sequence) -> list[nnx.Module]:
+    """The modules on the way from `model` to the one at `path` (that one included)."""
+    modules, node = [], model
+    for part in path:
+        node = getattr(node, part) if isinstance(part, str) else node[part]
+        modules.append(node)
+    return modules
+
+
+def _plain_path(model: nnx.Module, path: Sequence) -> tuple:
+    """`path` without its steps into adapters' `base`: the path in the model without adapters."""
+    parts, node = [], model
+    for part in path:
+        if not (part == "base" and isinstance(node, Adapter | LoRAExperts)):
+            parts.append(part)
+        node = getattr(node, part) if isinstance(part, str) else node[part]
+    return tuple(parts)
+
+
+def with_base(model: nnx.Module, plain: nnx.State, keep=None) -> nnx.State:
+    """The variables of `model` (a model with adapters, abstract or not) that `keep` matches
+    (default: all but the adapters), each the value `plain` (a state of the same model without
+    adapters) holds at its path there."""
+    values = dict(nnx.to_flat_state(plain))
+    kept = nnx.filterlib.to_predicate(nnx.Not(LoRAParam) if keep is None else keep)
+    return nnx.from_flat_state([(path, var.replace(values[_plain_path(model, path)].get_value()))
+                                for path, var in nnx.to_flat_state(nnx.state(model)) if kept(path, var)])
+
+
+def adapters(model: nnx.Module):
+    """(the adapted weight's path in the model without adapters, adapter) of every adapter; an
+    experts adapter's path is its MoE block's followed by `w_gate_up` or `w_down`."""
+    for path, module in nnx.iter_modules(model):
+        key = ".".join(str(p) for p in _plain_path(model, path))
+        if isinstance(module, LoRALinear | LoRAEmbedding):
+            yield key, module
+        elif isinstance(module, LoRAExperts):
+            yield f"{key}.w_gate_up", module.gate_up
+            yield f"{key}.w_down", module.down
 
 
 def merged(model: nnx.Module) -> nnx.State:
-    """The model's base parameters with every adapter's update added (`W + scale * A @ B`, in the
-    weights' dtype): the parameters of the same model without adapters. `model` is not changed."""
-    model = nnx.clone(model)
-    for _path, module in nnx.iter_modules(model):
+    """The parameters of the same model without adapters, each adapter's update added to its
+    weight (`W + scale * A @ B`, in the weights' dtype). `model` is not changed."""
+    plain = nnx.clone(model)
+    for _, module in list(nnx.iter_modules(plain)):
         for name, value in list(vars(module).items()):
-            if name.endswith("_lora") and isinstance(value, Adapter):
-                delta = value.delta()
-                if value.parts:  # the first output axis follows A's rank axis
-                    weights, deltas = value.parts, jnp.moveaxis(delta, value.a.ndim - 1, 0)
-                else:
-                    weights, deltas = (name[: -len("_lora")],), delta[None]
-                for weight, update in zip(weights, deltas, strict=True):
-                    w = getattr(module, weight)
-                    w.set_value((w[...].astype(jnp.float32) + update).astype(w.dtype))
-    return nnx.state(model, nnx.All(nnx.Param, nnx.Not(LoRAParam)))
+            if isinstance(value, LoRALinear | LoRAEmbedding):
+                setattr(module, name, value.base.replace(value.merged()))
+            elif isinstance(value, LoRAExperts):
+                moe, gate_up = value.base, value.gate_up.delta()  # (..., E, D, 2, F)
+                for w, delta in ((moe.w_gate, gate_up[..., 0, :]), (moe.w_up, gate_up[..., 1, :]),
+                                 (moe.w_down, value.down.delta())):
+                    w.set_value((w[...].astype(jnp.float32) + delta).astype(w.dtype))
+                setattr(module, name, moe)
+    return nnx.state(plain)

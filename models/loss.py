@@ -7,8 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from podtrain.models.attention import NEG_INF
-from podtrain.models.layers import dense, gather_specs
+from podtrain.models.kernels.attention import NEG_INF
+from podtrain.models.linear import dense, gather_specs
 from podtrain.sharding.rules import constrain
 
 _HEAD_NAMES = ("embed", "vocab")

@@ -8,22 +8,11 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from podtrain.models.attention import cached_attention, self_attention
 from podtrain.models.config import ModelConfig
-from podtrain.models.layers import (
-    RMSNorm,
-    apply_rope,
-    attention,
-    cached_attention,
-    dense,
-    dtype_of,
-    param,
-    rope_attention_factor,
-    rope_inv_freq,
-    softmax_scale,
-    weight,
-    with_adapter,
-)
-from podtrain.models.lora import LoRAConfig, adapter
+from podtrain.models.layers import RMSNorm
+from podtrain.models.linear import dtype_of, linear
+from podtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq, softmax_scale
 from podtrain.sharding.rules import constrain
 
 
@@ -46,7 +35,7 @@ class MLAttention(nnx.Module):
     (`kv_lora_rank + qk_rope_head_dim` values), not per-head keys and values.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c, m = config, config.mla
         pdt = dtype_of(c.param_dtype)
         self.dtype = dtype_of(c.dtype)
@@ -58,38 +47,26 @@ class MLAttention(nnx.Module):
         init = nnx.initializers.normal(c.initializer_range)
         d, h = c.hidden_size, c.num_heads
         if m.q_lora_rank:
-            self.wq_a = param(rngs, init, (d, m.q_lora_rank), ("embed", "q_lora"), pdt)
+            self.wq_a = linear(rngs, init, (d,), (m.q_lora_rank,), ("embed", "q_lora"), pdt)
             self.q_norm = RMSNorm(m.q_lora_rank, eps=LATENT_NORM_EPS, param_dtype=pdt, rngs=rngs)
-            self.wq_b = param(rngs, init, (m.q_lora_rank, h, m.qk_head_dim), ("q_lora", "heads", "head_dim"), pdt)
+            self.wq_b = linear(rngs, init, (m.q_lora_rank,), (h, m.qk_head_dim), ("q_lora", "heads", "head_dim"),
+                               pdt)
             self.wq = None
         else:
             self.wq_a = self.q_norm = self.wq_b = None
-            self.wq = param(rngs, init, (d, h, m.qk_head_dim), ("embed", "heads", "head_dim"), pdt)
-        self.wkv_a = param(rngs, init, (d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", "kv_lora"), pdt)
+            self.wq = linear(rngs, init, (d,), (h, m.qk_head_dim), ("embed", "heads", "head_dim"), pdt)
+        self.wkv_a = linear(rngs, init, (d,), (m.kv_lora_rank + m.qk_rope_head_dim,), ("embed", "kv_lora"), pdt)
         self.kv_norm = RMSNorm(m.kv_lora_rank, eps=LATENT_NORM_EPS, param_dtype=pdt, rngs=rngs)
-        self.wkv_b = param(
-            rngs, init, (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim), ("kv_lora", "heads", "head_dim"), pdt
-        )
-        self.wo = param(rngs, init, (h, m.v_head_dim, d), ("heads", "head_dim", "embed"), pdt)
-        self.wq_a_lora = adapter(lora, "q_a_proj", self.wq_a, 1, rngs=rngs) if self.wq_a is not None else None
-        self.wq_b_lora = adapter(lora, "q_b_proj", self.wq_b, 1, rngs=rngs) if self.wq_b is not None else None
-        self.wq_lora = adapter(lora, "q_proj", self.wq, 1, rngs=rngs) if self.wq is not None else None
-        self.wkv_a_lora = adapter(lora, "kv_a_proj_with_mqa", self.wkv_a, 1, rngs=rngs)
-        self.wkv_b_lora = adapter(lora, "kv_b_proj", self.wkv_b, 1, rngs=rngs)
-        self.wo_lora = adapter(lora, "o_proj", self.wo, 2, rngs=rngs)
-
-    def _w(self, w) -> jax.Array:
-        return weight(w, self.dtype)
-
-    def _dense(self, x, w, lora, dropout_key) -> jax.Array:
-        return dense(x, self._w(w)) + with_adapter(lora, x, self.dtype, dropout_key)
+        self.wkv_b = linear(rngs, init, (m.kv_lora_rank,), (h, m.qk_nope_head_dim + m.v_head_dim),
+                            ("kv_lora", "heads", "head_dim"), pdt)
+        self.wo = linear(rngs, init, (h, m.v_head_dim), (d,), ("heads", "head_dim", "embed"), pdt)
 
     def _rope(self, x, positions_BT):
         if self.interleave:
             x = _deinterleave(x)
         return apply_rope(x, positions_BT, np.asarray(self.inv_freq, np.float32), self.rope_scale)
 
-    def __call__(self, x_BTD, *, positions_BT, mask=None, kv=None, layer=None, dropout_key=None, **cache_kwargs):
+    def __call__(self, x_BTD, *, positions_BT, mask=None, kv=None, layer=None, **cache_kwargs):
         """Attends `x` to itself, or to itself and a stacked cache `kv = (latent, rope_key)`.
 
         The cache holds (L, B, S, 1, kv_lora_rank) normed latents and (L, B, S, 1, qk_rope_head_dim)
@@ -101,35 +78,26 @@ class MLAttention(nnx.Module):
         Returns:
             (out_BTD, new_kv): new_kv is the new tokens' (latent, rotary key), None without a cache.
         """
-        if self.wq is None:
-            q_low = self.q_norm(self._dense(x_BTD, self.wq_a, self.wq_a_lora, dropout_key))
-            q = self._dense(q_low, self.wq_b, self.wq_b_lora, dropout_key)
-        else:
-            q = self._dense(x_BTD, self.wq, self.wq_lora, dropout_key)
+        q = self.wq_b(self.q_norm(self.wq_a(x_BTD))) if self.wq is None else self.wq(x_BTD)
         q = checkpoint_name(q, "query")
         q_nope, q_rope = q[..., : self.nope], self._rope(q[..., self.nope:], positions_BT)
-        compressed = self._dense(x_BTD, self.wkv_a, self.wkv_a_lora, dropout_key)
+        compressed = self.wkv_a(x_BTD)
         latent = self.kv_norm(compressed[..., : self.rank])[:, :, None, :]
         rope_key = self._rope(compressed[..., None, self.rank:], positions_BT)
-        wkv_b = self._w(self.wkv_b)  # (R, H, nope + v)
         if kv is None:
             new_kv = None
             q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "seq", "act_heads", None))
-            kv_heads = dense(latent[:, :, 0], wkv_b) + with_adapter(self.wkv_b_lora, latent[:, :, 0], self.dtype,
-                                                                    dropout_key)
-            kv_heads = checkpoint_name(kv_heads, "key")
+            kv_heads = checkpoint_name(self.wkv_b(latent[:, :, 0]), "key")
             k_nope, v = kv_heads[..., : self.nope], kv_heads[..., self.nope:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, (*k_nope.shape[:-1], self.rope_dim))], axis=-1)
-            out = attention(q, k, v, mask, scale=self.scale)
+            out = self_attention(q, k, v, mask, scale=self.scale)
         else:
             new_kv = (latent, rope_key)
-            if self.wkv_b_lora is not None:  # absorbed into queries and output: the merged weight
-                wkv_b = wkv_b + self.wkv_b_lora.delta().astype(self.dtype)
+            wkv_b = self.wkv_b.matrix(self.dtype)  # (R, H, nope + v), absorbed into the queries and the output
             q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, wkv_b[..., : self.nope])
             latent_out = cached_attention(
                 [q_latent * self.scale, q_rope * self.scale], [latent, rope_key], latent, kv, kv[0],
                 layer=layer, positions_BT=positions_BT, **cache_kwargs,
             )
             out = jnp.einsum("bthr,rhv->bthv", latent_out.astype(self.dtype), wkv_b[..., self.nope:])
-        out = dense(out, self._w(self.wo), n_in=2) + with_adapter(self.wo_lora, out, self.dtype, dropout_key)
-        return checkpoint_name(out, "attn_out"), new_kv
+        return checkpoint_name(self.wo(out), "attn_out"), new_kv

@@ -33,7 +33,7 @@ from safetensors.numpy import load_file, save_file
 from podtrain.models.architectures import ARCHITECTURES
 from podtrain.models.config import ModelConfig
 from podtrain.models.hf_mapping import Axes
-from podtrain.models.lora import MLP_TARGETS, Adapter, LoRAConfig
+from podtrain.models.lora import Adapter, LoRAConfig, adapters
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PREFIX = "base_model.model."
@@ -55,14 +55,6 @@ class _Layout:
     from_peft: Callable
 
 
-def _adapters(model: nnx.Module):
-    """(our key of the weight adapted, as `hf_mapping` names it, adapter) of every adapter."""
-    for path, module in nnx.iter_modules(model):
-        for name, value in vars(module).items():
-            if name.endswith("_lora") and isinstance(value, Adapter):
-                yield ".".join(str(p) for p in (*path, name[: -len("_lora")])), value
-
-
 def _layout(config: ModelConfig, key: str, adapter: Adapter) -> _Layout:
     mapping = ARCHITECTURES[config.model_type].hf_mapping
     stack, _, weight = key.partition(".")
@@ -72,11 +64,11 @@ def _layout(config: ModelConfig, key: str, adapter: Adapter) -> _Layout:
         experts = mapping.expert_tensors["mlp.w_gate"][0].partition(".{e}")[0]  # the HF module of the experts
         first = mapping.stacks[stack](config)
         wrapped = ".base_layer" * (len(EXPERT_PARAMETERS) - 1 - list(EXPERT_PARAMETERS.values()).index(parameter))
-        modules = [f"model.layers.{first + i}.{experts}" for i in range(adapter.a.shape[0])]
+        modules = [f"model.layers.{first + i}.{experts}" for i in range(adapter.lora_a.shape[0])]
         return _Layout(_weight_names([m + wrapped for m in modules]), [f"{m}.{parameter}" for m in modules], True,
                        True, _experts_to_peft, _experts_from_peft)
-    lead = adapter.a.ndim - adapter.n_in - 1
-    shape = (*adapter.a.shape[:-1], *adapter.b.shape[lead + 1:])  # the adapted weight's
+    lead = adapter.lora_a.ndim - adapter.n_in - 1
+    shape = (*adapter.lora_a.shape[:-1], *adapter.lora_b.shape[lead + 1:])  # the adapted weight's
     hf_names, axes = mapping.names(key, config, shape)
     modules = [str(n).removesuffix(".weight") for n in np.atleast_1d(hf_names)]
     if key == "embed":
@@ -137,15 +129,17 @@ def to_peft(model: nnx.Module, config: ModelConfig, lora: LoRAConfig, path, *, b
     Raises:
         ValueError: DeepSeek-V3 MLP adapters, which `peft` would put on the routed experts.
     """
-    mlp = sorted(set(lora.targets) & set(MLP_TARGETS)) if config.model_type == "deepseek_v3" else []
-    if mlp:
-        raise ValueError(f"lora.targets: {mlp} on DeepSeek-V3 cannot be written for peft, which takes these names "
-                         "to mean the routed experts' fused projections (podtrain adapts the dense and shared-expert "
-                         "MLPs): export the merged weights instead (podtrain export)")
+    architecture = ARCHITECTURES[config.model_type]
+    refused = sorted(set(lora.targets) & set(architecture.peft_unwritable))
+    if refused:
+        raise ValueError(f"lora.targets: {refused} on {architecture.name} cannot be written for peft, which takes "
+                         "these names to mean other modules (the routed experts' fused projections, where podtrain "
+                         "adapts the dense and shared-expert MLPs): export the merged weights instead "
+                         "(podtrain export)")
     tensors, modules, parameters = {}, [], []
-    for key, adapter in _adapters(model):
+    for key, adapter in adapters(model):
         layout = _layout(config, key, adapter)
-        a, b = _host(adapter.a[...]), _host(adapter.b[...])
+        a, b = _host(adapter.lora_a[...]), _host(adapter.lora_b[...])
         (parameters if layout.parameter else modules).extend(layout.targets)
         for (name_a, name_b), layer in zip(layout.names, zip(a, b, strict=True) if layout.stacked else [(a, b)],
                                            strict=True):
@@ -153,6 +147,9 @@ def to_peft(model: nnx.Module, config: ModelConfig, lora: LoRAConfig, path, *, b
             tensors |= {name_a: np.ascontiguousarray(lora_a), name_b: np.ascontiguousarray(lora_b)}
     if jax.process_index() != 0:
         return
+    # PEFT wraps in the order listed, the last innermost: gate_up_proj (the first wrapped) goes last.
+    outermost_first = list(EXPERT_PARAMETERS.values())[::-1]
+    parameters.sort(key=lambda name: outermost_first.index(name.rsplit(".", 1)[-1]))
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
@@ -201,7 +198,7 @@ def load_peft(model: nnx.Module, config: ModelConfig, path) -> None:
         raise ValueError(f"{file}: not found; expected a PEFT adapter directory with {ADAPTER_FILE}")
     tensors = load_file(str(file))
     used = set()
-    for key, adapter in _adapters(model):
+    for key, adapter in adapters(model):
         layout = _layout(config, key, adapter)
         lead = 1 if layout.stacked else 0  # the stack's leading axis
         layers_a, layers_b = [], []
@@ -209,12 +206,12 @@ def load_peft(model: nnx.Module, config: ModelConfig, path) -> None:
             missing = [n for n in names if n not in tensors]
             if missing:
                 raise ValueError(f"{file}: no tensor {missing[0]} for the adapter of {key}")
-            a, b = layout.from_peft(tensors[names[0]], tensors[names[1]], adapter.a.shape[lead:],
-                                    adapter.b.shape[lead:])
+            a, b = layout.from_peft(tensors[names[0]], tensors[names[1]], adapter.lora_a.shape[lead:],
+                                    adapter.lora_b.shape[lead:])
             layers_a.append(a)
             layers_b.append(b)
             used.update(names)
-        for param, values in ((adapter.a, layers_a), (adapter.b, layers_b)):
+        for param, values in ((adapter.lora_a, layers_a), (adapter.lora_b, layers_b)):
             value = np.stack(values) if layout.stacked else values[0]
             if value.shape != param.shape:
                 raise ValueError(f"{file}: the adapter of {key} is {value.shape} in the file, {param.shape} here")

@@ -10,34 +10,48 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.models.config import REMAT_POLICIES
-from podtrain.models.lora import layer_rngs
 
-_POLICIES = {
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """A remat policy: what the per-layer `jax.checkpoint` saves (`saveable`, a JAX policy; None:
+    no checkpoint, everything kept), and what the backward pass then runs again, as the plans
+    count it: the whole layer's forward (`reruns_forward`), and how many of the layer's
+    tensor-parallel all-reduces (`tp_all_reduces_again`)."""
+
+    saveable: Callable | None
+    reruns_forward: bool
+    tp_all_reduces_again: int
+
+
+REMAT = {
+    # Keep every intermediate for the backward pass: most memory, no recompute.
+    "none": Remat(None, False, 0),
     # Save nothing: the backward pass recomputes the whole layer from its input. Least memory
     # (one residual per layer), about one extra forward of compute.
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "full": Remat(jax.checkpoint_policies.nothing_saveable, True, 1),
     # Save every matmul output: the backward pass recomputes only element-wise work (norms,
     # softmax, activations). Most memory of the remat policies, least recompute.
-    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots": Remat(jax.checkpoint_policies.dots_saveable, False, 0),
     # Save matmuls without batch dimensions (the projections), recompute attention scores.
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_no_batch": Remat(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, False, 0),
     # Save only the attention block's output: the backward pass recomputes the attention
     # sublayer only where it needs its internals, and the MLP from the saved residual.
-    "save_attn_out": jax.checkpoint_policies.save_only_these_names("attn_out"),
+    "save_attn_out": Remat(jax.checkpoint_policies.save_only_these_names("attn_out"), False, 1),
     # Save q, k, v and the attention output: recompute the MLP and the attention probabilities.
-    "save_qkv_attn_out": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attn_out"),
+    "save_qkv_attn_out": Remat(jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attn_out"),
+                               False, 1),
 }
-assert set(_POLICIES) | {"none"} == set(REMAT_POLICIES)
 
 
 _ONLY_LAYER: contextvars.ContextVar = contextvars.ContextVar("podtrain_only_layer", default=None)
+_CURRENT_LAYER: contextvars.ContextVar = contextvars.ContextVar("podtrain_current_layer", default=None)
 
 
 @contextlib.contextmanager
@@ -55,12 +69,24 @@ def only_layer(index):
         _ONLY_LAYER.reset(token)
 
 
+def created_layers(num_created: int) -> jax.Array:
+    """The indices of the `num_created` layers a stack being created holds: all of them, or under
+    `only_layer(index)` that one layer (what a feature adding per-layer values to a built stack
+    keys them by)."""
+    index = _ONLY_LAYER.get()
+    return jnp.arange(num_created, dtype=jnp.int32) if index is None else jnp.reshape(index, (1,)).astype(jnp.int32)
+
+
+def current_layer() -> jax.Array | None:
+    """Inside `run_layers`, the index of the layer being run (traced); None elsewhere."""
+    return _CURRENT_LAYER.get()
+
+
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
     """Creates `num_layers` independent layers as one module whose params are `(num_layers, ...)`.
 
-    Layer `i` is `make_layer(lora.layer_rngs(keys[i]))` for `keys = split(rngs.params(), num_layers)`
-    (its params stream, and a separate one for LoRA adapters), created under `nnx.vmap`; the
-    leading axis is annotated with the logical name "layers".
+    Layer `i` is `make_layer(nnx.Rngs(params=keys[i]))` for `keys = split(rngs.params(), num_layers)`,
+    created under `nnx.vmap`; the leading axis is annotated with the logical name "layers".
     """
     keys = jax.random.split(rngs.params(), num_layers)
     index = _ONLY_LAYER.get()
@@ -69,7 +95,7 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, 
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(key: jax.Array) -> nnx.Module:
-        return make_layer(layer_rngs(key))
+        return make_layer(nnx.Rngs(params=key))
 
     return create(keys)
 
@@ -81,7 +107,6 @@ def run_layers(
     remat: str = "none",
     scan: bool = True,
     kv: tuple[jax.Array, ...] | None = None,
-    dropout_key: jax.Array | None = None,
     **layer_kwargs,
 ):
     """Runs the stacked layers over the hidden state `h`, layer 0 first.
@@ -91,7 +116,7 @@ def run_layers(
             `layer(h, **layer_kwargs) -> (h, outputs)` (with a cache also `kv=` and `layer=`),
             `outputs` a pytree holding "kv" (the updated cache, or None) and per-layer statistics.
         h: the hidden state entering layer 0.
-        remat: a name from `REMAT_POLICIES`; "none" keeps every intermediate for the backward pass.
+        remat: a name from `REMAT`; "none" keeps every intermediate for the backward pass.
         scan: True runs one `lax.scan`; False unrolls a Python loop (the reference, and the
             baseline the benchmarks compare against).
         kv: optional stacked cache arrays, each `(num_layers, batch, slots, ...)`, read only:
@@ -100,14 +125,13 @@ def run_layers(
             tokens' entries as `outputs["kv"]`; the caller writes them into the cache after the
             scan, in place (`models.kv_cache.write_tokens`). Writing inside the scan would make
             XLA copy the whole cache, since the layers read what the writes overwrite.
-        dropout_key: training's LoRA dropout key; layer `i` gets it folded with `i`.
 
     Returns:
         (h, outputs): the final hidden state and every layer's outputs stacked on a leading
         layer axis (the new tokens' cache entries come back as `(num_layers, batch, T, ...)`).
     """
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat: unknown policy {remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+    if remat not in REMAT:
+        raise ValueError(f"remat: unknown policy {remat!r}; valid: {', '.join(REMAT)}")
     graphdef, state = nnx.split(stack)
     num_layers = jax.tree.leaves(state)[0].shape[0]
 
@@ -115,12 +139,14 @@ def run_layers(
         layer_state, index = xs
         layer = nnx.merge(graphdef, layer_state)
         per_layer = {} if kv is None else {"kv": kv, "layer": index}
-        if dropout_key is not None:
-            per_layer["dropout_key"] = jax.random.fold_in(dropout_key, index)
-        return layer(h, **per_layer, **layer_kwargs)
+        token = _CURRENT_LAYER.set(index)
+        try:
+            return layer(h, **per_layer, **layer_kwargs)
+        finally:
+            _CURRENT_LAYER.reset(token)
 
     if remat != "none":
-        body = jax.checkpoint(body, policy=_POLICIES[remat], prevent_cse=not scan)
+        body = jax.checkpoint(body, policy=REMAT[remat].saveable, prevent_cse=not scan)
     if scan:
         return jax.lax.scan(body, h, (state, jnp.arange(num_layers, dtype=jnp.int32)))
     outputs = []

@@ -13,8 +13,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from podtrain.models import ARCHITECTURES, ModelConfig
-from podtrain.models.attention import backend_for, check_backend
-from podtrain.models.lora import LoRAConfig, LoRAParam
+from podtrain.models.kernels.attention import check_backend, resolve_backend
+from podtrain.models.kernels.exchange import resolve_exchange
+from podtrain.models.kernels.grouped_matmul import resolve_grouped_matmul
+from podtrain.models.lora import LoRAConfig, LoRAParam, apply_lora, with_base
 from podtrain.models.runner import only_layer
 from podtrain.orchestrator.config import ConfigError, validate
 from podtrain.orchestrator.optimizer import make_optimizer, make_schedule
@@ -27,9 +29,15 @@ from podtrain.sharding.state import batch_sharding, optimizer_state_shardings, r
 
 
 def model_factory(config: ModelConfig, seed: int = 0, lora: LoRAConfig | None = None) -> Callable[[], nnx.Module]:
-    """The model's constructor; with `lora` (rank > 0) the model has its adapters."""
-    lora = lora if lora is not None and lora.rank else None
-    return lambda: ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(seed), lora=lora)
+    """The model's constructor; with `lora` (rank > 0) the built model gets its adapters
+    (`models.lora.apply_lora`), inside the same traced factory, so they are born sharded too."""
+    model_class = ARCHITECTURES[config.model_type].model_class
+
+    def make() -> nnx.Module:
+        model = model_class(config, rngs=nnx.Rngs(seed))
+        return model if lora is None else apply_lora(model, lora, seed)
+
+    return make
 
 
 def trainable_filter(lora: LoRAConfig):
@@ -96,10 +104,15 @@ class Training:
         return create_sharded_state(model_factory(self.config.model, self.config.train.seed, self.config.lora),
                                     self.mesh, self.config.sharding.rules, layer_slice=only_layer, keep=keep)
 
+    def _from_base(self, base: nnx.State, keep) -> nnx.State:
+        """The variables `keep` matches of the model with adapters, from `base`, the parameters of
+        the model without them (a LoRA run's loaded base)."""
+        return with_base(nnx.merge(self.graphdef, self.abstract_params), base, keep)
+
     def init_state(self, base: nnx.State | None = None) -> TrainState:
         """Creates the trained params born sharded from `train.seed` (a LoRA run's adapters; with
-        a loaded `base`, its trained leaves, DeepSeek-V3's router biases, come from it), then the
-        optimizer state."""
+        a loaded `base` (parameters of the model without adapters), its trained leaves, DeepSeek-V3's
+        router biases, come from it), then the optimizer state."""
 
         def init(params):  # the optimizer state is born sharded, as the params are
             return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
@@ -107,7 +120,8 @@ class Training:
         if base is None:
             params = self._create(None if self.frozen_shardings is None else self.trainable)
         else:
-            params = nnx.merge_state(self._create(LoRAParam), nnx.filter_state(base, self.trainable))
+            routers = nnx.All(self.trainable, nnx.Not(LoRAParam))
+            params = nnx.merge_state(self._create(LoRAParam), self._from_base(base, routers))
         return jax.jit(init, in_shardings=(self.state_shardings.params,), out_shardings=self.state_shardings)(params)
 
     def init_frozen(self, base: nnx.State | None = None) -> nnx.State | None:
@@ -116,7 +130,7 @@ class Training:
         if self.frozen_shardings is None:
             return None
         frozen = nnx.Not(self.trainable)
-        return self._create(frozen) if base is None else nnx.filter_state(base, frozen)
+        return self._create(frozen) if base is None else self._from_base(base, frozen)
 
 
 def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -129,22 +143,27 @@ def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Me
         raise ConfigError(str(e)) from None
 
 
-def resolve_attention(config: Config, platform: str) -> Config:
-    """`config` with `model.attention` resolved for devices of `platform` (the one place "auto" is
-    decided for a run); a ConfigError when the chosen backend cannot run there."""
+def resolve_kernels(config: Config, platform: str) -> Config:
+    """`config` with its kernels resolved for devices of `platform` (the one place "auto" is
+    decided for a run, and the only question asked of the platform): `model.attention`,
+    `model.moe.grouped_matmul`, `model.moe.exchange`, and `model.interpret_kernels` (Pallas
+    kernels interpreted on CPU devices). A ConfigError when the chosen attention cannot run there."""
     m = config.model
     try:
         check_backend(m.attention, platform, m.dtype, config.train.seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    attention = backend_for(m.attention, platform, m.dtype, config.train.seq_len)
-    return dataclasses.replace(config, model=dataclasses.replace(m, attention=attention))
+    moe = dataclasses.replace(m.moe, grouped_matmul=resolve_grouped_matmul(m.moe.grouped_matmul, platform),
+                              exchange=resolve_exchange(m.moe.exchange, platform))
+    model = dataclasses.replace(m, attention=resolve_backend(m.attention, platform, m.dtype, config.train.seq_len),
+                                moe=moe, interpret_kernels=m.interpret_kernels or platform == "cpu")
+    return dataclasses.replace(config, model=model)
 
 
 def build_training(config: Config, devices: Sequence[jax.Device] | None = None) -> Training:
     """Validates `config` against the devices, then builds mesh, abstract model, optimizer and step."""
     mesh = make_mesh(config, devices)
-    config = resolve_attention(config, mesh.devices.flat[0].platform)
+    config = resolve_kernels(config, mesh.devices.flat[0].platform)
     rules = config.sharding.rules
     graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed, config.lora), mesh, rules)
     trained, frozen = split_trained(abstract, config.lora)

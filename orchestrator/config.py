@@ -19,7 +19,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from podtrain.models.attention import check_backend
+from podtrain.models.kernels.attention import check_backend
+from podtrain.models.lora import check_targets
 from podtrain.orchestrator.schema import OPTIMIZERS, SCHEDULES, Config
 from podtrain.sharding.mesh import resolve_axis_sizes
 from podtrain.sharding.rules import check_rules, logical_to_spec, sharded_over
@@ -244,18 +245,6 @@ def cluster_platform(cluster) -> str | None:
     return {"tpu": "tpu", "gpu": "gpu", "local": "cpu"}.get(cluster.kind)
 
 
-def _validate_lora(config: Config) -> None:
-    lora, m = config.lora, config.model
-    if not lora.rank:
-        return
-    if m.tie_word_embeddings and "lm_head" in lora.targets:
-        raise ConfigError("lora.targets: lm_head is the embedding in a model with tied embeddings "
-                          "(model.tie_word_embeddings); target embed_tokens instead")
-    if "experts" in lora.targets and not (m.model_type == "deepseek_v3" and m.num_moe_layers):
-        raise ConfigError(f"lora.targets: experts adapts routed experts, and this {m.model_type} model has none; "
-                          "remove it from lora.targets")
-
-
 def validate(config: Config, num_devices: int | None = None) -> dict[str, int] | None:
     """Cross-field rules; with `num_devices`, also the mesh against the devices present.
 
@@ -265,6 +254,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     try:
         config.model.validate()
         config.lora.validate()
+        check_targets(config.lora, config.model)
         config.data.validate()
         config.checkpoint.validate()
         config.cluster.validate()
@@ -275,7 +265,6 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     except ValueError as e:
         raise ConfigError(str(e)) from None
     m, mesh = config.model, config.mesh
-    _validate_lora(config)
     platform = cluster_platform(config.cluster)
     if platform is not None:
         try:
@@ -352,7 +341,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
                             what=f"the micro-batch of train.batch_size / train.grad_accum={config.train.grad_accum}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if m.model_type == "deepseek_v3" and m.num_moe_layers:
+    if m.num_moe_layers:
         axes, shards = sharded_over(("experts",), sizes, config.sharding.rules)
         token_axes, _ = sharded_over(("batch", "seq"), sizes, config.sharding.rules)
         if len(axes) > 1 or not set(axes) <= set(token_axes):

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from podtrain.models import from_hf
-from podtrain.models.lora import LoRAParam, merged
+from podtrain.models.lora import LoRAParam, apply_lora, merged, with_base
 from podtrain.models.peft import load_peft, read_peft_config
 from podtrain.orchestrator.build import Training, build_training, make_mesh, model_factory
 from podtrain.orchestrator.checkpoint import Checkpointer
@@ -214,9 +214,10 @@ def with_peft_adapter(model: nnx.Module, adapter: str, rules=None) -> nnx.Module
         config = model.config
         state = nnx.state(model)
         mesh = next(iter(jax.tree.leaves(state))).sharding.mesh
-        factory = lambda: type(model)(config, rngs=nnx.Rngs(0), lora=lora)  # noqa: E731
-        graphdef, _ = abstract_model(factory, mesh, rules)
-        adapted = nnx.merge(graphdef, state, create_sharded_state(factory, mesh, rules, keep=LoRAParam))
+        factory = lambda: apply_lora(type(model)(config, rngs=nnx.Rngs(0)), lora)  # noqa: E731
+        graphdef, abstract = abstract_model(factory, mesh, rules)
+        base = with_base(nnx.merge(graphdef, abstract), state)
+        adapted = nnx.merge(graphdef, base, create_sharded_state(factory, mesh, rules, keep=LoRAParam))
         load_peft(adapted, config, Path(adapter).expanduser())
     except ValueError as e:
         raise ConfigError(f"adapter={adapter}: {e}") from None

@@ -10,12 +10,12 @@ import numpy as np
 from flax import nnx
 
 from podtrain.models import flops_per_token
+from podtrain.models.moe.dispatch import capacity
+from podtrain.models.moe.dropless import buffer_rows
 from podtrain.orchestrator.build import Training
 from podtrain.orchestrator.targets import verdict_line
-from podtrain.sharding.experts import capacity
 from podtrain.sharding.mesh import describe_mesh
 from podtrain.sharding.place import path_str
-from podtrain.sharding.ragged import buffer_rows
 from podtrain.sharding.rules import sharded_over
 
 

@@ -10,6 +10,7 @@ import optax
 from flax import nnx, struct
 
 from podtrain.models import causal_lm_loss
+from podtrain.models.lora import dropout, dropout_key
 from podtrain.models.loss import chunked_causal_lm_loss
 
 
@@ -38,8 +39,9 @@ def make_train_step(
     MoE models add `expert_load` (tokens per expert per MoE layer) and `dropped_tokens` to the
     metrics; `expert_bias_rate` > 0 then moves the router biases towards balance after the update
     (with a frozen base, `trainable` is the filter of the trained params, the biases among them).
-    With `dropout_seed` the model's LoRA dropout draws from that seed's key folded with the step
-    (and the micro-batch), so a resumed run drops what the uninterrupted one would have.
+    With `dropout_seed` the adapters' dropout draws from that seed's adapter stream folded with the
+    step and the micro-batch (`models.lora.dropout_key`), so a resumed run drops what the
+    uninterrupted one would have.
     """
 
     grad_fn = jax.value_and_grad(make_eval_step(graphdef, loss_chunk=loss_chunk), has_aux=True)
@@ -60,7 +62,7 @@ def make_train_step(
         return (total, (count, jax.tree.map(lambda x: x.sum(0), stats))), grads
 
     def train_step(state: TrainState, batch: dict, frozen: nnx.State | None = None):
-        key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+        key = None if dropout_seed is None else dropout_key(dropout_seed, state.step)
         (total, (count, stats)), grads = (
             grad_fn(state.params, batch, frozen, key) if grad_accum == 1
             else accumulate(state.params, batch, frozen, key)
@@ -84,24 +86,24 @@ def make_train_step(
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, loss_chunk: int = 0) -> Callable:
-    """`(params, batch, frozen, dropout_key) -> (loss_sum, (num_tokens, stats))`: the training loss
+    """`(params, batch, frozen, key) -> (loss_sum, (num_tokens, stats))`: the training loss
     without an update, of the model of `params` and the `frozen` base of a LoRA run (None without);
-    `dropout_key` (training) drops the adapters' inputs, None (evaluation) nothing.
+    `key` (training) drops the adapters' inputs (`models.lora.dropout`), None (evaluation) nothing.
 
     `stats` holds the model's layer statistics (MoE expert loads; empty for dense models).
     """
 
-    def eval_step(params, batch, frozen=None, dropout_key=None):
+    def eval_step(params, batch, frozen=None, key=None):
         model = nnx.merge(graphdef, params, *(() if frozen is None else (frozen,)))
-        kwargs = {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids"), "return_stats": True,
-                  "dropout_key": dropout_key}
-        if loss_chunk:
-            h, stats = model(batch["inputs"], return_hidden=True, **kwargs)
-            loss, count = chunked_causal_lm_loss(h, model.head(stored=True), batch["targets"],
-                                                 batch["weights"], chunk=loss_chunk)
-        else:
-            logits, stats = model(batch["inputs"], **kwargs)
-            loss, count = causal_lm_loss(logits, batch["targets"], batch["weights"])
+        inputs = (batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+        with dropout(key):
+            if loss_chunk:
+                h, _, stats = model.hidden_states(*inputs)
+                loss, count = chunked_causal_lm_loss(h, model.head(stored=True), batch["targets"],
+                                                     batch["weights"], chunk=loss_chunk)
+            else:
+                logits, _, stats = model(*inputs)
+                loss, count = causal_lm_loss(logits, batch["targets"], batch["weights"])
         return loss * count, (count, stats)
 
     return eval_step

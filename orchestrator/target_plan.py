@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from podtrain.models import flops_per_token
-from podtrain.models.attention import backend_for
+from podtrain.models.kernels.attention import resolve_backend
+from podtrain.models.runner import REMAT
 from podtrain.orchestrator.build import Training, build_training
 from podtrain.orchestrator.config import ConfigError, apply_overrides
 from podtrain.orchestrator.hlo_comm import as_rows, collectives, summarize
@@ -132,14 +133,13 @@ def ideal_traffic(training: Training) -> dict:
     if m.num_moe_layers and ep > 1:
         # Each token's hidden state to its routed experts and back (dispatch and combine), in the
         # forward pass, the remat recompute and the backward pass.
-        passes = 3 if m.remat == "full" else 2
+        passes = 3 if REMAT[m.remat].reruns_forward else 2
         routed = tokens * m.moe.num_experts_per_tok * m.hidden_size * itemsize * (ep - 1) / ep
         experts_axes = axes_of(logical_to_spec(("experts",), sizes, rules=rules)[0])
         add("all-to-all", experts_axes, m.num_moe_layers * 2 * passes * routed)
     tp = sizes.get("tp", 1)
     if tp > 1:
-        recompute = 1 if m.remat in ("full", "save_attn_out", "save_qkv_attn_out") else 0
-        count = (4 + recompute) * m.num_layers + 1
+        count = (4 + REMAT[m.remat].tp_all_reduces_again) * m.num_layers + 1
         share = 2 * (tp - 1) / tp
         add("all-reduce", ["tp"], count * share * tokens * m.hidden_size * itemsize)
         add("all-reduce", ["tp"], share * tokens * (itemsize + 2 * 4))  # the logits' max; two float32 sums
@@ -151,7 +151,7 @@ def roofline(training: Training, target: Target, traffic: list[dict]) -> dict:
     chip's peak (assuming they overlap). An estimate, not a measurement."""
     config, chip = training.config, target.chip
     model_flops = flops_per_token(config.model, config.train.seq_len) * config.train.batch_size * config.train.seq_len
-    recompute = 4 / 3 if config.model.remat == "full" else 1.0  # full remat runs the forward pass twice
+    recompute = 4 / 3 if REMAT[config.model.remat].reruns_forward else 1.0  # the forward pass twice
     compute_s = model_flops * recompute / (target.devices * chip.peak_flops)
     params = sum(math.prod(v.get_value().shape) for _, v in nnx.to_flat_state(training.abstract_params))
     itemsize = np.dtype(config.model.dtype).itemsize
@@ -186,7 +186,7 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
     devices = compile_devices(target) if devices is None else devices
     m = config.model
     attention_note = None
-    if target.chip.platform == "cuda" and backend_for(m.attention, "gpu", m.dtype, config.train.seq_len) == "cudnn":
+    if target.chip.platform == "cuda" and resolve_backend(m.attention, "gpu", m.dtype, config.train.seq_len) == "cudnn":
         # JAX traces cuDNN attention only with a GPU and its cuDNN present.
         config = dataclasses.replace(config, model=dataclasses.replace(m, attention="xla"))
         attention_note = ("cuDNN attention cannot be compiled without a GPU: compiled with model.attention=xla, "

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podtrain.models.attention import attention, backend_for, make_mask
-from podtrain.orchestrator.build import build_training, resolve_attention
+from podtrain.models.attention import make_mask, self_attention
+from podtrain.models.kernels.attention import resolve_backend
+from podtrain.orchestrator.build import build_training, resolve_kernels
 from podtrain.orchestrator.config import ConfigError, load_config
 from podtrain.orchestrator.step import TrainState
 
@@ -40,7 +41,7 @@ def test_splash_equals_the_xla_reference_with_causal_segments_and_gqa(heads, kv_
     segments, positions = packed(b, t)
 
     def loss(backend, q, k, v):
-        out = attention(q, k, v, make_mask(backend, positions, positions, segments), scale=d**-0.5)
+        out = self_attention(q, k, v, make_mask(backend, positions, positions, segments, interpret=True), scale=d**-0.5)
         return jnp.sum(out * cotangent), out
 
     grads = {}
@@ -87,14 +88,18 @@ def test_a_sharded_train_step_with_splash_equals_xla():
 
 
 def test_auto_picks_the_kernel_of_the_platform_in_one_place():
-    assert backend_for("auto", "tpu") == "splash"
-    assert backend_for("auto", "gpu", "bfloat16") == "cudnn"
-    assert backend_for("auto", "gpu", "float32") == "xla"
-    assert backend_for("auto", "cpu") == "xla"
-    assert backend_for("xla", "tpu") == "xla"
+    assert resolve_backend("auto", "tpu") == "splash"
+    assert resolve_backend("auto", "gpu", "bfloat16") == "cudnn"
+    assert resolve_backend("auto", "gpu", "float32") == "xla"
+    assert resolve_backend("auto", "cpu") == "xla"
+    assert resolve_backend("xla", "tpu") == "xla"
     config = load_config("llama3-tiny", ["train.seq_len=128"])
-    assert resolve_attention(config, "tpu").model.attention == "splash"
-    assert resolve_attention(config, "cpu").model.attention == "xla"
+    tpu, cpu = resolve_kernels(config, "tpu").model, resolve_kernels(config, "cpu").model
+    assert (tpu.attention, tpu.moe.grouped_matmul, tpu.moe.exchange, tpu.interpret_kernels) == (
+        "splash", "megablox", "ragged_all_to_all", False)
+    assert (cpu.attention, cpu.moe.grouped_matmul, cpu.moe.exchange, cpu.interpret_kernels) == (
+        "xla", "ragged_dot", "all_to_all", True)
+    assert resolve_kernels(config, "gpu").model.moe.grouped_matmul == "ragged_dot"
     assert build_training(config).config.model.attention == "xla"
 
 

@@ -161,7 +161,7 @@ def test_tensor_parallel_cached_attention_needs_no_collective(tokens):
     """With the query and kv heads sharded over tp=2, cached attention (a decode step's one token,
     and a prefill chunk) compiles to a program without any collective: each device reads only its
     own kv heads' cache slots, never another device's."""
-    from podtrain.models.layers import cached_attention
+    from podtrain.models.attention import cached_attention
 
     mesh = build_mesh(dict(tp=2), jax.devices()[:2])
     rng = np.random.default_rng(3)
@@ -196,7 +196,7 @@ def test_decode_step_updates_the_stacked_cache_in_place():
     config = TINY.replace(num_layers=4)
     model = Llama(config, rngs=nnx.Rngs(0))
     cache = model.init_cache(2, 4096)
-    step = jax.jit(lambda m, token, cache: m(token, kv_cache=cache), donate_argnums=2)
+    step = jax.jit(lambda m, token, cache: m(token, cache=cache)[:2], donate_argnums=2)
     compiled = step.lower(model, jnp.zeros((2, 1), jnp.int32), cache).compile()
     cache_shape = ",".join(map(str, cache.k[0].shape))
     copies = re.findall(rf"f32\[{cache_shape}\]\S* (?:copy|fusion)\(", compiled.as_text())
@@ -211,7 +211,7 @@ def test_decode_step_updates_the_stacked_cache_in_place():
     tokens = jnp.asarray([[5], [9]], jnp.int32)
     logits, cache = compiled(model, tokens, cache)
     logits_2, _ = compiled(model, tokens + 1, cache)
-    want, want_cache = model(tokens, kv_cache=model.init_cache(2, 4096))
-    want_2, _ = model(tokens + 1, kv_cache=want_cache)
+    want, want_cache, _ = model(tokens, cache=model.init_cache(2, 4096))
+    want_2, _, _ = model(tokens + 1, cache=want_cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(logits_2), np.asarray(want_2), rtol=1e-5, atol=1e-5)

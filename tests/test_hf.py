@@ -52,7 +52,7 @@ def _batch(vocab_size: int):
 
 
 # One jitted forward for the whole file: models of the same config and placement share its compilation.
-_forward = jax.jit(lambda m, ids, mask: m(ids, attention_mask=mask))
+_forward = jax.jit(lambda m, ids, mask: m(ids, attention_mask=mask)[0])
 
 
 def _our_logits(model, input_ids, attention_mask, mesh):

@@ -1,5 +1,5 @@
-"""LoRA adapters on stacked layers: new adapters change nothing, merged weights equal base + adapter,
-adapters stacked and sharded like the weights they adapt."""
+"""LoRA adapters applied to a built model: new adapters change nothing, merged weights equal base +
+adapter, adapters stacked and sharded like the weights they adapt, dropout in training only."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from podtrain.models import ARCHITECTURES
-from podtrain.models.lora import TARGETS, Adapter, LoRAConfig, LoRAParam, merged
+from podtrain.models.lora import TARGETS, Adapter, LoRAConfig, LoRAParam, apply_lora, dropout, merged
 from podtrain.orchestrator.config import load_config
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model
@@ -28,7 +28,7 @@ def _models(preset: str, rank: int = 4):
     config = load_config(preset).model.replace(scan_layers=True)
     cls = ARCHITECTURES[config.model_type].model_class
     lora = LoRAConfig(rank=rank, alpha=8.0, targets=_every_target(config))
-    return config, cls(config, rngs=nnx.Rngs(0), lora=lora), cls(config, rngs=nnx.Rngs(0))
+    return config, apply_lora(cls(config, rngs=nnx.Rngs(0)), lora), cls(config, rngs=nnx.Rngs(0))
 
 
 def _ids(config, batch=2, seq=12):
@@ -38,11 +38,14 @@ def _ids(config, batch=2, seq=12):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_new_adapters_leave_the_base_and_the_logits_unchanged(preset):
     config, adapted, plain = _models(preset)
-    base = nnx.state(adapted, nnx.All(nnx.Param, nnx.Not(LoRAParam)))
-    for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(nnx.state(plain, nnx.Param)), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Every base weight, by its path in the model without adapters, is the plain model's; a new
+    # adapter's update is zero.
+    base, want = dict(nnx.to_flat_state(merged(adapted))), dict(nnx.to_flat_state(nnx.state(plain)))
+    assert base.keys() == want.keys()
+    for path, value in want.items():
+        np.testing.assert_array_equal(np.asarray(base[path].get_value()), np.asarray(value.get_value()))
     ids = _ids(config)
-    np.testing.assert_array_equal(np.asarray(adapted(ids)), np.asarray(plain(ids)))
+    np.testing.assert_array_equal(np.asarray(adapted(ids)[0]), np.asarray(plain(ids)[0]))
 
 
 def _randomise_adapters(model, seed=1):
@@ -50,7 +53,7 @@ def _randomise_adapters(model, seed=1):
     rng = np.random.default_rng(seed)
     for _, module in nnx.iter_modules(model):
         if isinstance(module, Adapter):
-            for p in (module.a, module.b):
+            for p in (module.lora_a, module.lora_b):
                 p.set_value(jnp.asarray(rng.normal(scale=0.05, size=p.shape), p.dtype))
 
 
@@ -60,15 +63,15 @@ def test_merged_weights_give_the_logits_of_base_plus_adapter(preset):
     _randomise_adapters(adapted)
     nnx.update(plain, merged(adapted))
     ids = _ids(config)
-    want = np.asarray(adapted(ids))
-    np.testing.assert_allclose(np.asarray(plain(ids)), want, rtol=1e-5, atol=1e-5)
+    want = np.asarray(adapted(ids)[0])
+    np.testing.assert_allclose(np.asarray(plain(ids)[0]), want, rtol=1e-5, atol=1e-5)
     # The adapters change the model, and the merged weights follow them.
     _, _, untouched = _models(preset)
-    assert np.abs(np.asarray(untouched(ids)) - want).max() > 1e-3
+    assert np.abs(np.asarray(untouched(ids)[0]) - want).max() > 1e-3
     # Decoding from a cache (DeepSeek-V3 absorbs kv_b into the queries there) agrees too.
     cache_a, cache_p = adapted.init_cache(2, 16), plain.init_cache(2, 16)
-    got_a, _ = adapted(ids, kv_cache=cache_a)
-    got_p, _ = plain(ids, kv_cache=cache_p)
+    got_a, _, _ = adapted(ids, cache=cache_a)
+    got_p, _, _ = plain(ids, cache=cache_p)
     np.testing.assert_allclose(np.asarray(got_a), want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(got_p), np.asarray(got_a), rtol=1e-5, atol=1e-5)
 
@@ -78,32 +81,33 @@ def test_adapters_are_stacked_and_sharded_like_their_weights():
     lora = LoRAConfig(rank=8, targets=("q_proj", "o_proj", "down_proj", "lm_head", "embed_tokens"))
     mesh = build_mesh({"fsdp": 2, "tp": 2}, jax.devices()[:4])
     cls = ARCHITECTURES[config.model_type].model_class
-    _, state = abstract_model(lambda: cls(config, rngs=nnx.Rngs(0), lora=lora), mesh, DEFAULT_RULES)
+    _, state = abstract_model(lambda: apply_lora(cls(config, rngs=nnx.Rngs(0)), lora), mesh, DEFAULT_RULES)
     layers = state["layers"]
     L, D, H, HD = config.num_layers, config.hidden_size, config.num_heads, config.head_dim
 
     def spec(v):
         return tuple(v.get_value().sharding.spec), v.get_value().shape
 
-    assert spec(layers["attn"]["wq_lora"]["a"]) == ((None, "fsdp", None), (L, D, 8))
-    assert spec(layers["attn"]["wq_lora"]["b"]) == ((None, None, "tp", None), (L, 8, H, HD))
-    assert spec(layers["attn"]["wo_lora"]["a"]) == ((None, "tp", None, None), (L, H, HD, 8))
-    assert spec(layers["mlp"]["w_down_lora"]["a"]) == ((None, "tp", None), (L, config.intermediate_size, 8))
-    assert spec(state["lm_head_lora"]["b"]) == ((None, "tp"), (8, config.vocab_size))
-    assert spec(state["embed_lora"]["a"]) == (("tp", None), (config.vocab_size, 8))
-    assert "wk_lora" not in layers["attn"] or layers["attn"]["wk_lora"] is None
+    assert spec(layers["attn"]["wq"]["lora_a"]) == ((None, "fsdp", None), (L, D, 8))
+    assert spec(layers["attn"]["wq"]["lora_b"]) == ((None, None, "tp", None), (L, 8, H, HD))
+    assert spec(layers["attn"]["wq"]["base"]) == ((None, "fsdp", "tp", None), (L, D, H, HD))
+    assert spec(layers["attn"]["wo"]["lora_a"]) == ((None, "tp", None, None), (L, H, HD, 8))
+    assert spec(layers["mlp"]["w_down"]["lora_a"]) == ((None, "tp", None), (L, config.intermediate_size, 8))
+    assert spec(state["lm_head"]["lora_b"]) == ((None, "tp"), (8, config.vocab_size))
+    assert spec(state["embed"]["lora_a"]) == (("tp", None), (config.vocab_size, 8))
+    assert isinstance(layers["attn"]["wk"], nnx.Variable)  # not targeted: the weight itself
 
 
 def test_bad_lora_settings_name_the_key():
     config = load_config("llama3-tiny").model
     cls = ARCHITECTURES[config.model_type].model_class
     with pytest.raises(ValueError, match=r"^lora.targets: unknown module name\(s\) \['qproj'\]; expected some of"):
-        cls(config, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4, targets=("qproj",)))
+        apply_lora(cls(config, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=("qproj",)))
     with pytest.raises(ValueError, match=r"^lora.rank: expected 0 \(no adapters\) or a positive integer, found -1"):
-        cls(config, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=-1))
+        LoRAConfig(rank=-1).validate()
     tied = config.replace(tie_word_embeddings=True)
     with pytest.raises(ValueError, match=r"^lora.targets: lm_head is the embedding"):
-        cls(tied, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4, targets=("lm_head",)))
+        apply_lora(cls(tied, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=("lm_head",)))
     from podtrain.orchestrator.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"^lora.targets: experts adapts routed experts, and this llama model has "
@@ -140,7 +144,7 @@ def test_a_lora_run_trains_only_the_adapters_and_keeps_the_base(preset, extra):
     trained_size = sum(v.size for v in jax.tree.leaves(state.params))
     moments = sum(v.size for v in jax.tree.leaves(state.opt_state) if v.ndim)
     assert moments == 2 * trained_size  # AdamW: two moments per trained parameter
-    b_before = [np.asarray(v.get_value()) for path, v in trained if path[-1] == "b"]
+    b_before = [np.asarray(v.get_value()) for path, v in trained if path[-1] == "lora_b"]
     losses = []
     for _ in range(3):
         state, metrics = training.step(state, random_batch(training, seed=0), frozen)
@@ -148,7 +152,7 @@ def test_a_lora_run_trains_only_the_adapters_and_keeps_the_base(preset, extra):
     assert losses[-1] < losses[0], losses
     for got, want in zip(jax.tree.leaves(frozen), base_before, strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
-    b_after = [np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state.params) if path[-1] == "b"]
+    b_after = [np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state.params) if path[-1] == "lora_b"]
     assert all(np.abs(a - b).max() > 0 for a, b in zip(b_after, b_before, strict=True))
     fresh = jax.tree.leaves(training.init_frozen())
     for got, want in zip(fresh, base_before, strict=True):  # the base is the one train.seed makes
@@ -191,7 +195,7 @@ def test_lora_on_the_experts_trains_the_same_with_ep2_as_with_ep1():
     for name, mesh in {"ep2": ["mesh.ep=2", "mesh.fsdp=1"], "ep1": ["mesh.ep=1", "mesh.fsdp=2"]}.items():
         training = build_training(load("deepseek-v3-tiny", overrides + mesh), jax.devices()[:2])
         state, frozen = training.init_state(), training.init_frozen()
-        expert_a = state.params["moe_layers"]["mlp"]["w_gate_up_lora"]["a"].get_value()
+        expert_a = state.params["moe_layers"]["mlp"]["gate_up"]["lora_a"].get_value()
         assert tuple(expert_a.sharding.spec)[:2] == (None, "ep" if name == "ep2" else None)
         losses = []
         for step in range(3):
@@ -200,7 +204,7 @@ def test_lora_on_the_experts_trains_the_same_with_ep2_as_with_ep1():
         runs[name] = losses, {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state.params)}
     np.testing.assert_allclose(runs["ep2"][0], runs["ep1"][0], rtol=1e-5)
     assert runs["ep2"][0][-1] < runs["ep2"][0][0]
-    experts = [path for path in runs["ep1"][1] if "w_gate_up_lora" in path or "w_down_lora" in path]
+    experts = [path for path in runs["ep1"][1] if "gate_up" in path or "down" in path]
     assert len(experts) == 4
     for path, want in runs["ep1"][1].items():
         np.testing.assert_allclose(runs["ep2"][1][path], want, rtol=1e-5, atol=1e-6, err_msg=str(path))
@@ -210,22 +214,28 @@ def test_lora_dropout_drops_each_adapters_inputs_in_training_only():
     config = load_config("llama3-tiny").model.replace(scan_layers=True)
     cls = ARCHITECTURES[config.model_type].model_class
     targets = ("q_proj", "v_proj", "down_proj")
-    dropping = cls(config, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4, dropout=0.25, targets=targets))
-    plain = cls(config, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4, targets=targets))
+    dropping = apply_lora(cls(config, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, dropout=0.25, targets=targets))
+    plain = apply_lora(cls(config, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=targets))
     _randomise_adapters(dropping)
     _randomise_adapters(plain)
     ids, key = _ids(config), jax.random.key(0)
-    undropped = np.asarray(plain(ids))
-    np.testing.assert_array_equal(np.asarray(dropping(ids)), undropped)  # no key: evaluation, generation
-    np.testing.assert_array_equal(np.asarray(plain(ids, dropout_key=key)), undropped)  # rate 0
-    dropped = np.asarray(dropping(ids, dropout_key=key))
-    np.testing.assert_array_equal(np.asarray(dropping(ids, dropout_key=key)), dropped)
+
+    def logits(model, key=None):
+        with dropout(key):
+            return np.asarray(model(ids)[0])
+
+    undropped = logits(plain)
+    np.testing.assert_array_equal(logits(dropping), undropped)  # no key: evaluation, generation
+    np.testing.assert_array_equal(logits(plain, key), undropped)  # rate 0
+    dropped = logits(dropping, key)
+    np.testing.assert_array_equal(logits(dropping, key), dropped)
     assert np.abs(dropped - undropped).max() > 1e-3
-    assert np.abs(np.asarray(dropping(ids, dropout_key=jax.random.key(1))) - dropped).max() > 1e-3
+    assert np.abs(logits(dropping, jax.random.key(1)) - dropped).max() > 1e-3
     # An input's entries are dropped at the rate and the rest scaled by 1 / (1 - rate); each target
     # of a layer draws its own mask.
     x = jnp.ones((64, 256))
-    masks = [np.asarray(a.dropped(x, key)) for a in (dropping.layers.attn.wq_lora, dropping.layers.attn.wv_lora)]
+    with dropout(key):
+        masks = [np.asarray(a.dropped(x)) for a in (dropping.layers.attn.wq, dropping.layers.attn.wv)]
     for mask in masks:
         assert set(np.unique(mask).tolist()) == {0.0, np.float32(1 / 0.75)}
         assert abs((mask == 0).mean() - 0.25) < 0.01
@@ -256,6 +266,6 @@ def test_lora_dropout_is_refused_where_it_is_not_applied():
     for targets in (("q_b_proj", "experts"), ("o_proj", "lm_head")):
         with pytest.raises(ValueError, match=r"^lora.dropout: expected 0 with the target\(s\) \['(experts|lm_head)'\], "
                                              r"found 0.1 .*set lora.dropout=0 or leave them out"):
-            cls(config, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4, dropout=0.1, targets=targets))
+            apply_lora(cls(config, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, dropout=0.1, targets=targets))
     with pytest.raises(ValueError, match=r"^lora.dropout: expected a rate in \[0, 1\), found 1.0"):
         LoRAConfig(rank=4, dropout=1.0).validate()

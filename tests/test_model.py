@@ -7,9 +7,8 @@ import pytest
 from flax import nnx
 
 from podtrain.models import KVCache, Llama, ModelConfig, RopeConfig, causal_lm_loss
-from podtrain.models.config import REMAT_POLICIES
 from podtrain.models.loss import chunked_causal_lm_loss
-from podtrain.models.runner import only_layer
+from podtrain.models.runner import REMAT, only_layer
 from podtrain.sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
 
 TINY = ModelConfig(
@@ -23,11 +22,11 @@ def tokens(batch=2, seq=12, seed=0, vocab=97):
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (batch, seq)), jnp.int32)
 
 
-def loss_and_grads(model, ids, **kwargs):
+def loss_and_grads(model, ids):
     graphdef, params = nnx.split(model)
 
     def loss(params):
-        logits = nnx.merge(graphdef, params)(ids[:, :-1], **kwargs)
+        logits, _, _ = nnx.merge(graphdef, params)(ids[:, :-1])
         return causal_lm_loss(logits, ids[:, 1:])[0]
 
     return jax.jit(jax.value_and_grad(loss))(params)
@@ -47,7 +46,7 @@ def test_layers_are_stacked_at_creation():
 # Every policy on Llama; on Qwen3 (q/k norms and biases between the named projections) the
 # policies that save names.
 @pytest.mark.parametrize("config, policies", [
-    (TINY, REMAT_POLICIES), (QWEN, ("none", "save_attn_out", "save_qkv_attn_out")),
+    (TINY, tuple(REMAT)), (QWEN, ("none", "save_attn_out", "save_qkv_attn_out")),
 ], ids=["llama", "qwen3"])
 def test_remat_policies_give_equal_logits_and_gradients(config, policies):
     ids = tokens()
@@ -65,11 +64,12 @@ def test_remat_policies_give_equal_logits_and_gradients(config, policies):
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_scan_equals_plain_layer_loop(remat):
-    model = Llama(QWEN.replace(remat=remat), rngs=nnx.Rngs(1))
+    scanned_model = Llama(QWEN.replace(remat=remat), rngs=nnx.Rngs(1))
+    loop_model = Llama(QWEN.replace(remat=remat, scan_layers=False), rngs=nnx.Rngs(1))
     ids = tokens(seed=1)
-    forward = jax.jit(lambda m, x, scan: m(x, scan=scan), static_argnums=2)
-    np.testing.assert_allclose(forward(model, ids, True), forward(model, ids, False), rtol=1e-5, atol=1e-6)
-    scanned, loop = loss_and_grads(model, ids, scan=True), loss_and_grads(model, ids, scan=False)
+    forward = jax.jit(lambda m, x: m(x)[0])
+    np.testing.assert_allclose(forward(scanned_model, ids), forward(loop_model, ids), rtol=1e-5, atol=1e-6)
+    scanned, loop = loss_and_grads(scanned_model, ids), loss_and_grads(loop_model, ids)
     np.testing.assert_allclose(scanned[0], loop[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(scanned[1]), jax.tree.leaves(loop[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -84,7 +84,7 @@ def test_cached_decode_equals_full_forward():
     prompts = np.where(np.arange(6)[None] < lengths[:, None], ids[:, :6], 0)
     cache = model.init_cache(batch=2, max_len=16)
     assert isinstance(cache, KVCache) and cache.k[0].shape == (3, 2, 16, 2, 24)
-    run = jax.jit(lambda m, ids, positions, mask, cache: m(ids, positions, mask, kv_cache=cache))
+    run = jax.jit(lambda m, ids, positions, mask, cache: m(ids, positions, cache=cache, attention_mask=mask)[:2])
     logits, cache = run(model, prompts, np.broadcast_to(np.arange(6), (2, 6)), np.arange(6)[None] < lengths[:, None],
                         cache)
     steps = [logits[np.arange(2), lengths - 1]]
@@ -93,7 +93,7 @@ def test_cached_decode_equals_full_forward():
         step_ids = ids[np.arange(2), lengths + t][:, None]
         logits, cache = run(model, step_ids, (lengths + t)[:, None], np.ones((2, 1), bool), cache)
         steps.append(logits[:, 0])
-    full = jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids))
+    full = jax.jit(lambda m, x: m(x)[0])(model, jnp.asarray(ids))
     for row in range(2):
         got = np.stack([step[row] for step in steps])
         np.testing.assert_allclose(got, full[row, lengths[row] - 1: lengths[row] + 4], rtol=1e-5, atol=1e-5)
@@ -111,7 +111,7 @@ def test_one_token_cached_attention_equals_a_dense_softmax(kv_heads, group, dims
     """`cached_attention` of one new token (a decode step) against a plain masked softmax over
     the layer's filled slots and the token itself: rows of different lengths, a padding token
     (key position -1, which still attends but is not attended to), GQA and MLA's two key parts."""
-    from podtrain.models.layers import cached_attention
+    from podtrain.models.attention import cached_attention
 
     rng = np.random.default_rng(7)
     batch, layers, layer, e = 3, 3, 1, dims[0]
@@ -156,14 +156,14 @@ def test_padding_and_segments_do_not_leak():
     other = ids.at[:, :4].set((ids[:, :4] + 1) % 97)
     segments = jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 2]])
     positions = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 3]])
-    a = model(ids, positions=positions, segment_ids=segments)
-    b = model(other, positions=positions, segment_ids=segments)
+    a = model(ids, positions=positions, segment_ids=segments)[0]
+    b = model(other, positions=positions, segment_ids=segments)[0]
     np.testing.assert_allclose(a[:, 4:], b[:, 4:], rtol=1e-6, atol=1e-6)
     assert not np.allclose(a[:, :4], b[:, :4])
     # Right padding: real positions are unaffected by what the padding holds.
     mask = jnp.asarray([[1, 1, 1, 1, 1, 0, 0, 0]])
-    pad_a = model(ids, attention_mask=mask)
-    pad_b = model(ids.at[:, 5:].set(0), attention_mask=mask)
+    pad_a = model(ids, attention_mask=mask)[0]
+    pad_b = model(ids.at[:, 5:].set(0), attention_mask=mask)[0]
     np.testing.assert_allclose(pad_a[:, :5], pad_b[:, :5], rtol=1e-6, atol=1e-6)
     assert np.all(np.isfinite(pad_a))
 
@@ -197,8 +197,8 @@ def test_sharded_model_equals_single_device(sizes):
                                  strict=True):
         np.testing.assert_allclose(a.get_value(), b.get_value(), rtol=1e-6, atol=1e-9, err_msg=str(path))
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
-        logits = jax.jit(lambda m, x: m(x))(sharded, ids)
-    np.testing.assert_allclose(logits, reference(ids), rtol=1e-5, atol=1e-5)
+        logits = jax.jit(lambda m, x: m(x)[0])(sharded, ids)
+    np.testing.assert_allclose(logits, reference(ids)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_compute_runs_and_stays_close():
@@ -206,10 +206,10 @@ def test_bf16_compute_runs_and_stays_close():
     model16 = Llama(TINY.replace(dtype="bfloat16", param_dtype="bfloat16"), rngs=nnx.Rngs(5))
     nnx.update(model16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model32)))
     ids = tokens(seed=5)
-    out16 = model16(ids)
+    out16 = model16(ids)[0]
     assert out16.dtype == jnp.bfloat16
     assert model16.layers.attn.wq[...].dtype == jnp.bfloat16
-    np.testing.assert_allclose(out16.astype(jnp.float32), model32(ids), atol=0.05)
+    np.testing.assert_allclose(out16.astype(jnp.float32), model32(ids)[0], atol=0.05)
 
 
 def test_chunked_loss_equals_full_loss_and_gradients():
@@ -220,11 +220,11 @@ def test_chunked_loss_equals_full_loss_and_gradients():
 
     def full(params):
         m = nnx.merge(graphdef, params)
-        return causal_lm_loss(m(ids[:, :-1]), ids[:, 1:], weights)[0]
+        return causal_lm_loss(m(ids[:, :-1])[0], ids[:, 1:], weights)[0]
 
     def chunked(params):
         m = nnx.merge(graphdef, params)
-        h = m(ids[:, :-1], return_hidden=True)
+        h, _, _ = m.hidden_states(ids[:, :-1])
         return chunked_causal_lm_loss(h, m.head(stored=True), ids[:, 1:], weights, chunk=4)[0]
 
     (a, ga), (b, gb) = jax.value_and_grad(full)(params), jax.value_and_grad(chunked)(params)

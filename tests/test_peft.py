@@ -14,7 +14,7 @@ from hf_fixtures import hf_logits, make_hf_model
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from podtrain.models import from_hf
-from podtrain.models.lora import Adapter, LoRAConfig
+from podtrain.models.lora import Adapter, LoRAConfig, apply_lora
 from podtrain.models.peft import load_peft, read_peft_config, to_peft
 
 TARGETS = {
@@ -29,9 +29,7 @@ EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 def _podtrain_model(hf_dir, lora: LoRAConfig):
     config, base = from_hf(hf_dir)
-    model = type(base)(config, rngs=nnx.Rngs(0), lora=lora)
-    nnx.update(model, nnx.state(base))
-    return config, model
+    return config, apply_lora(base, lora)
 
 
 def _ids(vocab: int):
@@ -47,10 +45,10 @@ def test_an_exported_adapter_loads_with_peft_and_gives_podtrains_logits(kind, tm
     rng = np.random.default_rng(1)
     for _, module in nnx.iter_modules(model):
         if isinstance(module, Adapter):
-            for p in (module.a, module.b):
+            for p in (module.lora_a, module.lora_b):
                 p.set_value(jnp.asarray(rng.normal(scale=0.1, size=p.shape), p.dtype))
     ids = _ids(config.vocab_size)
-    ours = np.asarray(model(jnp.asarray(ids)))
+    ours = np.asarray(model(jnp.asarray(ids))[0])
     to_peft(model, config, lora, tmp_path / "adapter", base=str(tmp_path / "base"))
     written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert written["r"] == 4 and written["lora_alpha"] == 8.0 and written["base_model_name_or_path"]
@@ -83,7 +81,7 @@ def test_an_adapter_peft_made_imports_and_gives_its_logits(kind, parameters, tmp
     config, model = _podtrain_model(tmp_path / "base", lora)
     load_peft(model, config, tmp_path / "adapter")
     ids = _ids(config.vocab_size)
-    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), hf_logits(peft_model, ids), atol=2e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))[0]), hf_logits(peft_model, ids), atol=2e-4, rtol=0)
 
 
 def test_peft_adapters_podtrain_cannot_run_are_one_error_naming_the_key(tmp_path):

@@ -9,8 +9,7 @@ dimensions sharded over `fsdp`, summing partial results over `tp`), and a second
 brings the results home, where they are weighted and summed per token. Partial results are summed
 only over mesh axes that split the expert hidden dimension but not the tokens (devices along such
 an axis hold the same tokens); a hidden dimension split over a token axis is all-gathered instead.
-LoRA adapters of the experts travel with them: sharded over the expert axis, gathered as the
-weights are, applied beside each expert matmul; the base weights then get no gradient.
+Whatever arrays the experts object holds (`moe.experts`) travel and are gathered alike.
 """
 
 from __future__ import annotations
@@ -22,16 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from podtrain.sharding.ragged import ExpertAdapters, ExpertWeights, buffer_rows, dropless_rows
+from podtrain.models.moe.dropless import Kernels, buffer_rows, dropless_rows
+from podtrain.models.moe.experts import EXPERT_GATE_NAMES, run_experts
 from podtrain.sharding.rules import axes_of, logical_to_spec
-
-EXPERT_GATE_NAMES = ("experts", "embed", "mlp")  # w_gate and w_up, (E, D, F)
-EXPERT_DOWN_NAMES = ("experts", "mlp", "embed")  # w_down, (E, F, D)
-# The adapters' logical axes (`ragged.ExpertAdapters`): A of the fused gate and up projections
-# (E, D, r), its B (E, r, 2, F), A of the down projection (E, F, r), its B (E, r, D).
-EXPERT_LORA_NAMES = ExpertAdapters(("experts", "embed", "lora_rank"), ("experts", "lora_rank", None, "mlp"),
-                                   ("experts", "mlp", "lora_rank"), ("experts", "lora_rank", "embed"))
-DEFAULT_BUFFER_FACTOR = 1.25
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -50,16 +42,9 @@ def _slots(tokens: int, top_k: int, num_experts: int, capacity_factor: float) ->
     return capacity(tokens, top_k, num_experts, capacity_factor) if capacity_factor > 0 else None
 
 
-def _names(lora: ExpertAdapters | None) -> ExpertWeights:
-    """The logical axes of each array of an `ExpertWeights`."""
-    return ExpertWeights(EXPERT_GATE_NAMES, EXPERT_GATE_NAMES, EXPERT_DOWN_NAMES,
-                         None if lora is None else EXPERT_LORA_NAMES)
-
-
-def _gather_weights(experts: ExpertWeights, *, embed_axes, mlp_axes, token_axes):
-    """My experts' weights (and adapters) with the dimensions sharded over `fsdp`-like axes
-    all-gathered, and the mesh axes whose partial results are to be summed (they split F but hold
-    the same tokens)."""
+def _gather_weights(experts, *, embed_axes, mlp_axes, token_axes):
+    """My experts' arrays with the dimensions sharded over `fsdp`-like axes all-gathered, and the
+    mesh axes whose partial results are to be summed (they split F but hold the same tokens)."""
     gathered_mlp = tuple(a for a in mlp_axes if a in token_axes)  # devices there hold other tokens
     gather = {"embed": embed_axes, "mlp": gathered_mlp}
 
@@ -69,11 +54,10 @@ def _gather_weights(experts: ExpertWeights, *, embed_axes, mlp_axes, token_axes)
                 w = jax.lax.all_gather(w, gather[name], axis=dim, tiled=True)
         return w
 
-    return jax.tree.map(gathered, experts, _names(experts.lora)), tuple(a for a in mlp_axes if a not in token_axes)
+    return jax.tree.map(gathered, experts, experts.names()), tuple(a for a in mlp_axes if a not in token_axes)
 
 
-def _slot_rows(x_ND, token, sorted_expert, load, experts: ExpertWeights, *, num_experts, slots, ep_axis, ep,
-               sum_axes):
+def _slot_rows(x_ND, token, sorted_expert, load, experts, *, num_experts, slots, ep_axis, ep, sum_axes):
     """Capacity dispatch: each expert takes its first `slots` rows from each device, in fixed
     buffers moved by all-to-all. Returns (rows' results, kept)."""
     d = x_ND.shape[1]
@@ -87,15 +71,7 @@ def _slot_rows(x_ND, token, sorted_expert, load, experts: ExpertWeights, *, num_
     if ep_axis is not None:
         buf = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [source device] -> slots of my experts
     rows = buf.reshape(ep, local_experts, slots, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * slots, d)
-    gate, up = jnp.einsum("ecd,edf->ecf", rows, experts.gate), jnp.einsum("ecd,edf->ecf", rows, experts.up)
-    lora = experts.lora
-    if lora is not None:
-        update = jnp.einsum("ecr,erpf->pecf", jnp.einsum("ecd,edr->ecr", rows, lora.gate_up_a), lora.gate_up_b)
-        gate, up = gate + update[0], up + update[1]
-    hidden = jax.nn.silu(gate) * up
-    out = jnp.einsum("ecf,efd->ecd", hidden, experts.down)
-    if lora is not None:
-        out = out + jnp.einsum("ecr,erd->ecd", jnp.einsum("ecf,efr->ecr", hidden, lora.down_a), lora.down_b)
+    _, _, out = run_experts(experts, rows, lambda x, w: jnp.einsum("eck,ekn->ecn", x, w))
     if sum_axes:
         out = jax.lax.psum(out, sum_axes)
     out = out.reshape(local_experts, ep, slots, d).transpose(1, 0, 2, 3).reshape(ep, local_experts * slots, d)
@@ -105,8 +81,8 @@ def _slot_rows(x_ND, token, sorted_expert, load, experts: ExpertWeights, *, num_
     return jnp.where(kept[:, None], out[jnp.minimum(target, num_experts * slots - 1)], 0), kept
 
 
-def _local_experts(x_ND, expert_NK, weight_NK, experts: ExpertWeights, *, num_experts, slots, ep_axis, ep,
-                   embed_axes, mlp_axes, token_axes, buffer_factor):
+def _local_experts(x_ND, expert_NK, weight_NK, experts, *, num_experts, slots, ep_axis, ep, embed_axes, mlp_axes,
+                   token_axes, buffer_factor, kernels):
     """One device's dispatch, expert computation and combine (the body of the shard_map).
 
     `slots=None` is dropless: rows sorted by expert, grouped matmuls over exactly those rows
@@ -128,7 +104,7 @@ def _local_experts(x_ND, expert_NK, weight_NK, experts: ExpertWeights, *, num_ex
         buffer = buffer_rows(n * k, ep, k, num_experts // ep, buffer_factor)
         one_round = buffer >= ep * n * min(k, num_experts // ep)
         contribution = dropless_rows(x_ND[token], weight_NK.reshape(-1)[order], counts, experts, ep_axis, buffer,
-                                     sum_axes, one_round, experts.lora is None)
+                                     sum_axes, one_round, kernels)
         kept = real
     else:
         out, kept = _slot_rows(x_ND, token, sorted_expert, load, experts, num_experts=num_experts, slots=slots,
@@ -142,30 +118,29 @@ def _local_experts(x_ND, expert_NK, weight_NK, experts: ExpertWeights, *, num_ex
     return y, load, dropped
 
 
-def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-                   lora: ExpertAdapters | None = None, capacity_factor: float = 0.0,
-                   buffer_factor: float = DEFAULT_BUFFER_FACTOR):
-    """sum_k weight[k] * SwiGLU expert `expert[k]`(x) for every token, experts run where they live.
+def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: float, buffer_factor: float,
+                   kernels: Kernels):
+    """sum_k weight[k] * expert `expert[k]`(x) for every token, experts run where they live.
 
     Args:
         x_BTD: tokens (B, T, D), sharded over the batch axes.
         expert_BTK: int expert ids chosen per token (B, T, K).
         weight_BTK: their combine weights (B, T, K).
-        w_gate_EDF, w_up_EDF, w_down_EFD: the experts' weights, in the compute dtype.
-        lora: the experts' LoRA adapters (`B`s scaled by `alpha / rank`), in the compute dtype;
-            with them the base weights are frozen (they get no gradient).
+        experts: the experts (`moe.experts.SwiGLUExperts`, or what a feature made around them),
+            in the compute dtype; only their trained arrays get gradients.
         capacity_factor: 0 for dropless, else the per-expert slot budget (see `capacity`).
         buffer_factor: dropless only: rows per exchange round as a multiple of a device's own
-            assignments (see `ragged.buffer_rows`); routing beyond it takes more rounds.
+            assignments (see `dropless.buffer_rows`); routing beyond it takes more rounds.
+        kernels: the dropless dispatch's grouped matmul and exchange.
 
     Returns:
         (y_BTD, load_E, dropped): the combined expert outputs, the tokens routed to each expert
         over the whole batch, and how many token-expert assignments were over capacity (dropped).
     """
     b, t, d = x_BTD.shape
-    num_experts = w_gate_EDF.shape[0]
-    base = (w_gate_EDF, w_up_EDF, w_down_EFD)
-    experts = ExpertWeights(*(base if lora is None else map(jax.lax.stop_gradient, base)), lora)
+    gate = experts.weights().gate
+    num_experts = gate.shape[0]
+    options = dict(buffer_factor=buffer_factor, kernels=kernels)
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh is None or mesh.empty else dict(mesh.shape)
     if not any(size > 1 for size in sizes.values()):
@@ -173,13 +148,13 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
             x_BTD.reshape(b * t, d), expert_BTK.reshape(b * t, -1), weight_BTK.reshape(b * t, -1),
             experts, num_experts=num_experts,
             slots=_slots(b * t, expert_BTK.shape[-1], num_experts, capacity_factor), ep_axis=None, ep=1,
-            embed_axes=(), mlp_axes=(), token_axes=(), buffer_factor=buffer_factor,
+            embed_axes=(), mlp_axes=(), token_axes=(), **options,
         )
         return y.reshape(b, t, d), load, dropped
 
     specs = jax.tree.map(lambda w, names: logical_to_spec(names, sizes, shape=w.shape, what="MoE expert weights"),
-                         experts, _names(lora))
-    gate_spec = specs.gate
+                         experts, experts.names())
+    gate_spec = logical_to_spec(EXPERT_GATE_NAMES, sizes, shape=gate.shape, what="MoE expert weights")
     token_spec = logical_to_spec(("batch", "seq"), sizes, what="MoE tokens")
     # The shard_map needs token dimensions its mesh axes divide: a batch of one prompt (generation,
     # samples at evals) on an fsdp or ep mesh gets padding rows, which pick no expert and are dropped.
@@ -189,8 +164,7 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
         widths = ((0, pad_b), (0, pad_t), (0, 0))
         y, load, dropped = routed_experts(
             jnp.pad(x_BTD, widths), jnp.pad(expert_BTK, widths, constant_values=num_experts),
-            jnp.pad(weight_BTK, widths), w_gate_EDF, w_up_EDF, w_down_EFD, lora=lora,
-            capacity_factor=capacity_factor, buffer_factor=buffer_factor)
+            jnp.pad(weight_BTK, widths), experts, capacity_factor=capacity_factor, **options)
         return y[:b, :t], load, dropped
     expert_axes = axes_of(gate_spec[0])
     token_axes = tuple(a for entry in token_spec for a in axes_of(entry))
@@ -211,7 +185,7 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
         _local_experts, num_experts=num_experts, slots=_slots(local_tokens, expert_BTK.shape[-1], num_experts,
                                                               capacity_factor),
         ep_axis=ep_axis, ep=ep, embed_axes=axes_of(gate_spec[1]), mlp_axes=axes_of(gate_spec[2]),
-        token_axes=token_axes, buffer_factor=buffer_factor,
+        token_axes=token_axes, **options,
     )
 
     def flat(x, expert, weight, experts):
@@ -224,5 +198,5 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, w_gate_EDF, w_up_EDF, w_down_E
         flat,
         in_specs=(x_spec, x_spec, x_spec, specs),
         out_specs=(x_spec, PartitionSpec(), PartitionSpec()),
-        check_vma=body.keywords["slots"] is not None,  # see ragged.dropless_rows
+        check_vma=body.keywords["slots"] is not None,  # see dropless.dropless_rows
     )(x_BTD, expert_BTK, weight_BTK, experts)
