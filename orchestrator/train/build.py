@@ -16,11 +16,12 @@ from podtrain.models import ARCHITECTURES, ModelConfig
 from podtrain.models.attention import backend_for, check_backend
 from podtrain.models.lora import LoRAConfig, LoRAParam
 from podtrain.models.runner import only_layer
-from podtrain.orchestrator.config import ConfigError, validate
-from podtrain.orchestrator.optimizer import make_optimizer, make_schedule
-from podtrain.orchestrator.schema import Config
-from podtrain.orchestrator.sharded_step import ShardedStep
-from podtrain.orchestrator.step import TrainState, make_train_step
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.config.validate import validate
+from podtrain.orchestrator.train.optimizer import make_optimizer, make_schedule
+from podtrain.orchestrator.train.sharded_step import ShardedStep
+from podtrain.orchestrator.train.step import TrainState, make_train_step
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model, create_sharded_state, state_shardings
 from podtrain.sharding.state import batch_sharding, optimizer_state_shardings, replicated

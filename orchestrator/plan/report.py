@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 
 from podtrain.models import flops_per_token
-from podtrain.orchestrator.build import Training
-from podtrain.orchestrator.targets import verdict_line
+from podtrain.orchestrator.plan.targets import verdict_line
+from podtrain.orchestrator.train.build import Training
 from podtrain.sharding.experts import capacity
 from podtrain.sharding.mesh import describe_mesh
 from podtrain.sharding.place import path_str
