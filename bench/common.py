@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from podtrain.models import flops_per_token
-from podtrain.orchestrator.build import Training, build_training
-from podtrain.orchestrator.config import load_config
-from podtrain.orchestrator.schema import Config
-from podtrain.orchestrator.synthetic import random_batch
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.train.build import Training, build_training
+from podtrain.orchestrator.train.synthetic import random_batch
 
 PRESET = "llama3-tiny"
 # The benchmark shape: llama3-tiny's model with batch 8 x seq 256 (the preset trains on seq 128).

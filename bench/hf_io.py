@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_hf_streaming import run_probe, write_source  # noqa: E402
 
 from bench.common import machine_description  # noqa: E402
-from podtrain.orchestrator.config import load_config  # noqa: E402
+from podtrain.orchestrator.config.compose import load_config  # noqa: E402
 
 MiB = 2**20
 

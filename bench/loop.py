@@ -4,7 +4,7 @@
 
 1. Bare step: the jitted train step called back to back on one batch (the same batch every
    time), timed per call with `block_until_ready`.
-2. Full loop: `orchestrator.train.run` on the embedded default corpus (grain pipeline, byte
+2. Full loop: `orchestrator.train.loop.run` on the embedded default corpus (grain pipeline, byte
    tokenizer), metrics to `metrics.jsonl` and TensorBoard, an async Orbax checkpoint every 10
    steps; its step times are read back from `metrics.jsonl` (the first step, which compiles, is
    left out). Overhead = loop median / bare median - 1.
@@ -31,12 +31,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import BENCH_SHAPE, MIB, format_table, machine_description, time_calls
-from podtrain.orchestrator.build import build_training
-from podtrain.orchestrator.checkpoint import Checkpointer
-from podtrain.orchestrator.config import load_config
-from podtrain.orchestrator.data import make_dataset, to_global_batch
-from podtrain.orchestrator.tokenizers import load_tokenizer
-from podtrain.orchestrator.train import run
+from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.data.pipeline import make_dataset, to_global_batch
+from podtrain.orchestrator.data.tokenizers import load_tokenizer
+from podtrain.orchestrator.train.build import build_training
+from podtrain.orchestrator.train.loop import run
 
 OVERHEAD_TARGET = 0.05
 SAVE_EVERY = 10

@@ -30,8 +30,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import format_table, machine_description  # noqa: E402
-from podtrain.orchestrator.build import build_training  # noqa: E402
-from podtrain.orchestrator.config import load_config  # noqa: E402
+from podtrain.orchestrator.config.compose import load_config  # noqa: E402
+from podtrain.orchestrator.train.build import build_training  # noqa: E402
 
 GiB = 2**30
 DEEPSEEK_PROJECTIONS = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -49,8 +49,8 @@ def _bytes(tree) -> int:
 
 
 def sizes(only: str, compile_step: bool, experts_only: bool = False) -> list[dict]:
-    from podtrain.orchestrator.target_plan import plan_on_target
-    from podtrain.orchestrator.targets import compile_devices, parse_target
+    from podtrain.orchestrator.plan.on_target import plan_on_target
+    from podtrain.orchestrator.plan.targets import compile_devices, parse_target
 
     rows = []
     for preset, (target_name, overrides, target_lists) in TARGETS.items():
@@ -83,7 +83,7 @@ def sizes(only: str, compile_step: bool, experts_only: bool = False) -> list[dic
 
 
 def speed(steps: int) -> list[dict]:
-    from podtrain.orchestrator.synthetic import random_batch
+    from podtrain.orchestrator.train.synthetic import random_batch
 
     runs = {}
     for name, extra in (("full", []), ("LoRA rank 8", ["lora.rank=8", "lora.targets=" + TARGETS["llama3-70b"][2][0]])):

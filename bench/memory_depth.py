@@ -21,7 +21,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import PRESET, compile_stats, format_table, machine_description, table_row
-from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.config.compose import load_config
 
 # (batch, seq): the benchmark shape first.
 SHAPES = ((8, 256), (8, 1024), (8, 2048), (2, 4096))

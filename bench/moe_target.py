@@ -18,7 +18,7 @@ rematerialisation (the presets' `model.remat: full`: a scan over two stacked lay
   but which `cost_analysis` counts once: the figures are of the program as it runs in one round
   (compiled with the overflow loops left out), and `+ round` what each further round adds (the
   program as shipped less that one), in routed forward passes.
-- all-to-all bytes: what one device sends (`orchestrator/hlo_comm.py`) over the routed ideal,
+- all-to-all bytes: what one device sends (`orchestrator/plan/hlo_comm.py`) over the routed ideal,
   `tokens x k` rows of `D` leaving each device `(ep - 1) / ep` of the time, to their experts and
   back in the forward, gradients both ways in the backward, and the rows again under remat;
   `+ round` in routed one-way exchanges, like the FLOPs.
@@ -53,9 +53,9 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from bench.common import format_table, machine_description  # noqa: E402
 from podtrain.models.lora import LoRAConfig, LoRAParam  # noqa: E402
 from podtrain.models.moe import MoE  # noqa: E402
-from podtrain.orchestrator import hlo_comm  # noqa: E402
-from podtrain.orchestrator.config import load_config  # noqa: E402
-from podtrain.orchestrator.targets import compile_devices, parse_target  # noqa: E402
+from podtrain.orchestrator.config.compose import load_config  # noqa: E402
+from podtrain.orchestrator.plan import hlo_comm  # noqa: E402
+from podtrain.orchestrator.plan.targets import compile_devices, parse_target  # noqa: E402
 from podtrain.sharding import ragged  # noqa: E402
 from podtrain.sharding.mesh import build_mesh  # noqa: E402
 from podtrain.sharding.place import abstract_model  # noqa: E402

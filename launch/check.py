@@ -6,10 +6,11 @@ import time
 
 import jax
 
-from podtrain.orchestrator.build import build_training
-from podtrain.orchestrator.config import ConfigError, load_config
-from podtrain.orchestrator.plan import format_plan, make_plan
-from podtrain.orchestrator.synthetic import random_batch
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.plan.report import format_plan, make_plan
+from podtrain.orchestrator.train.build import build_training
+from podtrain.orchestrator.train.synthetic import random_batch
 
 
 def run_command(args) -> int:

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     import importlib
 
-    from podtrain.orchestrator.config import ConfigError
+    from podtrain.orchestrator.config.errors import ConfigError
 
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"podtrain: error: --cpu-devices: expected a positive number of devices, found {args.cpu_devices}",
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"podtrain: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from podtrain.orchestrator.checkpoint import CheckpointWriteError  # imported here: Orbax is slow to import
+        # imported here: Orbax is slow to import
+        from podtrain.orchestrator.checkpoint.checkpointer import CheckpointWriteError
 
         if not isinstance(e, CheckpointWriteError):
             raise

@@ -24,10 +24,11 @@ from pathlib import Path
 from podtrain.launch.command_keys import command_overrides, text_value
 from podtrain.models import to_hf
 from podtrain.models.peft import to_peft
-from podtrain.orchestrator.config import ConfigError, load_config
-from podtrain.orchestrator.load import checkpoint_step, restore_model
-from podtrain.orchestrator.schema import Config, ExportConfig
-from podtrain.orchestrator.tokenizers import HFTokenizer, load_tokenizer
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config, ExportConfig
+from podtrain.orchestrator.data.tokenizers import HFTokenizer, load_tokenizer
+from podtrain.orchestrator.inference.load import checkpoint_step, restore_model
 
 USAGE = "podtrain export -c <preset> checkpoint=<dir> out=<dir> [step=N] [adapter=true]"
 KEYS = tuple(f.name for f in dataclasses.fields(ExportConfig))

@@ -3,7 +3,7 @@
 The command's keys are the `generate` section of the config (`GenerateConfig`); `checkpoint=`,
 `prompt=` (repeatable, collected into `generate.prompts`), `max_new_tokens=` and the others are
 short for `generate.<key>=`, and `stop=2,7` for `generate.stop=[2,7]`. `checkpoint=` is a podtrain
-run, checkpoint or step directory or a Hugging Face directory (see `orchestrator.load`). All
+run, checkpoint or step directory or a Hugging Face directory (see `orchestrator.inference.load`). All
 prompts, with those of `prompts_file=` (one per line), go through one batched
 `models.generate.generate` call, BOS first when `data.add_bos` says so or, for an HF directory,
 when its tokenizer.json puts BOS first (as Llama 3's does) or its tokenizer_config.json's
@@ -22,10 +22,11 @@ import jax
 
 from podtrain.launch.command_keys import command_overrides, text_value
 from podtrain.models.generate import generate
-from podtrain.orchestrator.config import ConfigError, load_config, override_keys
-from podtrain.orchestrator.load import load_checkpoint_tokenizer, load_model, with_peft_adapter
-from podtrain.orchestrator.schema import GenerateConfig
-from podtrain.orchestrator.tokenizers import check_vocab
+from podtrain.orchestrator.config.compose import load_config, override_keys
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import GenerateConfig
+from podtrain.orchestrator.data.tokenizers import check_vocab
+from podtrain.orchestrator.inference.load import load_checkpoint_tokenizer, load_model, with_peft_adapter
 from podtrain.sharding.rules import use_rules
 
 USAGE = ("podtrain generate -c <preset> checkpoint=<dir> prompt=<text> [prompt=...] [prompts_file=<path>] "

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from podtrain.orchestrator.build import build_training
-from podtrain.orchestrator.config import load_config
-from podtrain.orchestrator.plan import format_plan, format_target, make_plan
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.plan.report import format_plan, format_target, make_plan
+from podtrain.orchestrator.train.build import build_training
 
 
 def run_command(args) -> int:
@@ -16,8 +16,8 @@ def run_command(args) -> int:
         plan = make_plan(build_training(config), compile_step=not args.no_compile)
         print(json.dumps(plan) if args.json else format_plan(plan))
         return 0
-    from podtrain.orchestrator.target_plan import check
-    from podtrain.orchestrator.targets import compile_devices, parse_target
+    from podtrain.orchestrator.plan.on_target import check
+    from podtrain.orchestrator.plan.targets import compile_devices, parse_target
 
     target = parse_target(args.target)
     devices = compile_devices(target)

@@ -15,7 +15,8 @@ import shlex
 import time
 from pathlib import Path
 
-from podtrain.orchestrator.config import ConfigError, load_config, resolve_preset
+from podtrain.orchestrator.config.compose import load_config, resolve_preset
+from podtrain.orchestrator.config.errors import ConfigError
 
 EXCLUDES = [".venv", "venv", ".git", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", "*.egg-info"]
 STOP_MARGIN_S = 30  # beyond cluster.stop_grace_s: the driver's own clean-up after the workers exit
@@ -68,7 +69,7 @@ def run_command(args) -> int:
         raise ConfigError("submit needs --address http://HEAD:8265 (or RAY_ADDRESS)")
     working_dir = Path(args.working_dir)
     job_id = config.run.name or resolve_preset(args.config).stem
-    from podtrain.orchestrator.launch_check import check_before_launch
+    from podtrain.orchestrator.plan.launch_check import check_before_launch
 
     checked = check_before_launch(config)  # before Ray is asked anything
     try:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from podtrain.orchestrator.config import load_config, resolve_preset
-from podtrain.orchestrator.preflight import check_inputs
-from podtrain.orchestrator.rundir import RunLock, resolve_run_dir
-from podtrain.orchestrator.train import EXIT_PREEMPTED, run
+from podtrain.orchestrator.checkpoint.rundir import RunLock, resolve_run_dir
+from podtrain.orchestrator.config.compose import load_config, resolve_preset
+from podtrain.orchestrator.train.loop import EXIT_PREEMPTED, run
+from podtrain.orchestrator.train.preflight import check_inputs
 
 
 def run_command(args) -> int:

@@ -1,1 +1,1 @@
-"""The training job: config schema, the Ray control plane, the train loop, steps, data, checkpoints."""
+"""The training job in wings with one job each: config, train, data, checkpoint, plan, inference, cluster."""

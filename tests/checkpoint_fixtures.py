@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from podtrain.orchestrator.build import build_training
-from podtrain.orchestrator.checkpoint import Checkpointer
-from podtrain.orchestrator.config import load_config
-from podtrain.orchestrator.schema import CheckpointConfig
+from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.schema import CheckpointConfig
+from podtrain.orchestrator.train.build import build_training
 
 # A restore that fails part way leaves tensorstore reads in flight; they complete on tensorstore's threads after
 # Orbax closed its event loop, which Python reports as an unraisable "Event loop is closed" (harmless).
@@ -17,7 +17,7 @@ EVENT_LOOP_CLOSED = pytest.mark.filterwarnings(
     "ignore:(?s)Exception ignored in.*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
 )
 
-CHECKPOINT_LOGGER = "podtrain.orchestrator.checkpoint"
+CHECKPOINT_LOGGER = "podtrain.orchestrator.checkpoint.checkpointer"
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
         "model.head_dim=16", "model.num_heads=4", "model.num_kv_heads=2", "train.batch_size=8", "train.seq_len=16"]
 

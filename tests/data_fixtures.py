@@ -5,8 +5,8 @@ import json
 import grain
 import numpy as np
 
-from podtrain.orchestrator.data import DataConfig, make_dataset
-from podtrain.orchestrator.tokenizers import ByteTokenizer
+from podtrain.orchestrator.data.pipeline import DataConfig, make_dataset
+from podtrain.orchestrator.data.tokenizers import ByteTokenizer
 
 BYTE = ByteTokenizer()
 DOCS = [f"document {i}: " + "xyz" * (i % 7) for i in range(20)]

@@ -10,9 +10,10 @@ import pytest
 
 from podtrain.models.attention import make_mask, self_attention
 from podtrain.models.kernels.attention import resolve_backend
-from podtrain.orchestrator.build import build_training, resolve_kernels
-from podtrain.orchestrator.config import ConfigError, load_config
-from podtrain.orchestrator.step import TrainState
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.train.build import build_training, resolve_kernels
+from podtrain.orchestrator.train.step import TrainState
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +126,7 @@ def test_cluster_none_checks_the_backend_against_its_own_devices():
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("libtpu"), reason="needs podtrain[aot]")
 @pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
 def test_splash_compiles_for_tpu_as_a_kernel_that_never_builds_the_score_matrix():
-    from podtrain.orchestrator.targets import compile_devices, parse_target
+    from podtrain.orchestrator.plan.targets import compile_devices, parse_target
 
     devices = compile_devices(parse_target("v5p-8"))  # 4 chips
     texts, temps = {}, {}

@@ -20,13 +20,15 @@ from checkpoint_fixtures import (
     tiny_training,
 )
 
-from podtrain.orchestrator.build import build_training, make_mesh, model_factory
-from podtrain.orchestrator.checkpoint import Checkpointer, run_metadata
-from podtrain.orchestrator.config import ConfigError, checkpoint_directory, load_config
-from podtrain.orchestrator.integrity import DamagedStepError
-from podtrain.orchestrator.resume import model_differences
-from podtrain.orchestrator.schema import CheckpointConfig
-from podtrain.orchestrator.synthetic import random_batch
+from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer, run_metadata
+from podtrain.orchestrator.checkpoint.integrity import DamagedStepError
+from podtrain.orchestrator.checkpoint.resume import model_differences
+from podtrain.orchestrator.checkpoint.rundir import checkpoint_directory
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import CheckpointConfig
+from podtrain.orchestrator.train.build import build_training, make_mesh, model_factory
+from podtrain.orchestrator.train.synthetic import random_batch
 from podtrain.sharding.place import abstract_model
 
 pytestmark = EVENT_LOOP_CLOSED
@@ -188,7 +190,7 @@ def test_model_differences_name_the_first_three_and_count_the_rest(training):
 
 def test_model_differences_name_nested_keys_and_allow_moe_training_knobs():
     """DeepSeek-V3 stops its router-bias updates late in training: a run resumes with another rate."""
-    from podtrain.orchestrator.config import to_yaml
+    from podtrain.orchestrator.config.compose import to_yaml
 
     config = load_config("deepseek-v3-tiny")
     meta = {"config_yaml": to_yaml(config)}

@@ -20,8 +20,8 @@ from checkpoint_fixtures import (
 )
 from xla_flags import xla_flags
 
-from podtrain.orchestrator.checkpoint import CheckpointWriteError, NoRestorableCheckpointError
-from podtrain.orchestrator.config import ConfigError
+from podtrain.orchestrator.checkpoint.checkpointer import CheckpointWriteError, NoRestorableCheckpointError
+from podtrain.orchestrator.config.errors import ConfigError
 
 pytestmark = EVENT_LOOP_CLOSED
 
@@ -152,8 +152,8 @@ import sys
 import jax
 jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=2, process_id=int(sys.argv[2]),
                            initialization_timeout=60)
-from podtrain.orchestrator.checkpoint import _check_shared
-from podtrain.orchestrator.config import ConfigError
+from podtrain.orchestrator.checkpoint.checkpointer import _check_shared
+from podtrain.orchestrator.config.errors import ConfigError
 try:
     _check_shared(sys.argv[3])
     print("shared")
@@ -188,8 +188,8 @@ def test_checkpoint_dir_must_be_shared_by_processes(tmp_path, same):
 FAILING_SAVE = """
 import resource, signal, sys
 from checkpoint_fixtures import random_state, tiny_training
-from podtrain.orchestrator.checkpoint import Checkpointer, CheckpointWriteError
-from podtrain.orchestrator.schema import CheckpointConfig
+from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer, CheckpointWriteError
+from podtrain.orchestrator.config.schema import CheckpointConfig
 training = tiny_training()
 older, newer = random_state(training, seed=7), random_state(training, seed=8)
 with Checkpointer(sys.argv[1], CheckpointConfig(every_steps=2, async_save=sys.argv[2] == "async")) as ckpt:

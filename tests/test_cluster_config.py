@@ -26,7 +26,8 @@ from podtrain.orchestrator.cluster.reserve import (
     tpu_topology,
 )
 from podtrain.orchestrator.cluster.worker import port_taken
-from podtrain.orchestrator.config import ConfigError, load_config
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.errors import ConfigError
 
 ROOT = Path(__file__).parent.parent
 
@@ -216,7 +217,7 @@ def test_jaxs_busy_coordinator_port_errors_are_recognised():
 
 
 def test_a_worker_whose_coordinator_port_is_taken_asks_for_another(tmp_path):
-    from podtrain.orchestrator.config import to_yaml
+    from podtrain.orchestrator.config.compose import to_yaml
 
     (tmp_path / "config.yaml").write_text(to_yaml(load_config("llama3-tiny")))
     with socket.socket() as taken:
@@ -256,12 +257,12 @@ def test_rank_0_lines_are_echoed_without_the_libraries_info_records():
     out = io.StringIO()
     driver._LogFilter(out).feed(0, [
         "2026-11-30 06:36:21,330 INFO absl: Queuing deletion of steps: [].",
-        "2026-11-30 06:36:21,330 INFO podtrain.orchestrator.train: starting at step 0 (fresh)",
+        "2026-11-30 06:36:21,330 INFO podtrain.orchestrator.train.loop: starting at step 0 (fresh)",
         "2026-11-30 06:36:21,330 WARNING absl: something to look at",
         "step 1/6  loss 8.390",
     ])
     assert out.getvalue().splitlines() == [
-        "[rank 0] 2026-11-30 06:36:21,330 INFO podtrain.orchestrator.train: starting at step 0 (fresh)",
+        "[rank 0] 2026-11-30 06:36:21,330 INFO podtrain.orchestrator.train.loop: starting at step 0 (fresh)",
         "[rank 0] 2026-11-30 06:36:21,330 WARNING absl: something to look at", "[rank 0] step 1/6  loss 8.390"]
 
 

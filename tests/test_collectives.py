@@ -1,7 +1,7 @@
 """The collectives of the real train step compiled for 8 TPU v5p chips (compile-only devices, no TPU needed).
 
 Each test lowers and compiles `Training.step` for a 2x2x2 v5p slice and reads the collectives of its
-optimized HLO (`orchestrator/hlo_comm.py`): their arrays, the mesh axes their groups span, the op.
+optimized HLO (`orchestrator/plan/hlo_comm.py`): their arrays, the mesh axes their groups span, the op.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ pytest.importorskip("libtpu")
 
 from flax import nnx  # noqa: E402
 
-from podtrain.orchestrator.build import build_training  # noqa: E402
-from podtrain.orchestrator.config import load_config  # noqa: E402
-from podtrain.orchestrator.hlo_comm import arrays, collectives  # noqa: E402
-from podtrain.orchestrator.targets import compile_devices, parse_target  # noqa: E402
+from podtrain.orchestrator.config.compose import load_config  # noqa: E402
+from podtrain.orchestrator.plan.hlo_comm import arrays, collectives  # noqa: E402
+from podtrain.orchestrator.plan.targets import compile_devices, parse_target  # noqa: E402
+from podtrain.orchestrator.train.build import build_training  # noqa: E402
 from podtrain.sharding.rules import axes_of, logical_to_spec  # noqa: E402
 
 pytestmark = [

@@ -3,15 +3,9 @@
 import pytest
 
 from podtrain.launch.cli import main
-from podtrain.orchestrator.config import (
-    ConfigError,
-    closest_key,
-    list_presets,
-    load_config,
-    override_keys,
-    parse_overrides,
-    validate,
-)
+from podtrain.orchestrator.config.compose import closest_key, list_presets, load_config, override_keys, parse_overrides
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.validate import validate
 
 REQUIRED_PRESETS = {
     "llama3-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b", "deepseek-v3-tiny",
@@ -175,8 +169,8 @@ def test_bad_deepseek_settings_name_the_key(overrides, needle):
     ],
 )
 def test_closest_key_prefers_the_same_section_and_the_last_part(key, meant):
-    from podtrain.orchestrator.config import _schema_keys
-    from podtrain.orchestrator.schema import Config
+    from podtrain.orchestrator.config.compose import _schema_keys
+    from podtrain.orchestrator.config.schema import Config
 
     assert closest_key(key, _schema_keys(Config)) == meant
 

@@ -10,10 +10,8 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 from data_fixtures import BYTE, DOCS, batch_texts, open_dataset, take_batches, write_jsonl, write_text_files
 
-from podtrain.orchestrator.corpus import open_corpus
-from podtrain.orchestrator.data import (
-    DataConfig,
-)
+from podtrain.orchestrator.data.corpus import open_corpus
+from podtrain.orchestrator.data.pipeline import DataConfig
 
 # Sources: one epoch gives back every training document exactly once.
 
@@ -130,7 +128,7 @@ def test_text_is_decoded_strictly_when_read_and_a_character_may_straddle_the_che
 def test_the_stdlib_source_reads_files_in_other_encodings_leniently(tmp_path, monkeypatch):
     """A few of Python's own test files are Latin-1 or KOI8-R: the default corpus keeps them as they read."""
     _write(tmp_path / "module_iso_8859_1.py", "# caf\u00e9\n".encode("latin-1"))
-    monkeypatch.setattr("podtrain.orchestrator.corpus.sysconfig.get_paths", lambda: {"stdlib": str(tmp_path)})
+    monkeypatch.setattr("podtrain.orchestrator.data.corpus.sysconfig.get_paths", lambda: {"stdlib": str(tmp_path)})
     assert list(open_corpus(DataConfig(), seq_len=16)) == ["# caf\ufffd\n"]
 
 

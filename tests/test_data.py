@@ -12,8 +12,8 @@ from data_fixtures import BYTE, DOCS, batch_texts, open_dataset, take_batches, w
 from jax.sharding import NamedSharding, PartitionSpec
 from omegaconf import OmegaConf
 
-from podtrain.orchestrator.corpus import document_indices, open_corpus
-from podtrain.orchestrator.data import (
+from podtrain.orchestrator.data.corpus import document_indices, open_corpus
+from podtrain.orchestrator.data.pipeline import (
     DataConfig,
     consecutive_rows,
     process_rows,
@@ -21,7 +21,7 @@ from podtrain.orchestrator.data import (
     set_row_positions,
     to_global_batch,
 )
-from podtrain.orchestrator.tokenizers import check_vocab, load_tokenizer
+from podtrain.orchestrator.data.tokenizers import check_vocab, load_tokenizer
 
 # Tokenisers.
 

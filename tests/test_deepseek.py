@@ -15,7 +15,7 @@ from flax import nnx
 from hf_fixtures import hf_logits, save_hf_model
 
 from podtrain.models import DeepseekV3, ModelConfig, causal_lm_loss, from_hf
-from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.config.compose import load_config
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.rules import DEFAULT_RULES, use_rules
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from podtrain.models import ARCHITECTURES, ModelConfig, flops_per_token
-from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.config.compose import load_config
 
 SEQ_LEN = 2048
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")

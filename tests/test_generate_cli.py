@@ -16,10 +16,11 @@ from transformers import PreTrainedTokenizerFast
 from podtrain.launch.cli import main
 from podtrain.models import from_hf
 from podtrain.models.generate import generate
-from podtrain.orchestrator.build import build_training
-from podtrain.orchestrator.checkpoint import Checkpointer
-from podtrain.orchestrator.config import ConfigError, load_config
-from podtrain.orchestrator.tokenizers import ByteTokenizer, hf_directory_tokenizer
+from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.data.tokenizers import ByteTokenizer, hf_directory_tokenizer
+from podtrain.orchestrator.train.build import build_training
 from podtrain.sharding.mesh import build_mesh, resolve_axis_sizes
 from podtrain.sharding.rules import DEFAULT_RULES, use_rules
 
@@ -97,7 +98,7 @@ def test_generate_from_an_hf_directory_batches_prompts_with_its_tokenizer(tmp_pa
 
 
 def test_generate_on_an_hf_directory_takes_runtime_model_keys_only(tmp_path, capsys):
-    from podtrain.orchestrator.load import load_model
+    from podtrain.orchestrator.inference.load import load_model
 
     save_hf_model("llama", tmp_path)
     config = load_config("llama3-tiny", ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=none"])

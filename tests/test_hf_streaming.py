@@ -25,7 +25,7 @@ from podtrain.models import config_to_hf
 from podtrain.models.architectures import ARCHITECTURES
 from podtrain.models.hf_mapping import hf_shape
 from podtrain.models.hf_read import INDEX_FILE
-from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.config.compose import load_config
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model
 

@@ -3,7 +3,7 @@
 
 import pytest
 
-from podtrain.orchestrator.hlo_comm import collectives, replica_groups, summarize
+from podtrain.orchestrator.plan.hlo_comm import collectives, replica_groups, summarize
 
 AXES = ("dp", "fsdp", "ep", "tp")
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 from podtrain.models import ARCHITECTURES
 from podtrain.models.lora import TARGETS, Adapter, LoRAConfig, LoRAParam, apply_lora, dropout, merged
-from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.config.compose import load_config
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model
 from podtrain.sharding.rules import DEFAULT_RULES
@@ -108,7 +108,7 @@ def test_bad_lora_settings_name_the_key():
     tied = config.replace(tie_word_embeddings=True)
     with pytest.raises(ValueError, match=r"^lora.targets: lm_head is the embedding"):
         apply_lora(cls(tied, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=("lm_head",)))
-    from podtrain.orchestrator.config import ConfigError
+    from podtrain.orchestrator.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^lora.targets: experts adapts routed experts, and this llama model has "
                                           r"none; remove it from lora.targets"):
@@ -126,9 +126,9 @@ STEP_TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_s
                           "mesh.tp=1", "mesh.ep=2"]),
 ])
 def test_a_lora_run_trains_only_the_adapters_and_keeps_the_base(preset, extra):
-    from podtrain.orchestrator.build import build_training
-    from podtrain.orchestrator.config import load_config as load
-    from podtrain.orchestrator.synthetic import random_batch
+    from podtrain.orchestrator.config.compose import load_config as load
+    from podtrain.orchestrator.train.build import build_training
+    from podtrain.orchestrator.train.synthetic import random_batch
 
     keys = {o.split("=")[0] for o in extra}
     overrides = [o for o in STEP_TINY if o.split("=")[0] not in keys] + extra + ["lora.rank=4"]
@@ -160,9 +160,9 @@ def test_a_lora_run_trains_only_the_adapters_and_keeps_the_base(preset, extra):
 
 
 def test_the_plan_counts_the_trained_params_and_only_their_optimizer_state():
-    from podtrain.orchestrator.build import build_training
-    from podtrain.orchestrator.config import load_config as load
-    from podtrain.orchestrator.plan import format_plan, make_plan
+    from podtrain.orchestrator.config.compose import load_config as load
+    from podtrain.orchestrator.plan.report import format_plan, make_plan
+    from podtrain.orchestrator.train.build import build_training
 
     overrides = [*STEP_TINY, "lora.targets=[q_proj,v_proj]"]
     full = make_plan(build_training(load("llama3-tiny", overrides)))
@@ -184,9 +184,9 @@ def test_lora_on_the_experts_trains_the_same_with_ep2_as_with_ep1():
     """Expert adapters sharded over ep=2 with their experts train as with every expert on every
     device (ep=1, the batch over fsdp=2): same losses, same adapters after three steps (SGD, so
     that the optimizer does not amplify rounding in near-zero gradients)."""
-    from podtrain.orchestrator.build import build_training
-    from podtrain.orchestrator.config import load_config as load
-    from podtrain.orchestrator.synthetic import random_batch
+    from podtrain.orchestrator.config.compose import load_config as load
+    from podtrain.orchestrator.train.build import build_training
+    from podtrain.orchestrator.train.synthetic import random_batch
 
     overrides = [o for o in STEP_TINY if not o.startswith(("mesh.", "optimizer."))] + [
         "lora.rank=4", "lora.targets=[experts,q_b_proj]", "optimizer.name=sgd", "optimizer.learning_rate=0.5",
@@ -244,9 +244,9 @@ def test_lora_dropout_drops_each_adapters_inputs_in_training_only():
 
 def test_a_lora_run_with_dropout_drops_from_its_second_step_on():
     """B starts at zero, so the first loss is dropout's too; then the dropped inputs change it."""
-    from podtrain.orchestrator.build import build_training
-    from podtrain.orchestrator.config import load_config as load
-    from podtrain.orchestrator.synthetic import random_batch
+    from podtrain.orchestrator.config.compose import load_config as load
+    from podtrain.orchestrator.train.build import build_training
+    from podtrain.orchestrator.train.synthetic import random_batch
 
     losses = {}
     for rate in (0.0, 0.3):

@@ -56,7 +56,7 @@ def _hf_base(path: Path, seed: int) -> None:
     from flax import nnx
 
     from podtrain.models import ARCHITECTURES, to_hf
-    from podtrain.orchestrator.config import load_config
+    from podtrain.orchestrator.config.compose import load_config
 
     config = load_config("llama3-tiny", TINY).model
     to_hf(ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(seed)), config, path)

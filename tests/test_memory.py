@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from podtrain.models import causal_lm_loss
-from podtrain.orchestrator.build import build_training
-from podtrain.orchestrator.config import load_config
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.train.build import build_training
 
 # The benchmark shape: llama3-tiny's model, batch 8 x seq 256, one device; at 8 and 32 layers.
 SHAPE = ["mesh.fsdp=1", "train.batch_size=8", "train.seq_len=256"]

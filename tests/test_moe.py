@@ -15,9 +15,11 @@ from jax.sharding import NamedSharding
 
 from podtrain.models.lora import LoRAConfig, LoRAParam
 from podtrain.models.moe import MoE, balance_router_bias, route
-from podtrain.orchestrator.build import build_training
-from podtrain.orchestrator.config import ConfigError, load_config, validate
-from podtrain.orchestrator.synthetic import random_batch
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.validate import validate
+from podtrain.orchestrator.train.build import build_training
+from podtrain.orchestrator.train.synthetic import random_batch
 from podtrain.sharding import ragged
 from podtrain.sharding.experts import (
     EXPERT_DOWN_NAMES,
@@ -323,7 +325,7 @@ def test_expert_parallelism_at_a_fixed_device_count_shards_the_experts_and_keeps
     expert on its own tokens, exactly its routed share, in one round). EP must hold a quarter of
     the expert weights and compute the same routed share (a buffer of exactly the balanced
     share, routing that fits it); neither recomputes the experts in the backward pass."""
-    from podtrain.orchestrator.targets import compile_devices, parse_target
+    from podtrain.orchestrator.plan.targets import compile_devices, parse_target
 
     devices = compile_devices(parse_target("v5p-8"))
     config = TINY.replace(moe=dataclasses.replace(TINY.moe, buffer_factor=1.0))
@@ -345,7 +347,7 @@ def test_expert_adapters_on_tpu_leave_the_frozen_experts_without_weight_gradient
     gradients and the adapters', never the expert weights' (a full run's third routed pass), so
     the step costs two routed passes plus the adapters' own matmuls (and the router, exchanges and
     activations, within a quarter of a routed pass)."""
-    from podtrain.orchestrator.targets import compile_devices, parse_target
+    from podtrain.orchestrator.plan.targets import compile_devices, parse_target
 
     devices = compile_devices(parse_target("v5p-8"))
     config = TINY.replace(moe=dataclasses.replace(TINY.moe, buffer_factor=1.0))
@@ -366,8 +368,8 @@ def test_dropless_dispatch_compiles_for_tpu_as_ragged_exchanges_and_grouped_matm
     """The exchanges are ragged all-to-alls (dispatch and combine, forward and backward, for round
     0 and in the overflow rounds' loops), the experts Pallas grouped matmuls; no token rows are
     all-reduced, no XLA ragged dot is left."""
-    from podtrain.orchestrator import hlo_comm
-    from podtrain.orchestrator.targets import compile_devices, parse_target
+    from podtrain.orchestrator.plan import hlo_comm
+    from podtrain.orchestrator.plan.targets import compile_devices, parse_target
 
     compiled, _, mesh = _compiled_moe(TINY, {"ep": 4}, compile_devices(parse_target("v5p-8")))
     text = compiled.as_text()
@@ -384,8 +386,8 @@ def test_dropless_dispatch_compiles_for_tpu_as_ragged_exchanges_and_grouped_matm
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax_plugins.xla_cuda12"), reason="needs podtrain[aot]")
 def test_dropless_dispatch_compiles_for_gpus_as_ragged_exchanges():
     """On CUDA the exchanges are ragged all-to-alls too (the grouped matmuls XLA's ragged dot)."""
-    from podtrain.orchestrator import hlo_comm
-    from podtrain.orchestrator.targets import compile_devices, parse_target
+    from podtrain.orchestrator.plan import hlo_comm
+    from podtrain.orchestrator.plan.targets import compile_devices, parse_target
 
     compiled, _, mesh = _compiled_moe(TINY, {"ep": 4}, compile_devices(parse_target("h100x8")))
     kinds = [c.kind for c in hlo_comm.collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)]

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from podtrain.orchestrator.optimizer import make_optimizer
-from podtrain.orchestrator.schema import OptimizerConfig
+from podtrain.orchestrator.config.schema import OptimizerConfig
+from podtrain.orchestrator.train.optimizer import make_optimizer
 
 PLAIN_SGD = dict(name="sgd", momentum=0.0, weight_decay=0.0)
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from podtrain.launch import cli
-from podtrain.orchestrator.config import ConfigError
-from podtrain.orchestrator.targets import CHIPS, parse_target, verdict_line
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.plan.targets import CHIPS, parse_target, verdict_line
 
 pytestmark = pytest.mark.slow
 needs_tpu = pytest.mark.skipif(not __import__("importlib").util.find_spec("libtpu"), reason="needs podtrain[aot]")
@@ -143,8 +143,8 @@ def test_submit_refuses_a_step_that_cannot_fit_before_asking_ray():
 
 
 def test_the_check_is_skipped_for_cpu_stand_ins_and_unnamed_gpus():
-    from podtrain.orchestrator.config import load_config
-    from podtrain.orchestrator.launch_check import check_before_launch
+    from podtrain.orchestrator.config.compose import load_config
+    from podtrain.orchestrator.plan.launch_check import check_before_launch
 
     said = []
     stand_in = load_config("llama3-tiny", ["cluster=tpu", "cluster.tpu_type=v4-16", "cluster.env.JAX_PLATFORMS=cpu"])
@@ -210,8 +210,8 @@ def test_tp_traffic_equals_the_ideal_computed_by_hand():
 
 
 def test_the_fit_search_tries_only_micro_batches_that_leave_every_batch_shard_a_row():
-    from podtrain.orchestrator.config import load_config
-    from podtrain.orchestrator.target_plan import _candidates
+    from podtrain.orchestrator.config.compose import load_config
+    from podtrain.orchestrator.plan.on_target import _candidates
 
     config = load_config("llama3-tiny", ["train.batch_size=32", "model.remat=dots"])
     report = {"params_bytes": 0, "optimizer_bytes": 0, "mesh": {"dp": 1, "fsdp": 8, "ep": 1, "tp": 1}}

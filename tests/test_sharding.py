@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from podtrain.models.runner import only_layer
-from podtrain.orchestrator.build import build_training, model_factory
-from podtrain.orchestrator.config import load_config
-from podtrain.orchestrator.plan import format_plan, make_plan, sharding_table
-from podtrain.orchestrator.synthetic import random_batch
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.plan.report import format_plan, make_plan, sharding_table
+from podtrain.orchestrator.train.build import build_training, model_factory
+from podtrain.orchestrator.train.synthetic import random_batch
 from podtrain.sharding import DEFAULT_RULES, build_mesh, logical_to_spec, resolve_axis_sizes
 from podtrain.sharding.mesh import device_grid, device_slices
 from podtrain.sharding.place import init_peak_bytes

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from podtrain.orchestrator.build import build_training
-from podtrain.orchestrator.config import ConfigError, load_config
-from podtrain.orchestrator.optimizer import make_schedule
-from podtrain.orchestrator.step import make_eval_step
-from podtrain.orchestrator.synthetic import random_batch
-from podtrain.orchestrator.train import evaluate
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.train.build import build_training
+from podtrain.orchestrator.train.loop import evaluate
+from podtrain.orchestrator.train.optimizer import make_schedule
+from podtrain.orchestrator.train.step import make_eval_step
+from podtrain.orchestrator.train.synthetic import random_batch
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "model.vocab_size=256",
         "model.head_dim=16", "train.batch_size=8", "train.seq_len=16", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]

@@ -103,8 +103,8 @@ def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tmp_path, signum
 def test_sigterm_while_the_run_builds_stops_it_after_its_first_step(tmp_path, monkeypatch):
     """A notice that arrives before the loop (here: while the train step is built; on a pod, during
     a minutes-long restore) is not lost: the run trains one step, checkpoints it and reports preempted."""
-    import podtrain.orchestrator.train as train_module
-    from podtrain.orchestrator.config import load_config
+    import podtrain.orchestrator.train.loop as train_module
+    from podtrain.orchestrator.config.compose import load_config
 
     real_build = train_module.build_training
 
@@ -129,8 +129,9 @@ def test_finite_data_stops_the_run_with_a_checkpoint_and_resume_mistakes_are_one
     out = train(run_dir, 50, *data)
     last = max(losses(run_dir))
     assert 1 < last < 50 and f"stopped at step {last}: the training data ended (data.epochs)" in out.stdout
-    assert "INFO podtrain.orchestrator.train: starting at step 0 (fresh)" in out.stderr  # podtrain's INFO lines show
-    assert "WARNING podtrain.orchestrator.train: the training data ended" in out.stderr
+    # podtrain's INFO lines show
+    assert "INFO podtrain.orchestrator.train.loop: starting at step 0 (fresh)" in out.stderr
+    assert "WARNING podtrain.orchestrator.train.loop: the training data ended" in out.stderr
     assert "INFO absl" not in out.stderr
     assert max(int(p) for p in os.listdir(run_dir / "checkpoints")) == last
     again = train(run_dir, 50, *data)  # resumes at the end of the data: nothing to train, still a success
@@ -299,9 +300,9 @@ def test_export_writes_the_trained_weights_as_hf_files_transformers_loads(tmp_pa
     from transformers import AutoModelForCausalLM
 
     from podtrain.models import from_hf
-    from podtrain.orchestrator.build import build_training
-    from podtrain.orchestrator.checkpoint import Checkpointer
-    from podtrain.orchestrator.config import load_config
+    from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
+    from podtrain.orchestrator.config.compose import load_config
+    from podtrain.orchestrator.train.build import build_training
 
     run_dir = tmp_path / "run"
     train(run_dir, 4)
@@ -349,8 +350,8 @@ def test_export_takes_the_training_tokenizer_along(tmp_path, add_bos):
     from transformers import AutoTokenizer
 
     from podtrain.launch.export import tokenizer_export
-    from podtrain.orchestrator.config import load_config
-    from podtrain.orchestrator.tokenizers import load_tokenizer
+    from podtrain.orchestrator.config.compose import load_config
+    from podtrain.orchestrator.data.tokenizers import load_tokenizer
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 16)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -425,7 +426,7 @@ def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_metrics_reach_tensorboard_without_importing_torch(tmp_path):
     """The writer imports tensorboardX with torch hidden (seconds saved at every process start)."""
-    script = (f"import sys\nfrom pathlib import Path\nfrom orchestrator.metrics import MetricsWriter\n"
+    script = (f"import sys\nfrom pathlib import Path\nfrom podtrain.orchestrator.train.metrics import MetricsWriter\n"
               f"w = MetricsWriter(Path({str(tmp_path)!r}), enabled=True, total_steps=3)\n"
               "for s in (1, 2, 3):\n    w.write({'step': s, 'loss': 4.0 - s, 'lr': 0.5, 'sample': 'text'})\n"
               "w.close()\nassert 'torch' not in sys.modules, 'torch was imported'\n")
@@ -440,8 +441,8 @@ def test_metrics_reach_tensorboard_without_importing_torch(tmp_path):
 def test_step_times_leave_out_evals_and_saves(tmp_path, monkeypatch):
     """An eval (here made 3 s slower) and a checkpoint save are not the step's time: step_s,
     tokens/s and MFU measure training only."""
-    import podtrain.orchestrator.train as train_module
-    from podtrain.orchestrator.config import load_config
+    import podtrain.orchestrator.train.loop as train_module
+    from podtrain.orchestrator.config.compose import load_config
 
     real_evaluate = train_module.evaluate
 

@@ -1,0 +1,1 @@
+"""The driver, host actors, reservation and worker processes of a run on Ray."""

@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from podtrain.orchestrator.checkpoint.resume import committed_steps
+from podtrain.orchestrator.checkpoint.rundir import RunLock, checkpoint_directory
 from podtrain.orchestrator.cluster import protocol as p
 from podtrain.orchestrator.cluster.outcomes import (
     FAILURE_CLASSES,
@@ -55,12 +57,12 @@ from podtrain.orchestrator.cluster.outcomes import (
     Outcome,
 )
 from podtrain.orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
-from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml, validate
-from podtrain.orchestrator.launch_check import check_before_launch
-from podtrain.orchestrator.preflight import check_inputs
-from podtrain.orchestrator.resume import committed_steps
-from podtrain.orchestrator.rundir import RunLock
-from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.config.compose import to_yaml
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.config.validate import validate
+from podtrain.orchestrator.plan.launch_check import check_before_launch
+from podtrain.orchestrator.train.preflight import check_inputs
 
 MAX_PORT_RETRIES = 5
 MEGASCALE_PORT = 8081  # the multi-slice coordinator's port on slice 0's first host (libtpu's default)

@@ -16,9 +16,9 @@ from typing import Any
 
 from podtrain.orchestrator.cluster.host import HostActor
 from podtrain.orchestrator.cluster.protocol import ENV_LOCAL_DEVICE_IDS
-from podtrain.orchestrator.config import ConfigError
-from podtrain.orchestrator.schema import ClusterConfig
-from podtrain.orchestrator.targets import ray_tpu_version, tpu_chips, tpu_topology
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import ClusterConfig
+from podtrain.orchestrator.plan.targets import ray_tpu_version, tpu_chips, tpu_topology
 
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host
 

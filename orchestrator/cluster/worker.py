@@ -1,11 +1,11 @@
 """One JAX process of a gang, started fresh for every attempt by a host actor (`orchestrator/cluster/`).
 
-    python -m orchestrator.worker        (everything else comes from PODTRAIN_* variables)
+    python -m podtrain.orchestrator.cluster.worker    (everything else comes from PODTRAIN_* variables)
 
 The host actor sets the environment (JAX platform and device flags, TPU and MEGASCALE variables,
 the PODTRAIN_* names in `orchestrator.cluster.protocol`) before this module runs, so it is in
 place before JAX is imported. The worker then joins the JAX world with
-`jax.distributed.initialize`, trains with `orchestrator.train.run`, reports every completed step
+`jax.distributed.initialize`, trains with `orchestrator.train.loop.run`, reports every completed step
 through its heartbeat file, and leaves with a status the driver classifies (see `protocol`).
 """
 
@@ -100,18 +100,19 @@ def main() -> int:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    from podtrain.orchestrator.config import ConfigError, load_config
+    from podtrain.orchestrator.config.compose import load_config
+    from podtrain.orchestrator.config.errors import ConfigError
 
     error_file = env.get(p.ENV_ERROR_FILE)
     try:
         config, run_dir = load_config(env[p.ENV_CONFIG]), Path(env[p.ENV_RUN_DIR])
-        from podtrain.orchestrator.preflight import check_inputs
+        from podtrain.orchestrator.train.preflight import check_inputs
 
         # Before joining the JAX world: every rank finds the same mistake and leaves at once, and
         # none is left waiting in a collective for a peer that left.
         inputs = check_inputs(config, run_dir)
         _initialize_distributed(env)
-        from podtrain.orchestrator.train import run
+        from podtrain.orchestrator.train.loop import run
 
         _describe_process(env)
         heartbeat = env.get(p.ENV_HEARTBEAT_FILE)

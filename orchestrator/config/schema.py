@@ -1,7 +1,7 @@
 """The typed config schema: one frozen dataclass per section, each checking its own fields.
 
-`orchestrator.config` merges these with a preset and the command line's overrides and validates
-what spans sections; the schema itself holds data only.
+`config.compose` merges these with a preset and the command line's overrides, and `config.validate`
+checks what spans sections; the schema itself holds data only.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class RunConfig:
 
 
 CLUSTER_KINDS = ("local", "tpu", "gpu", "none")
-GPU_TYPES = ("h100", "h200", "a100-80gb")  # the GPUs of orchestrator/targets.py
+GPU_TYPES = ("h100", "h200", "a100-80gb")  # the GPUs of orchestrator/plan/targets.py
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from podtrain.orchestrator.schema import OptimizerConfig
+from podtrain.orchestrator.config.schema import OptimizerConfig
 
 
 def _entry_name(entry) -> str:

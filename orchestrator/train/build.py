@@ -18,11 +18,12 @@ from podtrain.models.kernels.exchange import resolve_exchange
 from podtrain.models.kernels.grouped_matmul import resolve_grouped_matmul
 from podtrain.models.lora import LoRAConfig, LoRAParam, apply_lora, with_base
 from podtrain.models.runner import only_layer
-from podtrain.orchestrator.config import ConfigError, validate
-from podtrain.orchestrator.optimizer import make_optimizer, make_schedule
-from podtrain.orchestrator.schema import Config
-from podtrain.orchestrator.sharded_step import ShardedStep
-from podtrain.orchestrator.step import TrainState, make_train_step
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.config.validate import validate
+from podtrain.orchestrator.train.optimizer import make_optimizer, make_schedule
+from podtrain.orchestrator.train.sharded_step import ShardedStep
+from podtrain.orchestrator.train.step import TrainState, make_train_step
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model, create_sharded_state, state_shardings
 from podtrain.sharding.state import batch_sharding, optimizer_state_shardings, replicated

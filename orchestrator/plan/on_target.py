@@ -23,11 +23,12 @@ from flax import nnx
 from podtrain.models import flops_per_token
 from podtrain.models.kernels.attention import resolve_backend
 from podtrain.models.runner import REMAT
-from podtrain.orchestrator.build import Training, build_training
-from podtrain.orchestrator.config import ConfigError, apply_overrides
-from podtrain.orchestrator.hlo_comm import as_rows, collectives, summarize
-from podtrain.orchestrator.schema import Config
-from podtrain.orchestrator.targets import Target, compile_devices
+from podtrain.orchestrator.config.compose import apply_overrides
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.plan.hlo_comm import as_rows, collectives, summarize
+from podtrain.orchestrator.plan.targets import Target, compile_devices
+from podtrain.orchestrator.train.build import Training, build_training
 from podtrain.sharding.rules import axes_of, logical_to_spec
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

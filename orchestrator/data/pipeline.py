@@ -1,6 +1,6 @@
 """The training data pipeline: a corpus, tokenised and packed into fixed-length rows, batched by grain.
 
-The corpus (`orchestrator.corpus`) is a random-access sequence of documents. Every row of the
+The corpus (`data.corpus`) is a random-access sequence of documents. Every row of the
 global batch has its own stream: row `r` of `train.batch_size` reads every `batch_size`-th
 document of the split from the r-th on, shuffles them per epoch, tokenises each
 (BOS optional, EOS always) and packs them with grain's concat-then-split into rows of `seq_len + 1`
@@ -32,9 +32,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from podtrain.orchestrator.corpus import document_indices, open_corpus
-from podtrain.orchestrator.schema import DataConfig
-from podtrain.orchestrator.tokenizers import Tokenizer
+from podtrain.orchestrator.config.schema import DataConfig
+from podtrain.orchestrator.data.corpus import document_indices, open_corpus
+from podtrain.orchestrator.data.tokenizers import Tokenizer
 
 
 def _encode(text: str, tokenizer: Tokenizer, add_bos: bool) -> dict[str, np.ndarray]:
@@ -93,7 +93,7 @@ def make_dataset(
 
     Args:
         config: the data config.
-        tokenizer: from `orchestrator.tokenizers.load_tokenizer`; check it with `check_vocab`.
+        tokenizer: from `data.tokenizers.load_tokenizer`; check it with `check_vocab`.
         seq_len: tokens per row (`train.seq_len`).
         global_batch: rows per step over all processes (`train.batch_size`).
         rows: the global batch rows this process loads (`process_rows`); all of them if None.

@@ -24,8 +24,8 @@ import os
 import socket
 from pathlib import Path
 
-from podtrain.orchestrator.config import ConfigError
-from podtrain.orchestrator.schema import Config
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
 
 LOCK_FILE = "podtrain.lock"
 # Ray hands a job's entrypoint its runtime environment (working_dir included) in this variable.
@@ -62,6 +62,14 @@ def resolve_run_dir(config: Config, default_name: str) -> Path:
             "it absolute"
         )
     return (base / (config.run.name or default_name)).absolute()
+
+
+def checkpoint_directory(directory: str, run_dir: str | os.PathLike) -> str:
+    """`checkpoint.dir` as Orbax takes it: a URL (gs://...) as is, an absolute path as is, a relative
+    path under `run_dir`."""
+    if "://" in directory:
+        return directory
+    return os.path.abspath(Path(run_dir) / Path(directory).expanduser())
 
 
 def _holder() -> dict:

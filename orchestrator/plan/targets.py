@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from podtrain.orchestrator.config import ConfigError
+from podtrain.orchestrator.config.errors import ConfigError
 
 GiB = 2**30
 AOT_INSTALL = "pip install 'podtrain[aot]'"

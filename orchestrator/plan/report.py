@@ -12,8 +12,8 @@ from flax import nnx
 from podtrain.models import flops_per_token
 from podtrain.models.moe.dispatch import capacity
 from podtrain.models.moe.dropless import buffer_rows
-from podtrain.orchestrator.build import Training
-from podtrain.orchestrator.targets import verdict_line
+from podtrain.orchestrator.plan.targets import verdict_line
+from podtrain.orchestrator.train.build import Training
 from podtrain.sharding.mesh import describe_mesh
 from podtrain.sharding.place import path_str
 from podtrain.sharding.rules import sharded_over

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from podtrain.orchestrator.build import Training
+from podtrain.orchestrator.train.build import Training
 
 
 def random_batch(training: Training, seed: int = 0) -> dict[str, jax.Array]:

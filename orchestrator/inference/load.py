@@ -20,13 +20,13 @@ from jax.sharding import Mesh
 from podtrain.models import from_hf
 from podtrain.models.lora import LoRAParam, apply_lora, merged, with_base
 from podtrain.models.peft import load_peft, read_peft_config
-from podtrain.orchestrator.build import Training, build_training, make_mesh, model_factory
-from podtrain.orchestrator.checkpoint import Checkpointer
-from podtrain.orchestrator.config import ConfigError
-from podtrain.orchestrator.integrity import content_hash
-from podtrain.orchestrator.resume import lora_differences, model_differences, model_key_differences
-from podtrain.orchestrator.schema import Config
-from podtrain.orchestrator.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
+from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
+from podtrain.orchestrator.checkpoint.integrity import content_hash
+from podtrain.orchestrator.checkpoint.resume import lora_differences, model_differences, model_key_differences
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.data.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
+from podtrain.orchestrator.train.build import Training, build_training, make_mesh, model_factory
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model, create_sharded_state
 

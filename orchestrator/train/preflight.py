@@ -17,11 +17,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from podtrain.orchestrator.config import ConfigError, checkpoint_directory
-from podtrain.orchestrator.corpus import document_indices, open_corpus
-from podtrain.orchestrator.resume import check_resume_matches, committed_steps, resume_step
-from podtrain.orchestrator.schema import Config
-from podtrain.orchestrator.tokenizers import Tokenizer, check_vocab, load_tokenizer
+from podtrain.orchestrator.checkpoint.resume import check_resume_matches, committed_steps, resume_step
+from podtrain.orchestrator.checkpoint.rundir import checkpoint_directory
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.data.corpus import document_indices, open_corpus
+from podtrain.orchestrator.data.tokenizers import Tokenizer, check_vocab, load_tokenizer
 
 
 @dataclasses.dataclass

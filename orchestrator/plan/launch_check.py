@@ -1,6 +1,6 @@
 """The plan check before a launch: `podtrain train` and `podtrain submit` of TPU slices or GPU nodes
 compile the train step for the reservation's target and refuse a step that does not fit, before
-anything is reserved (`plan.check_before_launch`).
+anything is reserved (`check_before_launch`).
 
 The compile runs in a child process (`podtrain plan --target ... --json` on the resolved config):
 this process never starts a JAX backend (on a TPU VM that would take the chips the workers need)
@@ -16,9 +16,10 @@ import subprocess
 import sys
 import tempfile
 
-from podtrain.orchestrator.config import ConfigError, to_yaml
-from podtrain.orchestrator.schema import Config
-from podtrain.orchestrator.targets import AOT_INSTALL, cluster_target, verdict_line
+from podtrain.orchestrator.config.compose import to_yaml
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.plan.targets import AOT_INSTALL, cluster_target, verdict_line
 
 
 def _has_compiler(platform: str) -> bool:

@@ -26,17 +26,25 @@ from orbax.checkpoint import multihost
 
 from podtrain.models import flops_per_token
 from podtrain.models.generate import generate
-from podtrain.orchestrator.build import Training, build_training
-from podtrain.orchestrator.checkpoint import Checkpointer, run_metadata
+from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer, run_metadata
+from podtrain.orchestrator.checkpoint.rundir import checkpoint_directory
 from podtrain.orchestrator.cluster import protocol
-from podtrain.orchestrator.config import ConfigError, checkpoint_directory, to_yaml
-from podtrain.orchestrator.data import make_dataset, process_rows, row_positions, set_row_positions, to_global_batch
-from podtrain.orchestrator.load import base_record, check_base, init_adapters, load_base
-from podtrain.orchestrator.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
-from podtrain.orchestrator.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
-from podtrain.orchestrator.schema import Config
-from podtrain.orchestrator.step import make_eval_step
-from podtrain.orchestrator.tokenizers import Tokenizer
+from podtrain.orchestrator.config.compose import to_yaml
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.data.pipeline import (
+    make_dataset,
+    process_rows,
+    row_positions,
+    set_row_positions,
+    to_global_batch,
+)
+from podtrain.orchestrator.data.tokenizers import Tokenizer
+from podtrain.orchestrator.inference.load import base_record, check_base, init_adapters, load_base
+from podtrain.orchestrator.train.build import Training, build_training
+from podtrain.orchestrator.train.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
+from podtrain.orchestrator.train.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
+from podtrain.orchestrator.train.step import make_eval_step
 from podtrain.sharding.mesh import describe_mesh
 from podtrain.sharding.rules import use_rules
 

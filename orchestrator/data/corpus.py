@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from podtrain.orchestrator.schema import DataConfig
+from podtrain.orchestrator.config.schema import DataConfig
 
 SPLITS = ("train", "eval")
 _SUFFIXES = {"text": "", "jsonl": ".jsonl", "parquet": ".parquet", "array_record": ".array_record", "tokens": ".npy"}

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from podtrain.orchestrator.config import ConfigError
+from podtrain.orchestrator.config.errors import ConfigError
 
 # Dense bf16 peak FLOP/s per device (chip or GPU), from the vendors' spec sheets.
 PEAK_FLOPS = {

@@ -67,8 +67,7 @@ from etils import epath
 from jax.sharding import Mesh
 from orbax.checkpoint import multihost
 
-from podtrain.orchestrator.config import ConfigError, to_yaml
-from podtrain.orchestrator.integrity import (
+from podtrain.orchestrator.checkpoint.integrity import (
     DAMAGE_ERRORS,
     DamagedStepError,
     changed_leaves,
@@ -80,8 +79,10 @@ from podtrain.orchestrator.integrity import (
     raise_if_failed,
     verdict,
 )
-from podtrain.orchestrator.resume import has_item, read_item, resume_step
-from podtrain.orchestrator.schema import CheckpointConfig, Config
+from podtrain.orchestrator.checkpoint.resume import has_item, read_item, resume_step
+from podtrain.orchestrator.config.compose import to_yaml
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import CheckpointConfig, Config
 from podtrain.sharding.mesh import describe_mesh
 
 logger = logging.getLogger(__name__)

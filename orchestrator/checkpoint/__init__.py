@@ -1,0 +1,1 @@
+"""Orbax checkpoints, their fingerprints, where a run resumes, and the run directory."""

@@ -1,0 +1,1 @@
+"""The typed config schema, presets with `key=value` overrides, and the one validation pass."""

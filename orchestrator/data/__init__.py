@@ -1,0 +1,1 @@
+"""Corpora, tokenizers and the grain pipeline that packs documents into batches."""

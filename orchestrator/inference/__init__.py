@@ -1,0 +1,1 @@
+"""A trained model loaded for generation and export, without training state."""
