@@ -47,7 +47,9 @@ if __package__ in (None, ""):
 from bench.common import format_table, machine_description, time_calls  # noqa: E402
 from podtrain.models import Llama, ModelConfig  # noqa: E402
 from podtrain.models.generate import generate  # noqa: E402
-from podtrain.models.layers import NEG_INF, apply_rope, dense, rope_inv_freq  # noqa: E402
+from podtrain.models.kernels.attention import NEG_INF  # noqa: E402
+from podtrain.models.linear import dense  # noqa: E402
+from podtrain.models.rope import apply_rope, rope_inv_freq  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=8,
                      num_kv_heads=4, head_dim=32)
@@ -243,7 +245,7 @@ def ratio_rows(rows: list[dict], short: int, long: int) -> list[dict]:
 def decode_step_memory(model: Llama, batch: int, max_lens: list[int]) -> list[dict]:
     """XLA's figures for one compiled decode step (one token, cache donated) per cache size: the
     cache is updated in place (aliased) and the temporaries do not hold a copy of it."""
-    step = jax.jit(lambda m, token, cache: m(token, kv_cache=cache), donate_argnums=2)
+    step = jax.jit(lambda m, token, cache: m(token, cache=cache)[:2], donate_argnums=2)
     rows = []
     for max_len in max_lens:
         cache = model.init_cache(batch, max_len)

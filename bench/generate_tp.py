@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     with on_mesh():
         cache = sharded.init_cache(HEADLINE_BATCH, HEADLINE_MAX_LEN)
         token = jnp.ones((HEADLINE_BATCH, 1), jnp.int32)
-        hlo = jax.jit(lambda model, token, cache: model(token, kv_cache=cache)).lower(sharded, token, cache)
+        hlo = jax.jit(lambda model, token, cache: model(token, cache=cache)[:2]).lower(sharded, token, cache)
         collectives = Counter(COLLECTIVE.findall(hlo.compile().as_text()))
     print(f"# generate over tp={args.tp} CPU devices, {machine_description()}")
     print(f"batch {HEADLINE_BATCH}, max_len {HEADLINE_MAX_LEN}, 64-token prompts, 64 new tokens, greedy, "

@@ -7,7 +7,7 @@ expert so that the routed part is what is measured), forward + backward of sum(y
 batch of tokens, on 1, 2 and 4 simulated CPU devices with the experts sharded over `ep`:
 
 - `dispatch (dropless)` and `dispatch (capacity 1.25)`: podtrain's all-to-all token dispatch
-  (`sharding/experts.py`); each device runs only its experts, on the slots of its experts.
+  (`models/moe/dispatch.py`); each device runs only its experts, on the slots of its experts.
 - `every rank sees every token`: the baseline written here, the scheme a public JAX peer uses:
   every EP rank all-gathers the tokens, runs its experts on all of them (weights zero where a
   token did not choose the expert) and the partial outputs are summed back (psum-scatter).

@@ -51,12 +51,13 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from bench.common import format_table, machine_description  # noqa: E402
-from podtrain.models.lora import LoRAConfig, LoRAParam  # noqa: E402
-from podtrain.models.moe import MoE  # noqa: E402
+from podtrain.models.kernels.exchange import resolve_exchange  # noqa: E402
+from podtrain.models.kernels.grouped_matmul import resolve_grouped_matmul  # noqa: E402
+from podtrain.models.lora import LoRAConfig, LoRAParam, apply_lora  # noqa: E402
+from podtrain.models.moe import MoE, dropless  # noqa: E402
 from podtrain.orchestrator.config.compose import load_config  # noqa: E402
 from podtrain.orchestrator.plan import hlo_comm  # noqa: E402
 from podtrain.orchestrator.plan.targets import compile_devices, parse_target  # noqa: E402
-from podtrain.sharding import ragged  # noqa: E402
 from podtrain.sharding.mesh import build_mesh  # noqa: E402
 from podtrain.sharding.place import abstract_model  # noqa: E402
 from podtrain.sharding.rules import DEFAULT_RULES, use_rules  # noqa: E402
@@ -75,11 +76,13 @@ def schemes(num_experts: int, top_k: int) -> dict[str, dict]:
 
 def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: bool, lora_rank: int = 0) -> dict:
     model = load_config(preset).model
-    moe = dataclasses.replace(model.moe, num_shared_experts=0, **scheme)
-    config = model.replace(moe=moe, dtype="bfloat16", param_dtype="bfloat16")
+    platform = devices[0].platform  # the kernels a run's build resolves for these devices
+    moe = dataclasses.replace(model.moe, num_shared_experts=0, grouped_matmul=resolve_grouped_matmul("auto", platform),
+                              exchange=resolve_exchange("auto", platform), **scheme)
+    config = model.replace(moe=moe, dtype="bfloat16", param_dtype="bfloat16", interpret_kernels=platform == "cpu")
     mesh = build_mesh({"fsdp": 1, "ep": ep}, devices[:ep])
-    lora = LoRAConfig(rank=lora_rank, targets=("experts",)) if lora_rank else None
-    graphdef, state = abstract_model(lambda: MoE(config, rngs=nnx.Rngs(0), lora=lora), mesh, DEFAULT_RULES)
+    lora = LoRAConfig(rank=lora_rank, targets=("experts",))
+    graphdef, state = abstract_model(lambda: apply_lora(MoE(config, rngs=nnx.Rngs(0)), lora), mesh, DEFAULT_RULES)
     x = jax.ShapeDtypeStruct((ep, tokens, config.hidden_size), jnp.bfloat16,
                              sharding=NamedSharding(mesh, PartitionSpec("ep")))
 
@@ -87,7 +90,7 @@ def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: boo
         state = jax.tree.map(lambda v: jax.ShapeDtypeStruct(
             (2, *v.shape), v.dtype, sharding=NamedSharding(mesh, PartitionSpec(None, *v.sharding.spec))), state)
 
-    trained, frozen = nnx.split_state(state, LoRAParam if lora else nnx.Param, ...)
+    trained, frozen = nnx.split_state(state, LoRAParam if lora_rank else nnx.Param, ...)
 
     def loss(trained, x, frozen):
         def layer(state, x):  # a new function each trace: jax.checkpoint caches its traces by function
@@ -113,7 +116,7 @@ def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: boo
 
     layers = 2 if remat else 1
     start = time.perf_counter()
-    with mock.patch.object(ragged, "_overflow", lambda plan, one_round, body, init: init):
+    with mock.patch.object(dropless, "_overflow", lambda plan, one_round, body, init: init):
         compiled = compile_()
     flops, sent = costs(compiled)
     extra = [a - b for a, b in zip(costs(compile_()), (flops, sent), strict=True)] if moe.capacity_factor == 0 \

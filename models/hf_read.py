@@ -294,7 +294,8 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None,
             without one).
         rules: logical-to-mesh rules; None uses the active table.
         runtime: model fields that change how the model runs, not its weights (`dtype` for the
-            compute dtype, `remat`, `scan_layers`), over the ones config.json implies.
+            compute dtype, `remat`, `scan_layers`, the kernels: `attention`, `interpret_kernels`,
+            `moe.grouped_matmul`, `moe.exchange`), over the ones config.json implies.
 
     Returns:
         (config, model).
@@ -309,7 +310,10 @@ def from_hf(path, *, mesh=None, dtype=None, rules: Rules | None = None,
     if not config_file.is_file():
         raise ValueError(f"{config_file}: not found; expected a Hugging Face checkpoint directory with config.json")
     hf_config = read_json_object(config_file)
-    config = dataclasses.replace(config_from_hf(hf_config, dtype=dtype, source=str(config_file)), **(runtime or {}))
+    config = config_from_hf(hf_config, dtype=dtype, source=str(config_file))
+    runtime = dict(runtime or {})
+    moe = {key.removeprefix("moe."): runtime.pop(key) for key in list(runtime) if key.startswith("moe.")}
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, **moe), **runtime)
     mesh = build_mesh({}, jax.devices()[:1]) if mesh is None else mesh
     architecture = ARCHITECTURES[config.model_type]
     graphdef, abstract = abstract_model(lambda: architecture.model_class(config, rngs=nnx.Rngs(0)), mesh, rules)

@@ -3,7 +3,7 @@
 Every parameter names its logical axes through `nnx.with_partitioning`; `sharding/` decides the
 mesh axes. A projection's weight is a `Linear`, a parameter that projects: it keeps the weight's
 own path in the model (checkpoints and HF names are those of the weight), and features such as
-adapters wrap it after the model is built (`models/lora.py`).
+adapters wrap it after the model is built.
 """
 
 from __future__ import annotations

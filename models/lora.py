@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from podtrain.models.config import ModelConfig
 from podtrain.models.embedding import Embedding
 from podtrain.models.linear import Linear, dense, gathered
 from podtrain.models.moe.block import MoE
@@ -144,10 +145,6 @@ class Adapter(nnx.Module):
         keep = jax.random.bernoulli(key, 1 - self.rate, x.shape)
         return jnp.where(keep, x / jnp.asarray(1 - self.rate, x.dtype), jnp.zeros((), x.dtype))
 
-    def axes(self) -> tuple:
-        """The adapted weight's logical axes."""
-        return self.base.axes()
-
     def update(self, x: jax.Array, dtype) -> jax.Array:
         """`scale * (x @ A) @ B` in `dtype`, each matrix gathered once over the batch axes."""
         a = gathered(self.lora_a[...].astype(dtype), self.lora_a.get_metadata().get("out_sharding"))
@@ -163,41 +160,41 @@ class Adapter(nnx.Module):
         return (update * self.scale).reshape(*self.lora_a.shape[:-1], *self.lora_b.shape[lead + 1:])
 
 
-class LoRALinear(Adapter):
-    """A `Linear` with an adapter: `base(x) + scale * (x @ A) @ B`."""
+class AdaptedWeight(Adapter):
+    """A weight with an adapter, the weight kept as `base`."""
 
-    def __init__(self, base: Linear, *args, **kwargs):
+    def __init__(self, base: Linear | Embedding, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.base = base
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.base(x) + self.update(x, x.dtype)
+    def axes(self) -> tuple:
+        """The weight's logical axes."""
+        return self.base.axes()
 
     def merged(self) -> jax.Array:
         """`W + scale * A @ B` as the weight is stored."""
         w = self.base[...]
         return (w.astype(jnp.float32) + self.delta()).astype(w.dtype)
 
+
+class LoRALinear(AdaptedWeight):
+    """A `Linear` with an adapter: `base(x) + scale * (x @ A) @ B`."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.base(x) + self.update(x, x.dtype)
+
     def matrix(self, dtype) -> jax.Array:
         """The merged weight as a matmul in `dtype` reads it (what absorbs it, as MLA's cached decoding does)."""
-        return gathered(self.merged().astype(dtype), self.base.axes())
+        return gathered(self.merged().astype(dtype), self.axes())
 
 
-class LoRAEmbedding(Adapter):
+class LoRAEmbedding(AdaptedWeight):
     """An `Embedding` with an adapter: the rows of the table plus `scale * A[ids] @ B`."""
-
-    def __init__(self, base: Embedding, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.base = base
 
     def __call__(self, ids_BT: jax.Array, dtype) -> jax.Array:
         low = jnp.take(self.lora_a[...].astype(dtype), ids_BT, axis=0)
         update = dense(low, self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)
         return self.base(ids_BT, dtype) + constrain(update, ("batch", "seq", "act_embed"))
-
-    def merged(self) -> jax.Array:
-        w = self.base[...]
-        return (w.astype(jnp.float32) + self.delta()).astype(w.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -220,14 +217,18 @@ class AdaptedExperts:
                               ("experts", "lora_rank", None, "mlp"), ("experts", "mlp", "lora_rank"),
                               ("experts", "lora_rank", "embed"))
 
+    def frozen(self) -> SwiGLUExperts:
+        """The base experts, which get no gradient."""
+        return jax.tree.map(jax.lax.stop_gradient, self.base)
+
     def in_projections(self, rows, matmul):
-        gate, up = self.base.in_projections(rows, matmul)
+        gate, up = self.frozen().in_projections(rows, matmul)
         experts, rank, _, f = self.gate_up_b.shape
         update = matmul(matmul(rows, self.gate_up_a), self.gate_up_b.reshape(experts, rank, 2 * f))
         return gate + update[..., :f], up + update[..., f:]
 
     def out_projection(self, hidden, matmul):
-        return self.base.out_projection(hidden, matmul) + matmul(matmul(hidden, self.down_a), self.down_b)
+        return self.frozen().out_projection(hidden, matmul) + matmul(matmul(hidden, self.down_a), self.down_b)
 
     def split(self):
         return self.base, (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
@@ -248,8 +249,8 @@ class LoRAExperts(nnx.Module):
         scale = jnp.asarray(self.gate_up.scale, dtype)
         matrices = [m[...].astype(dtype) for m in (self.gate_up.lora_a, self.gate_up.lora_b, self.down.lora_a,
                                                    self.down.lora_b)]
-        experts = AdaptedExperts(jax.tree.map(jax.lax.stop_gradient, self.base.experts()), matrices[0],
-                                 matrices[1] * scale, matrices[2], matrices[3] * scale)
+        experts = AdaptedExperts(self.base.experts(), matrices[0], matrices[1] * scale, matrices[2],
+                                 matrices[3] * scale)
         return self.base(x_BTD, experts=experts)
 
 
@@ -290,13 +291,14 @@ def _wrap_linear(weight: Linear | Embedding, target: str, lora: LoRAConfig, key,
 
 
 def _wrap_experts(moe: MoE, lora: LoRAConfig, key, stack: int | None) -> LoRAExperts:
-    layers, experts, d, f = moe.w_gate.shape
+    stacked = _stacked(moe.w_gate)
+    *layers, experts, d, f = moe.w_gate.shape
     dtype, kwargs = moe.w_gate.dtype, dict(scale=lora.scale, target="experts", rate=0.0, stack=stack)
     key_gate_up, key_down = jax.random.split(key)
-    lead = ("layers", "experts")
-    a, b = _adapter_values(key_gate_up, (d,), (2, f), layers, dtype, lora.rank, embedding=False, batch=(experts,))
+    lead, count = ("layers", "experts") if stacked else ("experts",), layers[0] if stacked else 0
+    a, b = _adapter_values(key_gate_up, (d,), (2, f), count, dtype, lora.rank, embedding=False, batch=(experts,))
     gate_up = Adapter(a, b, (*lead, "embed", "lora_rank"), (*lead, "lora_rank", None, "mlp"), n_in=1, **kwargs)
-    a, b = _adapter_values(key_down, (f,), (d,), layers, dtype, lora.rank, embedding=False, batch=(experts,))
+    a, b = _adapter_values(key_down, (f,), (d,), count, dtype, lora.rank, embedding=False, batch=(experts,))
     down = Adapter(a, b, (*lead, "mlp", "lora_rank"), (*lead, "lora_rank", "embed"), n_in=1, **kwargs)
     return LoRAExperts(moe, gate_up, down)
 
@@ -308,7 +310,8 @@ def apply_lora(model: nnx.Module, lora: LoRAConfig, seed: int = 0) -> nnx.Module
     if not lora.rank:
         return model
     lora.validate()
-    check_targets(lora, model.config)
+    if isinstance(getattr(model, "config", None), ModelConfig):  # a whole model, not a block of one
+        check_targets(lora, model.config)
     stream = jax.random.fold_in(jax.random.key(seed), _STREAM)
     stacks = {id(stack): i for i, stack in enumerate(model.stacks())} if hasattr(model, "stacks") else {}
     for path, module in list(nnx.iter_modules(model)):
@@ -320,6 +323,8 @@ def apply_lora(model: nnx.Module, lora: LoRAConfig, seed: int = 0) -> nnx.Module
                 setattr(module, name, _wrap_experts(value, lora, key, stack))
             elif isinstance(value, Linear | Embedding) and lora.wants(WEIGHT_TARGETS.get(name, "")):
                 setattr(module, name, _wrap_linear(value, WEIGHT_TARGETS[name], lora, key, stack))
+    if isinstance(model, MoE) and lora.wants("experts"):  # a MoE block alone
+        return _wrap_experts(model, lora, jax.random.fold_in(stream, zlib.crc32(b"")), None)
     return model
 
 
@@ -369,7 +374,7 @@ def adapters(model: nnx.Module):
     experts adapter's path is its MoE block's followed by `w_gate_up` or `w_down`."""
     for path, module in nnx.iter_modules(model):
         key = ".".join(str(p) for p in _plain_path(model, path))
-        if isinstance(module, LoRALinear | LoRAEmbedding):
+        if isinstance(module, AdaptedWeight):
             yield key, module
         elif isinstance(module, LoRAExperts):
             yield f"{key}.w_gate_up", module.gate_up
@@ -382,7 +387,7 @@ def merged(model: nnx.Module) -> nnx.State:
     plain = nnx.clone(model)
     for _, module in list(nnx.iter_modules(plain)):
         for name, value in list(vars(module).items()):
-            if isinstance(value, LoRALinear | LoRAEmbedding):
+            if isinstance(value, AdaptedWeight):
                 setattr(module, name, value.base.replace(value.merged()))
             elif isinstance(value, LoRAExperts):
                 moe, gate_up = value.base, value.gate_up.delta()  # (..., E, D, 2, F)

@@ -72,7 +72,7 @@ def _loss_logits_grads(path, mesh_name: str | None, remat: str):
     graphdef, params = nnx.split(model)
 
     def loss(params):
-        logits = nnx.merge(graphdef, params)(ids[:, :-1])
+        logits, _, _ = nnx.merge(graphdef, params)(ids[:, :-1])
         return causal_lm_loss(logits, ids[:, 1:])[0], logits
 
     (value, logits), grads = _on_mesh(mesh, jax.jit(jax.value_and_grad(loss, has_aux=True)), params)

@@ -203,7 +203,7 @@ def test_config_from_hf_reads_old_rope_keys_and_defaults():
 def test_deepseek_keys_missing_from_config_json_take_transformers_defaults():
     from transformers import DeepseekV3Config
 
-    from podtrain.models.hf_config import DEEPSEEK_KEYS
+    from podtrain.models.deepseek import DEEPSEEK_KEYS
 
     minimal = {"model_type": "deepseek_v3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
                "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 128}

@@ -28,7 +28,7 @@ def compiled_temp_bytes(layers: int, remat: str, shape: list[str] = SHAPE) -> di
     state, batch = training.abstract_state(), training.abstract_batch()
 
     def loss(params, batch):
-        logits = nnx.merge(training.graphdef, params)(batch["inputs"])
+        logits, _, _ = nnx.merge(training.graphdef, params)(batch["inputs"])
         return causal_lm_loss(logits, batch["targets"], batch["weights"])[0]
 
     grad_step = jax.jit(jax.value_and_grad(loss)).lower(state.params, batch).compile()

@@ -13,25 +13,20 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from podtrain.models.lora import LoRAConfig, LoRAParam
-from podtrain.models.moe import MoE, balance_router_bias, route
+from podtrain.models.kernels.exchange import resolve_exchange
+from podtrain.models.kernels.grouped_matmul import resolve_grouped_matmul
+from podtrain.models.lora import AdaptedExperts, LoRAConfig, LoRAParam, apply_lora
+from podtrain.models.moe import MoE, balance_router_bias, dispatch, dropless, route
+from podtrain.models.moe.dispatch import capacity
+from podtrain.models.moe.dropless import Kernels, buffer_rows
+from podtrain.models.moe.experts import EXPERT_DOWN_NAMES, EXPERT_GATE_NAMES, SwiGLUExperts
 from podtrain.orchestrator.config.compose import load_config
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.validate import validate
 from podtrain.orchestrator.train.build import build_training
 from podtrain.orchestrator.train.synthetic import random_batch
-from podtrain.sharding import ragged
-from podtrain.sharding.experts import (
-    EXPERT_DOWN_NAMES,
-    EXPERT_GATE_NAMES,
-    EXPERT_LORA_NAMES,
-    ExpertAdapters,
-    capacity,
-    routed_experts,
-)
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model
-from podtrain.sharding.ragged import buffer_rows
 from podtrain.sharding.rules import DEFAULT_RULES, logical_to_spec, use_rules
 
 TINY = load_config("deepseek-v3-tiny").model
@@ -40,6 +35,13 @@ MESHES = {
     "ep1": {}, "ep2": {"ep": 2}, "ep4": {"ep": 4}, "ep2_fsdp2": {"ep": 2, "fsdp": 2}, "ep2_tp2": {"ep": 2, "tp": 2},
     "dp2_ep2_tp2": {"dp": 2, "ep": 2, "tp": 2},
 }
+
+
+def routed_experts(x, expert, weight, gate, up, down, *, experts=None, capacity_factor=0.0, buffer_factor=1.25):
+    """The dispatch of SwiGLU experts `gate, up, down` (or of `experts`) with the kernels of CPU devices."""
+    experts = SwiGLUExperts(gate, up, down) if experts is None else experts
+    return dispatch.routed_experts(x, expert, weight, experts, capacity_factor=capacity_factor,
+                                   buffer_factor=buffer_factor, kernels=Kernels(exchange="all_to_all"))
 
 
 def _mesh(sizes: dict):
@@ -169,12 +171,16 @@ def test_dropless_gradients_equal_the_float64_reference(mesh_name, buffer_factor
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+ADAPTERS = ("gate_up_a", "gate_up_b", "down_a", "down_b")
+
+
 def _adapters(seed=4, rank=3):
-    """Random expert adapters (`ExpertAdapters`, B scaled) and the merged weights they make."""
+    """Random expert adapters (`AdaptedExperts`' A and B, B scaled) and the merged weights they make."""
     rng = np.random.default_rng(seed)
-    lora = ExpertAdapters(*(rng.normal(scale=0.15, size=s).astype(np.float32)
-                            for s in ((E, D, rank), (E, rank, 2, F), (E, F, rank), (E, rank, D))))
-    return lora, lora.gate_up_a @ lora.gate_up_b.reshape(E, rank, 2 * F), lora.down_a @ lora.down_b
+    lora = dict(zip(ADAPTERS, (rng.normal(scale=0.15, size=s).astype(np.float32)
+                               for s in ((E, D, rank), (E, rank, 2, F), (E, F, rank), (E, rank, D))), strict=True))
+    return (lora, lora["gate_up_a"] @ lora["gate_up_b"].reshape(E, rank, 2 * F),
+            lora["down_a"] @ lora["down_b"])
 
 
 @pytest.mark.parametrize("mesh_name", ["ep1", "ep2_fsdp2", "ep2_tp2", "dp2_ep2_tp2"])
@@ -194,13 +200,13 @@ def test_expert_adapters_train_alone_and_their_gradients_equal_the_float64_refer
         assert _rounds(experts, mesh, buffer_factor) > 1
     want_y, _ = _reference(x, experts, weights, merged_w, shards=1, slots=x.shape[0] * x.shape[1])
     dx, _, d_gate, d_up, d_down = _reference_grads(x, experts, weights, merged_w, cotangent)
-    a64, b64 = lora.gate_up_a.astype(np.float64), lora.gate_up_b.astype(np.float64)
+    a64, b64 = lora["gate_up_a"].astype(np.float64), lora["gate_up_b"].astype(np.float64)
     want = {
         "x": dx,
         "gate_up_a": d_gate @ b64[:, :, 0].transpose(0, 2, 1) + d_up @ b64[:, :, 1].transpose(0, 2, 1),
         "gate_up_b": np.stack([a64.transpose(0, 2, 1) @ d_gate, a64.transpose(0, 2, 1) @ d_up], axis=2),
-        "down_a": d_down @ lora.down_b.astype(np.float64).transpose(0, 2, 1),
-        "down_b": lora.down_a.astype(np.float64).transpose(0, 2, 1) @ d_down,
+        "down_a": d_down @ lora["down_b"].astype(np.float64).transpose(0, 2, 1),
+        "down_b": lora["down_a"].astype(np.float64).transpose(0, 2, 1) @ d_down,
     }
 
     def place(a, names):
@@ -208,22 +214,23 @@ def test_expert_adapters_train_alone_and_their_gradients_equal_the_float64_refer
         return jax.device_put(a, NamedSharding(mesh, spec))
 
     tokens = ("batch", "seq", None)
-    base = [place(w[0], EXPERT_GATE_NAMES), place(w[1], EXPERT_GATE_NAMES), place(w[2], EXPERT_DOWN_NAMES)]
-    adapters = ExpertAdapters(*(place(a, names) for a, names in zip(lora, EXPERT_LORA_NAMES, strict=True)))
+    base = SwiGLUExperts(place(w[0], EXPERT_GATE_NAMES), place(w[1], EXPERT_GATE_NAMES),
+                         place(w[2], EXPERT_DOWN_NAMES))
+    names = AdaptedExperts(base, *(None,) * 4).names()
+    adapted = AdaptedExperts(base, *(place(lora[a], getattr(names, a)) for a in ADAPTERS))
     experts_placed, weights_placed = place(experts, tokens), place(weights, tokens)
 
-    def loss(x, adapters, base):
-        y, _, _ = routed_experts(x, experts_placed, weights_placed, *base, lora=adapters,
+    def loss(x, adapted):
+        y, _, _ = routed_experts(x, experts_placed, weights_placed, None, None, None, experts=adapted,
                                  capacity_factor=capacity_factor, buffer_factor=buffer_factor)
         return jnp.sum(y * cotangent), y
 
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
-        (d_x, d_adapters, d_base), y = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
-            place(x, tokens), adapters, base)
+        (d_x, d_adapted), y = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(place(x, tokens), adapted)
     np.testing.assert_allclose(np.asarray(y), want_y, rtol=0, atol=2e-5)
-    for name, got in [("x", d_x), *d_adapters._asdict().items()]:
+    for name, got in [("x", d_x), *((a, getattr(d_adapted, a)) for a in ADAPTERS)]:
         np.testing.assert_allclose(np.asarray(got), want[name], rtol=1e-4, atol=1e-4, err_msg=name)
-    for got in d_base:
+    for got in jax.tree.leaves(d_adapted.base):
         assert not np.asarray(got).any()
 
 
@@ -295,10 +302,13 @@ def _compiled_moe(config, sizes: dict, devices, rules=DEFAULT_RULES, tokens=(8, 
     """The compiled forward and backward pass of one MoE layer (routed experts only) over
     `tokens`, and the bytes of one device's shard of its expert weights. With `lora` (a
     `LoRAConfig`) the gradient is the adapters' and the tokens' only, as in a LoRA run."""
-    config = config.replace(moe=dataclasses.replace(config.moe, num_shared_experts=0), dtype="bfloat16",
-                            param_dtype="bfloat16")
+    platform = devices[0].platform  # the kernels a run's build resolves for these devices
+    moe = dataclasses.replace(config.moe, num_shared_experts=0, grouped_matmul=resolve_grouped_matmul("auto", platform),
+                              exchange=resolve_exchange("auto", platform))
+    config = config.replace(moe=moe, dtype="bfloat16", param_dtype="bfloat16")
     mesh = build_mesh({"fsdp": 1, **sizes}, devices[: int(np.prod(list(sizes.values())))])
-    graphdef, state = abstract_model(lambda: MoE(config, rngs=nnx.Rngs(0), lora=lora), mesh, rules)
+    graphdef, state = abstract_model(lambda: apply_lora(MoE(config, rngs=nnx.Rngs(0)), lora or LoRAConfig()), mesh,
+                                     rules)
     trained, frozen = nnx.split_state(state, LoRAParam if lora else nnx.Param, ...)
     token_spec = logical_to_spec(("batch", "seq", None), dict(mesh.shape), rules=rules)
     x = jax.ShapeDtypeStruct((*tokens, D), jnp.bfloat16, sharding=NamedSharding(mesh, token_spec))
@@ -308,14 +318,14 @@ def _compiled_moe(config, sizes: dict, devices, rules=DEFAULT_RULES, tokens=(8, 
 
     with jax.set_mesh(mesh), use_rules(rules):
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(trained, x, frozen).compile()
-    w = state["w_gate"].get_value()
+    w = (state["base"] if lora else state)["w_gate"].get_value()
     return compiled, 3 * math.prod(w.sharding.shard_shape(w.shape)) * w.dtype.itemsize, mesh
 
 
 def _first_round_only(monkeypatch):
     """Compile the dropless dispatch as it runs when the routing fits the buffer: its overflow
     rounds, loops that then make no trips but that `cost_analysis` counts once, left out."""
-    monkeypatch.setattr(ragged, "_overflow", lambda plan, one_round, body, init: init)
+    monkeypatch.setattr(dropless, "_overflow", lambda plan, one_round, body, init: init)
 
 
 @needs_tpu

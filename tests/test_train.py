@@ -326,7 +326,7 @@ def test_export_writes_the_trained_weights_as_hf_files_transformers_loads(tmp_pa
         np.testing.assert_array_equal(got[key], want[key], err_msg=str(key))
 
     tokens = np.random.default_rng(0).integers(0, 384, (2, 16))
-    ours = np.asarray(exported(jax.numpy.asarray(tokens)))
+    ours = np.asarray(exported(jax.numpy.asarray(tokens))[0])
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     # The byte tokenizer's BOS / EOS, so that generate() in transformers stops where training ended documents.
     assert (hf.generation_config.bos_token_id, hf.generation_config.eos_token_id) == (257, 258)

@@ -1,4 +1,5 @@
-"""The typed config schema: one frozen dataclass per section, each checking its own fields.
+"""The typed config schema: one frozen dataclass per section; a section with rules of its own
+checks them (`validate`).
 
 `config.compose` merges these with a preset and the command line's overrides, and `config.validate`
 checks what spans sections; the schema itself holds data only.
@@ -12,7 +13,7 @@ from typing import Any
 from podtrain.models.config import ModelConfig
 from podtrain.models.generate import Sampling
 from podtrain.models.lora import LoRAConfig
-from podtrain.sharding.rules import DEFAULT_RULES
+from podtrain.sharding.rules import DEFAULT_RULES, check_rules
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class ShardingConfig:
     """`rules` maps each logical axis name to a mesh axis, a list of mesh axes, or null."""
 
     rules: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_RULES))
+
+    def validate(self, prefix: str = "sharding") -> None:
+        check_rules(self.rules, f"{prefix}.rules")
 
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -54,11 +58,32 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
 
+    def validate(self, prefix: str = "optimizer") -> None:
+        """Raises ValueError naming the key when a field is out of range."""
+        for name, value, valid in (("name", self.name, OPTIMIZERS), ("schedule", self.schedule, SCHEDULES)):
+            if value not in valid:
+                raise ValueError(f"{prefix}.{name}: expected one of {list(valid)}, found {value!r}")
+        for name in ("learning_rate", "eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{prefix}.{name}: expected a number > 0, found {getattr(self, name)}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"{prefix}.weight_decay: expected a number >= 0 (0: no decay), found {self.weight_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"{prefix}.min_lr_ratio: expected the final share of {prefix}.learning_rate, in [0, 1], "
+                             f"found {self.min_lr_ratio}")
+        for name in ("b1", "b2", "momentum"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{prefix}.{name}: expected a decay rate in [0, 1), found {getattr(self, name)}")
+        if self.grad_clip < 0:
+            raise ValueError(f"{prefix}.grad_clip: expected a global gradient norm > 0, or 0 for no clipping, "
+                             f"found {self.grad_clip}")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Batch geometry and seed; `loss_chunk` > 0 computes the loss over sequence chunks of that
-    length without materialising the full logits (it must divide `seq_len`).
+    """Batch geometry and seed; `loss_chunk` > 0 computes the loss without materialising the full
+    logits, over `seq_len / loss_chunk` vocabulary slices each as large as the logits of
+    `loss_chunk` positions (it must divide `seq_len`).
 
     `compilation_cache_dir` is JAX's persistent compilation cache (relative to the run directory
     unless absolute; empty turns it off): a restarted or resumed run loads its compiled step
@@ -81,6 +106,31 @@ class TrainConfig:
     sample_tokens: int = 32
     peak_flops_per_device: float = 0.0
     compilation_cache_dir: str = "compilation_cache"
+
+    def validate(self, prefix: str = "train") -> None:
+        """Raises ValueError naming the key when a field is out of range."""
+        for name in ("batch_size", "seq_len", "steps", "sample_tokens", "eval_batches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"{prefix}.eval_every: expected a number of steps >= 0 (0: no evals), "
+                             f"found {self.eval_every}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"{prefix}.seed: expected an integer in [0, 2**63), found {self.seed}")
+        if not self.peak_flops_per_device >= 0:
+            raise ValueError(f"{prefix}.peak_flops_per_device: expected FLOP/s > 0, or 0 to look the device kind up, "
+                             f"found {self.peak_flops_per_device}")
+        if self.sample_prompt == "":
+            raise ValueError(f"{prefix}.sample_prompt: expected a non-empty prompt or null (no samples), found ''")
+        if self.sample_prompt and not self.eval_every:
+            raise ValueError(f"{prefix}.sample_prompt: samples are taken at evals, but {prefix}.eval_every=0; "
+                             f"set {prefix}.eval_every > 0 or unset {prefix}.sample_prompt")
+        if self.grad_accum < 1 or self.batch_size % self.grad_accum:
+            raise ValueError(f"{prefix}.grad_accum={self.grad_accum} must be >= 1 and divide "
+                             f"{prefix}.batch_size={self.batch_size}")
+        if self.loss_chunk < 0 or (self.loss_chunk and self.seq_len % self.loss_chunk):
+            raise ValueError(f"{prefix}.loss_chunk={self.loss_chunk} must be 0 (off) or divide "
+                             f"{prefix}.seq_len={self.seq_len}")
 
 
 DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "array_record", "tokens")

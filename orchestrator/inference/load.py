@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from podtrain.models import from_hf
+from podtrain.models import ModelConfig, from_hf
 from podtrain.models.lora import LoRAParam, apply_lora, merged, with_base
 from podtrain.models.peft import load_peft, read_peft_config
 from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
@@ -26,7 +26,7 @@ from podtrain.orchestrator.checkpoint.resume import lora_differences, model_diff
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.data.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
-from podtrain.orchestrator.train.build import Training, build_training, make_mesh, model_factory
+from podtrain.orchestrator.train.build import PlacedModel, model_factory, place_model, resolve_kernels
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model, create_sharded_state
 
@@ -64,8 +64,7 @@ def restore_model(config: Config, checkpoint: str, step: int | None = None, *,
     the checkpoint's model keys must equal `config`'s. A LoRA run's step comes with the base it
     was trained on, its adapters merged into it unless `merge` is False (the model with adapters)."""
     directory, step = checkpoint_step(checkpoint, step)
-    mesh = make_mesh(config)
-    graphdef, abstract_params = abstract_model(model_factory(config.model), mesh, config.sharding.rules)
+    placed = place_model(config)
     with Checkpointer(directory, dataclasses.replace(config.checkpoint, resume="auto")) as checkpointer:
         steps = checkpointer.all_steps()
         step = steps[-1] if step is None and steps else step
@@ -82,23 +81,23 @@ def restore_model(config: Config, checkpoint: str, step: int | None = None, *,
             raise ConfigError(f"checkpoint {directory / str(step)} was trained with other adapters: {differences}; "
                               "pass the lora.* keys it was trained with")
         if config.lora.rank:
-            return mesh, _lora_model(config, checkpointer, step, merge=merge), step
-        params, _, step = checkpointer.restore_params(abstract_params, step=step)
-    return mesh, nnx.merge(graphdef, params), step
+            return placed.mesh, _lora_model(placed, checkpointer, step, merge=merge), step
+        params, _, step = checkpointer.restore_params(placed.abstract_params, step=step)
+    return placed.mesh, placed.model(params, None), step
 
 
-def _lora_model(config: Config, checkpointer: Checkpointer, step: int, *, merge: bool) -> nnx.Module:
+def _lora_model(placed: PlacedModel, checkpointer: Checkpointer, step: int, *, merge: bool) -> nnx.Module:
     """A LoRA step's adapters on the base it was trained on; with `merge`, merged into the model
     without adapters."""
-    training = build_training(config)
-    params, meta, _ = checkpointer.restore_params(training.abstract_state().params, step=step)
-    frozen = training.init_frozen(load_base(training))
+    config = placed.config
+    params, meta, _ = checkpointer.restore_params(placed.abstract_trained(), step=step)
+    frozen = placed.init_frozen(load_base(placed))
     check_base(meta, base_record(config, frozen), f"checkpoint step {step} in {checkpointer.directory}",
                remedy="pass the lora.base it was trained on")
-    adapted = training.model(params, frozen)
+    adapted = placed.model(params, frozen)
     if not merge:
         return adapted
-    graphdef, _ = abstract_model(model_factory(config.model), training.mesh, config.sharding.rules)
+    graphdef, _ = abstract_model(model_factory(config.model), placed.mesh, config.sharding.rules)
     return nnx.merge(graphdef, merged(adapted))
 
 
@@ -129,6 +128,12 @@ def is_hf_directory(checkpoint: str) -> bool:
 HF_RUNTIME_KEYS = ("dtype", "param_dtype", "remat", "scan_layers")
 
 
+def kernel_keys(model: ModelConfig) -> dict:
+    """A model config's kernels (resolved by the build) as `models.from_hf`'s runtime keys."""
+    return {"attention": model.attention, "interpret_kernels": model.interpret_kernels,
+            "moe.grouped_matmul": model.moe.grouped_matmul, "moe.exchange": model.moe.exchange}
+
+
 def load_model(config: Config, checkpoint: str, step: int | None = None,
                model_overrides: Sequence[str] = ()) -> tuple[nnx.Module, Mesh, int]:
     """(model, mesh, vocabulary size) of a podtrain checkpoint or an HF directory, its params
@@ -149,7 +154,8 @@ def load_model(config: Config, checkpoint: str, step: int | None = None,
     dtype = chosen.pop("param_dtype", None)
     try:
         mesh = build_mesh(dataclasses.asdict(config.mesh), num_slices=config.cluster.num_slices)
-        model_config, model = from_hf(directory, mesh=mesh, dtype=dtype, rules=config.sharding.rules, runtime=chosen)
+        runtime = kernel_keys(resolve_kernels(config, mesh.devices.flat[0].platform).model) | chosen
+        model_config, model = from_hf(directory, mesh=mesh, dtype=dtype, rules=config.sharding.rules, runtime=runtime)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return model, mesh, model_config.vocab_size
@@ -177,7 +183,7 @@ def load_checkpoint_tokenizer(config: Config, checkpoint: str) -> tuple[Tokenize
     return tokenizer, (tokenizer.eos_id,), config.data.add_bos
 
 
-def load_base(training: Training) -> nnx.State | None:
+def load_base(training: PlacedModel) -> nnx.State | None:
     """The base weights of a LoRA run from `lora.base`, an HF directory or a podtrain checkpoint
     (run, checkpoint or step directory), on the training's mesh and shardings; None when
     `lora.base` is unset (the base is the one `train.seed` makes). Its model must be the config's
@@ -188,6 +194,7 @@ def load_base(training: Training) -> nnx.State | None:
         return None
     if is_hf_directory(path):
         runtime = {key: getattr(config.model, key) for key in HF_RUNTIME_KEYS if key != "param_dtype"}
+        runtime |= kernel_keys(config.model)
         try:
             base_config, model = from_hf(Path(path).expanduser(), mesh=training.mesh, dtype=config.model.param_dtype,
                                          rules=config.sharding.rules, runtime=runtime)
@@ -222,25 +229,3 @@ def with_peft_adapter(model: nnx.Module, adapter: str, rules=None) -> nnx.Module
     except ValueError as e:
         raise ConfigError(f"adapter={adapter}: {e}") from None
     return adapted
-
-
-def init_adapters(training: Training, state, frozen):
-    """`state` with its adapters read from the PEFT adapter directory `lora.init`, whose rank,
-    alpha and targets must be the config's."""
-    lora, path = training.config.lora, Path(training.config.lora.init).expanduser()
-    try:
-        found = read_peft_config(path)
-    except ValueError as e:
-        raise ConfigError(f"lora.init: {e}") from None
-    differences = [f"lora.{key}: the adapter has {getattr(found, key)!r}, the config {getattr(lora, key)!r}"
-                   for key in ("rank", "alpha") if getattr(found, key) != getattr(lora, key)]
-    if set(found.targets) != set(lora.targets):
-        differences.append(f"lora.targets: the adapter has {list(found.targets)}, the config {list(lora.targets)}")
-    if differences:
-        raise ConfigError(f"lora.init={lora.init}: {'; '.join(differences)}")
-    model = training.model(state.params, frozen)
-    try:
-        load_peft(model, training.config.model, path)
-    except ValueError as e:
-        raise ConfigError(f"lora.init: {e}") from None
-    return state.replace(params=nnx.state(model, training.trainable))

@@ -53,18 +53,15 @@ def split_trained(params: nnx.State, lora: LoRAConfig) -> tuple[nnx.State, nnx.S
 
 
 @dataclass
-class Training:
-    """The runtime pieces of a training run (built from data, never stored in the config)."""
+class PlacedModel:
+    """A run's model placed on its mesh without being made: its graph, every parameter as a
+    ShapeDtypeStruct with its sharding, and for a LoRA run the split into trained adapters and the
+    frozen base. What loading for generation needs, without an optimizer or a step."""
 
     config: Config
     mesh: Mesh
     graphdef: nnx.GraphDef
     abstract_params: nnx.State  # every parameter of the model
-    tx: optax.GradientTransformation
-    state_shardings: TrainState
-    batch_sharding: NamedSharding
-    step: ShardedStep
-    frozen_shardings: nnx.State | None = None  # the frozen base of a LoRA run (None: nothing frozen)
 
     @property
     def trainable(self):
@@ -77,28 +74,19 @@ class Training:
         """The model of the trained `params` and the `frozen` base."""
         return nnx.merge(self.graphdef, params, *(() if frozen is None else (frozen,)))
 
+    @property
+    def frozen_shardings(self) -> nnx.State | None:
+        """The shardings of a LoRA run's frozen base (None: nothing is frozen)."""
+        frozen = self.split(self.abstract_params)[1]
+        return None if frozen is None else state_shardings(frozen, self.mesh, self.config.sharding.rules)
+
+    def abstract_trained(self) -> nnx.State:
+        """The trained params as ShapeDtypeStructs with shardings (what a checkpoint's params restore into)."""
+        return self.split(self.abstract_params)[0]
+
     def abstract_frozen(self) -> nnx.State | None:
         """The frozen base as ShapeDtypeStructs with shardings (None without LoRA)."""
-        if self.frozen_shardings is None:
-            return None
-        return jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
-                            self.split(self.abstract_params)[1], self.frozen_shardings)
-
-    def abstract_state(self) -> TrainState:
-        """The TrainState as ShapeDtypeStructs with shardings (for lowering and restoring)."""
-        shapes = jax.eval_shape(
-            lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=self.tx.init(p)),
-            self.split(self.abstract_params)[0],
-        )
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
-        )
-
-    def abstract_batch(self) -> dict:
-        t = self.config.train
-        ids = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=self.batch_sharding)
-        weights = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.float32, sharding=self.batch_sharding)
-        return {"inputs": ids, "targets": ids, "weights": weights, "positions": ids, "segment_ids": ids}
+        return self.split(self.abstract_params)[1]
 
     def _create(self, keep) -> nnx.State:
         """The variables `keep` matches, born sharded from `train.seed` (no others are made)."""
@@ -110,6 +98,41 @@ class Training:
         the model without them (a LoRA run's loaded base)."""
         return with_base(nnx.merge(self.graphdef, self.abstract_params), base, keep)
 
+    def init_frozen(self, base: nnx.State | None = None) -> nnx.State | None:
+        """The frozen base of a LoRA run: the frozen leaves of a loaded `base`, else born sharded
+        from `train.seed` (None without LoRA)."""
+        if not self.config.lora.rank:
+            return None
+        frozen = nnx.Not(self.trainable)
+        return self._create(frozen) if base is None else self._from_base(base, frozen)
+
+
+@dataclass
+class Training(PlacedModel):
+    """The runtime pieces of a training run (built from data, never stored in the config): the
+    placed model, the optimizer, the shardings of the state and the batch, the compiled step."""
+
+    tx: optax.GradientTransformation
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    step: ShardedStep
+
+    def abstract_state(self) -> TrainState:
+        """The TrainState as ShapeDtypeStructs with shardings (for lowering and restoring)."""
+        shapes = jax.eval_shape(
+            lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=self.tx.init(p)),
+            self.abstract_trained(),
+        )
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
+
+    def abstract_batch(self) -> dict:
+        t = self.config.train
+        ids = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=self.batch_sharding)
+        weights = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.float32, sharding=self.batch_sharding)
+        return {"inputs": ids, "targets": ids, "weights": weights, "positions": ids, "segment_ids": ids}
+
     def init_state(self, base: nnx.State | None = None) -> TrainState:
         """Creates the trained params born sharded from `train.seed` (a LoRA run's adapters; with
         a loaded `base` (parameters of the model without adapters), its trained leaves, DeepSeek-V3's
@@ -119,20 +142,11 @@ class Training:
             return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
 
         if base is None:
-            params = self._create(None if self.frozen_shardings is None else self.trainable)
+            params = self._create(self.trainable if self.config.lora.rank else None)
         else:
             routers = nnx.All(self.trainable, nnx.Not(LoRAParam))
             params = nnx.merge_state(self._create(LoRAParam), self._from_base(base, routers))
         return jax.jit(init, in_shardings=(self.state_shardings.params,), out_shardings=self.state_shardings)(params)
-
-    def init_frozen(self, base: nnx.State | None = None) -> nnx.State | None:
-        """The frozen base of a LoRA run: the frozen leaves of a loaded `base`, else born sharded
-        from `train.seed` (None without LoRA)."""
-        if self.frozen_shardings is None:
-            return None
-        frozen = nnx.Not(self.trainable)
-        return self._create(frozen) if base is None else self._from_base(base, frozen)
-
 
 def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Validates `config` against the devices (all of JAX's by default), then builds its mesh."""
@@ -161,15 +175,21 @@ def resolve_kernels(config: Config, platform: str) -> Config:
     return dataclasses.replace(config, model=model)
 
 
-def build_training(config: Config, devices: Sequence[jax.Device] | None = None) -> Training:
-    """Validates `config` against the devices, then builds mesh, abstract model, optimizer and step."""
+def place_model(config: Config, devices: Sequence[jax.Device] | None = None) -> PlacedModel:
+    """Validates `config` against the devices, resolves its kernels for them, then places its
+    model (with a LoRA run's adapters) on its mesh; nothing is made."""
     mesh = make_mesh(config, devices)
     config = resolve_kernels(config, mesh.devices.flat[0].platform)
-    rules = config.sharding.rules
-    graphdef, abstract = abstract_model(model_factory(config.model, config.train.seed, config.lora), mesh, rules)
-    trained, frozen = split_trained(abstract, config.lora)
+    factory = model_factory(config.model, config.train.seed, config.lora)
+    return PlacedModel(config, mesh, *abstract_model(factory, mesh, config.sharding.rules))
+
+
+def build_training(config: Config, devices: Sequence[jax.Device] | None = None) -> Training:
+    """Validates `config` against the devices, then builds mesh, abstract model, optimizer and step."""
+    placed = place_model(config, devices)
+    config, mesh, graphdef, rules = placed.config, placed.mesh, placed.graphdef, placed.config.sharding.rules
+    trained = placed.abstract_trained()
     params = state_shardings(trained, mesh, rules)
-    frozen_shardings = None if frozen is None else state_shardings(frozen, mesh, rules)
     schedule = make_schedule(config.optimizer, config.train.steps)
     tx = make_optimizer(config.optimizer, schedule)
     shardings = TrainState(step=replicated(mesh), params=params,
@@ -179,5 +199,5 @@ def build_training(config: Config, devices: Sequence[jax.Device] | None = None) 
                               schedule=schedule, expert_bias_rate=config.model.moe.bias_update_rate,
                               trainable=trainable_filter(config.lora),
                               dropout_seed=config.train.seed if config.lora.rank and config.lora.dropout else None)
-    step = ShardedStep(step_fn, mesh, rules, shardings, batch, frozen_shardings)
-    return Training(config, mesh, graphdef, abstract, tx, shardings, batch, step, frozen_shardings)
+    step = ShardedStep(step_fn, mesh, rules, shardings, batch, placed.frozen_shardings)
+    return Training(config, mesh, graphdef, placed.abstract_params, tx, shardings, batch, step)

@@ -40,7 +40,8 @@ from podtrain.orchestrator.data.pipeline import (
     to_global_batch,
 )
 from podtrain.orchestrator.data.tokenizers import Tokenizer
-from podtrain.orchestrator.inference.load import base_record, check_base, init_adapters, load_base
+from podtrain.orchestrator.inference.load import base_record, check_base, load_base
+from podtrain.orchestrator.train.adapters import init_adapters
 from podtrain.orchestrator.train.build import Training, build_training
 from podtrain.orchestrator.train.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
 from podtrain.orchestrator.train.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
