@@ -106,7 +106,7 @@ _DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("podtrain_lora_dro
 @contextlib.contextmanager
 def dropout(key: jax.Array | None):
     """Inside the block, model calls drop their adapters' inputs at `lora.dropout`, masks drawn from
-    `key` (training: `dropout_key(seed, step)` folded with the micro-batch); None drops nothing."""
+    `key` (training: `dropout_stream(seed, step)` folded with the micro-batch); None drops nothing."""
     token = _DROPOUT_KEY.set(key)
     try:
         yield
@@ -114,7 +114,7 @@ def dropout(key: jax.Array | None):
         _DROPOUT_KEY.reset(token)
 
 
-def dropout_key(seed: int, step) -> jax.Array:
+def dropout_stream(seed: int, step) -> jax.Array:
     """The adapters' stream of `seed` folded with the training `step`."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _STREAM), step)
 

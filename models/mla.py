@@ -73,7 +73,7 @@ class MLAttention(nnx.Module):
         rotary keys. With a cache the key and value up-projections are absorbed into the queries
         and the output (scores = (q_nope W_uk) . latent + q_rope . rope_key; out = (p . latent) W_uv),
         so no per-head key or value is ever built for the cached slots. Other arguments as in
-        `models.layers.Attention`.
+        `models.attention.Attention`.
 
         Returns:
             (out_BTD, new_kv): new_kv is the new tokens' (latent, rotary key), None without a cache.

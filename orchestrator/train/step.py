@@ -10,7 +10,7 @@ import optax
 from flax import nnx, struct
 
 from podtrain.models import causal_lm_loss
-from podtrain.models.lora import dropout, dropout_key
+from podtrain.models.lora import dropout, dropout_stream
 from podtrain.models.loss import chunked_causal_lm_loss
 
 
@@ -40,7 +40,7 @@ def make_train_step(
     metrics; `expert_bias_rate` > 0 then moves the router biases towards balance after the update
     (with a frozen base, `trainable` is the filter of the trained params, the biases among them).
     With `dropout_seed` the adapters' dropout draws from that seed's adapter stream folded with the
-    step and the micro-batch (`models.lora.dropout_key`), so a resumed run drops what the
+    step and the micro-batch (`models.lora.dropout_stream`), so a resumed run drops what the
     uninterrupted one would have.
     """
 
@@ -62,7 +62,7 @@ def make_train_step(
         return (total, (count, jax.tree.map(lambda x: x.sum(0), stats))), grads
 
     def train_step(state: TrainState, batch: dict, frozen: nnx.State | None = None):
-        key = None if dropout_seed is None else dropout_key(dropout_seed, state.step)
+        key = None if dropout_seed is None else dropout_stream(dropout_seed, state.step)
         (total, (count, stats)), grads = (
             grad_fn(state.params, batch, frozen, key) if grad_accum == 1
             else accumulate(state.params, batch, frozen, key)
