@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.plan.platforms import register_cuda_compiler
 
 GiB = 2**30
 AOT_INSTALL = "pip install 'podtrain[aot]'"
@@ -230,6 +231,7 @@ def compile_devices(target: Target) -> list:
     else:
         if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
             raise _missing("the CUDA compiler plugin (jax-cuda12-pjrt) and ptxas", target)
+        register_cuda_compiler()
         description = topologies.get_topology_desc(
             target.name, "cuda", target_config=_gpu_target_config(chip),
             topology=f"1x{target.groups}x{target.per_group}")
