@@ -59,16 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     from podtrain.orchestrator.config.errors import ConfigError
+    from podtrain.orchestrator.plan.platforms import start_jax
 
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"podtrain: error: --cpu-devices: expected a positive number of devices, found {args.cpu_devices}",
               file=sys.stderr)
         return 2
-    if getattr(args, "target", None) and "JAX_PLATFORMS" not in __import__("os").environ:
-        # compile-only devices of the target: this machine's accelerators (if any) stay untouched
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")
+    start_jax(compile_only=bool(getattr(args, "target", None)))
     if args.cpu_devices:
         import jax
 

@@ -1,11 +1,17 @@
 """Presets load; every kind of bad input is one clear error (and exit code 2 from the CLI)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from podtrain.launch.cli import main
 from podtrain.orchestrator.config.compose import closest_key, list_presets, load_config, override_keys, parse_overrides
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.validate import validate
+from podtrain.orchestrator.plan.platforms import has_accelerator
 
 REQUIRED_PRESETS = {
     "llama3-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b", "deepseek-v3-tiny",
@@ -240,6 +246,18 @@ def test_cli_turns_config_errors_into_one_line_and_exit_2(argv, needle, capsys):
     err = capsys.readouterr().err
     assert err.startswith("podtrain: error: ") and needle in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(has_accelerator(), reason="JAX picks this machine's accelerators, and what they print, itself")
+def test_a_plan_on_the_cpu_writes_nothing_to_stderr():
+    """The installed `podtrain`, in a user's environment (no JAX_PLATFORMS), starts no accelerator
+    plugin on a machine without accelerators: no CUDA plugin traceback, no libtpu warnings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    done = subprocess.run([str(Path(sys.executable).parent / "podtrain"), "plan", "-c", "llama3-tiny", "--no-compile"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("model      llama: 8 layers")
+    assert done.stderr == ""
 
 
 def test_cli_takes_overrides_before_and_after_options():

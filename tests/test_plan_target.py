@@ -12,7 +12,8 @@ import pytest
 
 from podtrain.launch import cli
 from podtrain.orchestrator.config.errors import ConfigError
-from podtrain.orchestrator.plan.targets import CHIPS, parse_target, verdict_line
+from podtrain.orchestrator.plan.chips import CHIPS
+from podtrain.orchestrator.plan.targets import parse_target, verdict_line
 
 pytestmark = pytest.mark.slow
 needs_tpu = pytest.mark.skipif(not __import__("importlib").util.find_spec("libtpu"), reason="needs podtrain[aot]")
@@ -51,6 +52,26 @@ def test_target_names_parse_to_slices_and_nodes():
         parse_target("v9x-8")
     with pytest.raises(ConfigError, match="v5p-24 is not a TPU slice"):
         parse_target("v5p-24")
+
+
+def test_mfu_peaks_come_from_the_chip_table_under_every_name_jax_reports(monkeypatch):
+    """A training run's MFU divides by the chip table's peak, whichever device kind JAX reports for the chip."""
+    from types import SimpleNamespace
+
+    from podtrain.orchestrator.train import metrics
+
+    def reports(kind):
+        monkeypatch.setattr(metrics.jax, "devices", lambda: [SimpleNamespace(device_kind=kind, platform="gpu")])
+
+    for kind, chip in (("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v5", "v5p"), ("NVIDIA H100", "h100"),
+                       ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-40GB", "a100-40gb")):
+        reports(kind)
+        assert metrics.peak_flops_per_device() == (CHIPS[chip].peak_flops, f"table ({kind})")
+    assert parse_target("a100-40gbx8").chip.hbm_bytes == 40 * GiB
+    reports("NVIDIA B200")
+    with pytest.raises(ConfigError, match="no peak FLOP/s known for device kind 'NVIDIA B200'"):
+        metrics.peak_flops_per_device()
+    assert metrics.peak_flops_per_device(1e9) == (1e9, "configured (train.peak_flops_per_device)")
 
 
 def test_unknown_target_is_one_line_listing_the_known_ones(capsys):

@@ -102,6 +102,9 @@ def main() -> int:
                         stream=sys.stderr)
     from podtrain.orchestrator.config.compose import load_config
     from podtrain.orchestrator.config.errors import ConfigError
+    from podtrain.orchestrator.plan.platforms import start_jax
+
+    start_jax()
 
     error_file = env.get(p.ENV_ERROR_FILE)
     try:

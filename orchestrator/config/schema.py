@@ -13,6 +13,7 @@ from typing import Any
 from podtrain.models.config import ModelConfig
 from podtrain.models.generate import Sampling
 from podtrain.models.lora import LoRAConfig
+from podtrain.orchestrator.plan.chips import CHIPS
 from podtrain.sharding.rules import DEFAULT_RULES, check_rules
 
 
@@ -255,7 +256,7 @@ class RunConfig:
 
 
 CLUSTER_KINDS = ("local", "tpu", "gpu", "none")
-GPU_TYPES = ("h100", "h200", "a100-80gb")  # the GPUs of orchestrator/plan/targets.py
+GPU_TYPES = tuple(name for name, chip in CHIPS.items() if chip.platform == "cuda")
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,8 @@ class ClusterConfig:
       `devices_per_host` CPU devices (the default, and the test path).
     - `tpu`: `num_slices` whole pod slices of `tpu_type` (e.g. v5p-64), one process per TPU VM.
     - `gpu`: `num_nodes` nodes of `gpus_per_node` GPUs, one process per node owning all its GPUs;
-      `gpu_type` (h100, h200, a100-80gb) names them for the plan check before launch (`plan`).
+      `gpu_type` (a GPU of `plan.chips`: h100, h200, a100-80gb, a100-40gb) names them for the plan
+      check before launch (`plan`).
     - `none`: no orchestrator: train in this process on its own devices (what each worker runs).
 
     `address` is the Ray cluster to use: empty means the one the job runs in (`ray job submit`,

@@ -1,5 +1,5 @@
-"""The machines a run can target: one table of chip facts, target names (`v5p-128`, `2xv5p-64`,
-`4xh100x8`), and compile-only devices of a target (TPU through libtpu, CUDA through XLA's GPU
+"""The machines a run can target: target names (`v5p-128`, `2xv5p-64`, `4xh100x8`) over the chips of
+`plan.chips`, and compile-only devices of a target (TPU through libtpu, CUDA through XLA's GPU
 compiler), so that the real train step compiles for it on any machine.
 
 A target names what `cluster.kind=tpu|gpu` reserves: TPU slices by their GCP type (v4 and v5p types
@@ -15,69 +15,11 @@ import re
 from dataclasses import dataclass
 
 from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.plan.chips import CHIPS, Chip
+from podtrain.orchestrator.plan.platforms import register_cuda_compiler
 
-GiB = 2**30
 AOT_INSTALL = "pip install 'podtrain[aot]'"
 
-
-@dataclass(frozen=True)
-class Chip:
-    """Per-chip (TPU) or per-GPU facts. Bandwidths are bytes/s one device can send: `ici` inside a
-    slice or node (ICI, NVLink), `dcn` across slices or nodes (data-centre network, InfiniBand)."""
-
-    name: str
-    platform: str  # "tpu" or "cuda"
-    device_kind: str  # what JAX reports for the device
-    hbm_bytes: int
-    peak_flops: float  # dense bf16 FLOP/s
-    hbm_bandwidth: float
-    ici_bandwidth: float
-    dcn_bandwidth: float
-    chips_per_host: int
-    # TPU: the name libtpu gives the generation and its chip configuration; 3-D torus or 2-D.
-    tpu_generation: str = ""
-    chip_config: str = "default"
-    torus_dims: int = 0
-    # CUDA: what XLA's GPU compiler needs of the device.
-    compute_capability: tuple[int, int] = (0, 0)
-    sm_count: int = 0
-    clock_ghz: float = 0.0
-    l2_bytes: int = 0
-    shared_memory_per_sm: int = 0
-
-
-CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
-    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s; ICI: the pod's
-    # all-reduce bandwidth, 1.1 PB/s over 4096 chips (~270 GB/s per chip); DCN taken as v5e's.
-    Chip("v4", "tpu", "TPU v4", 32 * GiB, 275e12, 1200e9, 270e9, 25e9 / 4, 4,
-         tpu_generation="v4", chip_config="megacore", torus_dims=3),
-    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 16 GiB HBM2 at 819 GB/s, ICI 400 GB/s bidirectional
-    # per chip; 2 x 100 Gb/s NICs per host.
-    Chip("v5e", "tpu", "TPU v5 lite", 16 * GiB, 197e12, 819e9, 200e9, 25e9 / 4, 4,
-         tpu_generation="v5e", torus_dims=2),
-    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s, 95 GiB HBM2e at 2765 GB/s, ICI 1200 GB/s
-    # bidirectional per chip, DCN 50 Gb/s per chip.
-    Chip("v5p", "tpu", "TPU v5", 95 * GiB, 459e12, 2765e9, 600e9, 50e9 / 8, 4,
-         tpu_generation="v5p", chip_config="megacore", torus_dims=3),
-    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s, 32 GB HBM at 1638 GB/s, ICI 800 GB/s bidirectional
-    # per chip (the DCN share per chip taken as v5e's).
-    Chip("v6e", "tpu", "TPU v6 lite", 32 * GiB, 918e12, 1638e9, 400e9, 25e9 / 4, 4,
-         tpu_generation="v6e", torus_dims=2),
-    # nvidia.com/en-us/data-center/h100: SXM5, 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s dense bf16, NVLink
-    # 900 GB/s bidirectional; DGX H100: one 400 Gb/s InfiniBand NDR port per GPU. SM 9.0, 132 SMs.
-    Chip("h100", "cuda", "NVIDIA H100 80GB HBM3", 80 * GiB, 989e12, 3350e9, 450e9, 50e9, 8,
-         compute_capability=(9, 0), sm_count=132, clock_ghz=1.98, l2_bytes=50 * 2**20,
-         shared_memory_per_sm=228 * 2**10),
-    # nvidia.com/en-us/data-center/h200: 141 GB HBM3e at 4.8 TB/s, otherwise an H100 (SXM).
-    Chip("h200", "cuda", "NVIDIA H200", 141 * 10**9, 989e12, 4800e9, 450e9, 50e9, 8,
-         compute_capability=(9, 0), sm_count=132, clock_ghz=1.98, l2_bytes=50 * 2**20,
-         shared_memory_per_sm=228 * 2**10),
-    # nvidia.com/en-us/data-center/a100: SXM 80 GB HBM2e at 2039 GB/s, 312 TFLOP/s bf16, NVLink
-    # 600 GB/s bidirectional; DGX A100: one 200 Gb/s HDR port per GPU. SM 8.0, 108 SMs.
-    Chip("a100-80gb", "cuda", "NVIDIA A100-SXM4-80GB", 80 * GiB, 312e12, 2039e9, 300e9, 25e9, 8,
-         compute_capability=(8, 0), sm_count=108, clock_ghz=1.41, l2_bytes=40 * 2**20,
-         shared_memory_per_sm=164 * 2**10),
-)}
 
 # TPU generations whose type names count TensorCores (two per chip); the others count chips.
 _CORES_NAMED = ("v2", "v3", "v4", "v5p")
@@ -230,6 +172,7 @@ def compile_devices(target: Target) -> list:
     else:
         if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
             raise _missing("the CUDA compiler plugin (jax-cuda12-pjrt) and ptxas", target)
+        register_cuda_compiler()
         description = topologies.get_topology_desc(
             target.name, "cuda", target_config=_gpu_target_config(chip),
             topology=f"1x{target.groups}x{target.per_group}")

@@ -13,22 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from podtrain.orchestrator.config.errors import ConfigError
-
-# Dense bf16 peak FLOP/s per device (chip or GPU), from the vendors' spec sheets.
-PEAK_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA H100 80GB HBM3": 989e12,
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-}
+from podtrain.orchestrator.plan.chips import chip_of_device_kind
 
 
 def measure_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
@@ -45,12 +30,14 @@ def measure_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
 
 
 def peak_flops_per_device(configured: float = 0.0) -> tuple[float, str]:
-    """The peak used for MFU and where it came from: the config, the table, or a CPU measurement."""
+    """The peak used for MFU and where it came from: the config, the chip table (`plan.chips`), or a
+    CPU measurement."""
     if configured > 0:
         return configured, "configured (train.peak_flops_per_device)"
     kind = jax.devices()[0].device_kind
-    if kind in PEAK_FLOPS:
-        return PEAK_FLOPS[kind], f"table ({kind})"
+    chip = chip_of_device_kind(kind)
+    if chip is not None:
+        return chip.peak_flops, f"table ({kind})"
     if jax.devices()[0].platform == "cpu":
         return measure_matmul_flops() / jax.local_device_count(), "measured f32 matmul on this CPU, per device"
     raise ConfigError(
