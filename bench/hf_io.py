@@ -5,7 +5,7 @@
 A random DeepSeek-V3 checkpoint in float32 (`deepseek-v3-tiny` with `--moe-layers` MoE layers of
 `--experts` experts of 256 x 512) is written to `--dir`, then two JAX processes (two CPU devices
 each, an fsdp 2 x ep 2 mesh) import it with `from_hf` and export it with `to_hf`, as
-`tests/test_hf_streaming.py` does. Per process: the resident memory each phase added (`VmHWM`
+`tests/models/test_hf_streaming.py` does. Per process: the resident memory each phase added (`VmHWM`
 reset before the phase, less the resident set before it; for the import, less the parameter
 shards the process holds), the whole-run peak (`ru_maxrss`) and the seconds.
 """

@@ -98,7 +98,7 @@ def run_probe(source: Path, exported: Path, timeout: int = 600) -> list[dict]:
     """Imports `source` and exports it to `exported` on two JAX processes; what each measured."""
     from podtrain.orchestrator.cluster.host import free_port
 
-    port, root = free_port("127.0.0.1"), Path(__file__).parent.parent
+    port, root = free_port("127.0.0.1"), Path(__file__).parents[2]
     # A fixed mmap threshold makes glibc return freed large blocks at once: the resident set then
     # shows what is in use, not what the allocator keeps for reuse.
     env = dict(os.environ, PYTHONPATH=str(root), XLA_FLAGS=xla_flags(2), JAX_PLATFORMS="cpu",

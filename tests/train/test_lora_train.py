@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_train import ROOT, TINY, command, env, export, losses, train, wait_for_step
+from train_fixtures import ROOT, TINY, command, env, export, losses, train, wait_for_step
 
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=[q_proj,v_proj,o_proj,down_proj,lm_head]",
         "optimizer.learning_rate=0.01"]

@@ -169,7 +169,7 @@ def test_checkpoint_dir_must_be_shared_by_processes(tmp_path, same):
     different local folder, as a local path on separate hosts would be) is one error on every process."""
     from podtrain.orchestrator.cluster.host import free_port
 
-    port, root = free_port("127.0.0.1"), Path(__file__).parent.parent
+    port, root = free_port("127.0.0.1"), Path(__file__).parents[2]
     dirs = [tmp_path / "ckpt", tmp_path / ("ckpt" if same else "elsewhere")]
     env = dict(os.environ, PYTHONPATH=str(root), XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, "-c", SHARED_PROBE, str(port), str(i), str(dirs[i])], cwd=root,
@@ -210,7 +210,7 @@ with Checkpointer(sys.argv[1], CheckpointConfig(every_steps=2, async_save=sys.ar
 def test_a_save_that_cannot_be_written_is_one_error_and_keeps_the_committed_steps(training, tmp_path, mode):
     """Writes past a file size limit fail (EFBIG) as they do on a full disk (ENOSPC), even for root. In
     a process of its own: Orbax's abandoned write tasks report their errors as that process ends."""
-    root = Path(__file__).parent.parent
+    root = Path(__file__).parents[2]
     done = subprocess.run([sys.executable, "-c", FAILING_SAVE, str(tmp_path), mode], cwd=root, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, PYTHONPATH=f"{root}:{root / 'tests'}"))
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]

@@ -109,7 +109,7 @@ def test_chunked_loss_in_bfloat16_is_as_exact_as_the_unchunked_loss():
     """bfloat16 compute, float32 params, the loss in 128 vocabulary slices: each column of the head's
     gradient comes from one matmul over all tokens, as unchunked, so its error against float32 is
     the unchunked loss's up to rounding (a sum over 128 chunks in bfloat16 would be 4x worse)."""
-    from test_model import TINY
+    from model_fixtures import TINY
 
     from podtrain.models import Llama
 

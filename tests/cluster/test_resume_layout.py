@@ -8,8 +8,8 @@ one-process run (loopback only: real Ray, real worker processes, real checkpoint
 import json
 
 import pytest
-from test_cluster import TWO_HOSTS, finish, run_train, start, train_command
-from test_train import losses
+from cluster_fixtures import TWO_HOSTS, finish, run_train, start, train_command
+from train_fixtures import losses
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CONSTANT = "optimizer.schedule=constant"  # so that the stages' steps equal the reference's

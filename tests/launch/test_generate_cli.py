@@ -9,8 +9,8 @@ import jax
 import pytest
 from flax import nnx
 from hf_fixtures import save_hf_model
-from test_train import TINY
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from train_fixtures import TINY
 from transformers import PreTrainedTokenizerFast
 
 from podtrain.launch.cli import main
