@@ -44,6 +44,9 @@ if __package__ in (None, ""):
 
 import jax  # noqa: E402
 
+from podtrain.orchestrator.plan.platforms import start_jax  # noqa: E402
+
+start_jax(compile_only=True)  # the CPU alone: the target's devices are compile-only
 jax.config.update("jax_num_cpu_devices", 8)  # for --cpu; compile-only TPU devices do not use them
 
 import jax.numpy as jnp  # noqa: E402
@@ -127,7 +130,7 @@ def measure(preset: str, scheme: dict, devices, ep: int, tokens: int, remat: boo
     crossing = tokens * k * d * 2 * (ep - 1) / ep
     return {
         # cost_analysis() counts a scan's body once: one layer's forward and backward either way
-        "flops": flops, "flops_ideal": (3 + remat - bool(lora)) * forward, "flops_round": extra[0] / forward,
+        "flops": flops, "flops_ideal": (3 + remat - bool(lora_rank)) * forward, "flops_round": extra[0] / forward,
         "a2a_bytes": sent, "a2a_ideal": (4 + remat) * crossing, "a2a_round": extra[1] / crossing,
         "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30, "compile_s": seconds,
     }

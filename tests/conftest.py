@@ -12,7 +12,11 @@ elif FAST_COMPILE not in flags:
     flags = f"{flags} {FAST_COMPILE}"
 os.environ["XLA_FLAGS"] = flags
 # One persistent compilation cache for the whole session, the processes tests start included: the
-# many runs of the same tiny configs compile their programs once. Results do not depend on it.
+# many runs of the same tiny configs compile their programs once. Every program is cached, however
+# short its compile (JAX's default skips those under 1 s): tests build their steps afresh and the
+# two pytest workers run the same tiny configs, so most compiles are repeats. Results do not
+# depend on it.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax-compilation-cache")
 )
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
