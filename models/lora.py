@@ -19,6 +19,13 @@ Training drops an adapter's inputs at `lora.dropout` under `dropout(key)`: the m
 adapter comes from that key (the adapters' stream folded with the step and micro-batch) folded
 with its stack, its layer and its target, so it is the same on any mesh and a resumed run draws
 what the uninterrupted one would have.
+
+With `slots=N`, every adapter holds N independent adapters along an adapter axis after the layer
+axis (`A (layers, N, *in, rank)`, logical name "lora_adapters"), all empty (zero) until a slot is
+initialised (`init_slot`). The model then runs inside `rows(...)`, which gives each batch row its
+slot, that adapter's scale and its rank: ranks above a row's rank are masked, so adapters of any
+rank up to the built one share a batch. Routed experts, and the LM head of a model with tied
+embeddings, take no slots.
 """
 
 from __future__ import annotations
@@ -114,6 +121,38 @@ def dropout(key: jax.Array | None):
         _DROPOUT_KEY.reset(token)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Per batch row: its adapter slot `index` (B,) int32, that adapter's `scale` (B,) float32 and
+    `rank` (B,) int32."""
+
+    index: jax.Array
+    scale: jax.Array
+    rank: jax.Array
+
+
+_ROWS: contextvars.ContextVar[Rows | None] = contextvars.ContextVar("podtrain_lora_rows", default=None)
+
+
+@contextlib.contextmanager
+def rows(index: jax.Array, scale: jax.Array, rank: jax.Array):
+    """Inside the block, a model with adapter slots gives batch row b the adapter in slot
+    `index[b]`, scaled by `scale[b]`, its ranks from `rank[b]` on masked."""
+    token = _ROWS.set(Rows(index, scale, rank))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def _current_rows() -> Rows:
+    current = _ROWS.get()
+    if current is None:
+        raise ValueError("a model with adapter slots runs inside lora.rows(index, scale, rank), which gives each "
+                         "batch row its adapter")
+    return current
+
+
 def dropout_stream(seed: int, step) -> jax.Array:
     """The adapters' stream of `seed` folded with the training `step`."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _STREAM), step)
@@ -127,12 +166,18 @@ def _param(value, names) -> LoRAParam:
 class Adapter(nnx.Module):
     """`scale * (x @ A) @ B` beside a weight of input shape `(*lead, *in)` and output `out`: `A`
     is `(*lead, *in, rank)` and `B` `(*lead, rank, *out)`, `lead` the stack's layer axis and
-    (experts) the expert axis, which index independent adapters."""
+    (experts) the expert axis or (`slots` > 0) the adapter axis, which index independent adapters."""
 
     def __init__(self, a: jax.Array, b: jax.Array, names_a, names_b, *, n_in: int, scale: float, target: str,
-                 rate: float, stack: int | None):
+                 rate: float, stack: int | None, slots: int = 0):
         self.lora_a, self.lora_b = _param(a, names_a), _param(b, names_b)
         self.n_in, self.scale, self.target, self.rate, self.stack = n_in, scale, target, rate, stack
+        self.slots = slots
+
+    @property
+    def per_row(self) -> bool:
+        """Whether each batch row picks its adapter (`rows`)."""
+        return self.slots > 0
 
     def dropped(self, x: jax.Array) -> jax.Array:
         """The adapter's input `x` in training: each entry zeroed at the dropout rate and the rest
@@ -147,12 +192,30 @@ class Adapter(nnx.Module):
 
     def update(self, x: jax.Array, dtype) -> jax.Array:
         """`scale * (x @ A) @ B` in `dtype`, each matrix gathered once over the batch axes."""
+        if self.slots:
+            return self._row_update(x, dtype)
         a = gathered(self.lora_a[...].astype(dtype), self.lora_a.get_metadata().get("out_sharding"))
         b = gathered(self.lora_b[...].astype(dtype), self.lora_b.get_metadata().get("out_sharding"))
         return dense(dense(self.dropped(x), a, self.n_in), b) * jnp.asarray(self.scale, dtype)
 
+    def _row_update(self, x_B: jax.Array, dtype) -> jax.Array:
+        """Row b's `scale[b] * (x[b] @ A[index[b]]) @ B[index[b]]`, ranks from `rank[b]` on masked:
+        one gathered einsum, so the work is one adapter's whatever the number of adapters."""
+        current = _current_rows()
+        a = gathered(self.lora_a[...].astype(dtype), self.lora_a.get_metadata().get("out_sharding"))[current.index]
+        b = gathered(self.lora_b[...].astype(dtype), self.lora_b.get_metadata().get("out_sharding"))[current.index]
+        batch, rank = a.shape[0], a.shape[-1]
+        low = jnp.einsum("bti,bir->btr", self.dropped(x_B).reshape(batch, -1, math.prod(a.shape[1:-1])),
+                         a.reshape(batch, -1, rank))
+        keep = (jnp.arange(rank) < current.rank[:, None]) * current.scale[:, None]
+        out = jnp.einsum("btr,bro->bto", low * keep[:, None, :].astype(dtype), b.reshape(batch, rank, -1))
+        return out.reshape(*x_B.shape[: x_B.ndim - self.n_in], *b.shape[2:])
+
     def delta(self) -> jax.Array:
         """`scale * A @ B`, shaped as the weight (leading axes included), in float32."""
+        if self.slots:
+            raise ValueError(f"{self.target}: an adapter with slots has no single update; take one slot's "
+                             "adapter first (`slot_view`)")
         a, b = self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32)
         lead = a.ndim - self.n_in - 1
         a = a.reshape(*a.shape[:lead], -1, a.shape[-1])
@@ -192,8 +255,15 @@ class LoRAEmbedding(AdaptedWeight):
     """An `Embedding` with an adapter: the rows of the table plus `scale * A[ids] @ B`."""
 
     def __call__(self, ids_BT: jax.Array, dtype) -> jax.Array:
-        low = jnp.take(self.lora_a[...].astype(dtype), ids_BT, axis=0)
-        update = dense(low, self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)
+        if self.slots:
+            current = _current_rows()
+            a, b = self.lora_a[...].astype(dtype), self.lora_b[...].astype(dtype)
+            low = a[current.index[:, None], ids_BT]  # (B, T, r)
+            keep = (jnp.arange(a.shape[-1]) < current.rank[:, None]) * current.scale[:, None]
+            update = jnp.einsum("btr,brd->btd", low * keep[:, None, :].astype(dtype), b[current.index])
+        else:
+            low = jnp.take(self.lora_a[...].astype(dtype), ids_BT, axis=0)
+            update = dense(low, self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)
         return self.base(ids_BT, dtype) + constrain(update, ("batch", "seq", "act_embed"))
 
 
@@ -259,13 +329,17 @@ def _stacked(variable: nnx.Variable) -> bool:
     return bool(names) and names[0] == "layers"
 
 
-def _adapter_values(key, in_shape, out_shape, lead: int, dtype, rank: int, *, embedding: bool, batch=()):
+def _adapter_values(key, in_shape, out_shape, lead: int, dtype, rank: int, *, embedding: bool, batch=(),
+                    empty: bool = False):
     """Initial `(A, B)` of adapters on `lead` created layers (0: unstacked) of a weight: PEFT's init,
-    each layer from the key folded with its index (the index a `created_layers` stack gives it)."""
+    each layer from the key folded with its index (the index a `created_layers` stack gives it);
+    with `empty`, zeros (adapter slots before `init_slot`)."""
     a_shape, b_shape = (*batch, *in_shape, rank), (*batch, rank, *out_shape)
 
     def one(key):
         key_a, key_b = jax.random.split(key)
+        if empty:
+            return jnp.zeros(a_shape, dtype), jnp.zeros(b_shape, dtype)
         if embedding:  # PEFT's init: for embeddings A zero and B normal, else A kaiming-uniform and B zero
             return jnp.zeros(a_shape, dtype), jax.random.normal(key_b, b_shape, dtype)
         bound = 1 / math.sqrt(math.prod(in_shape))
@@ -276,17 +350,19 @@ def _adapter_values(key, in_shape, out_shape, lead: int, dtype, rank: int, *, em
     return jax.vmap(lambda i: one(jax.random.fold_in(key, i)))(created_layers(lead))
 
 
-def _wrap_linear(weight: Linear | Embedding, target: str, lora: LoRAConfig, key, stack: int | None):
+def _wrap_linear(weight: Linear | Embedding, target: str, lora: LoRAConfig, key, stack: int | None, slots: int):
     names = tuple(weight.get_metadata().get("out_sharding") or (None,) * weight.ndim)
     lead = 1 if _stacked(weight) else 0
     embedding = isinstance(weight, Embedding)
     n_in = 1 if embedding else weight.n_in
     in_shape, out_shape = weight.shape[lead:lead + n_in], weight.shape[lead + n_in:]
+    batch, batch_names = ((slots,), ("lora_adapters",)) if slots else ((), ())
     a, b = _adapter_values(key, in_shape, out_shape, weight.shape[0] if lead else 0, weight.dtype, lora.rank,
-                           embedding=embedding)
-    lead_names, in_names, out_names = names[:lead], names[lead:lead + n_in], names[lead + n_in:]
+                           embedding=embedding, batch=batch, empty=bool(slots))
+    lead_names = (*names[:lead], *batch_names)
+    in_names, out_names = names[lead:lead + n_in], names[lead + n_in:]
     args = (a, b, (*lead_names, *in_names, "lora_rank"), (*lead_names, "lora_rank", *out_names))
-    kwargs = dict(n_in=n_in, scale=lora.scale, target=target, rate=lora.dropout, stack=stack)
+    kwargs = dict(n_in=n_in, scale=lora.scale, target=target, rate=lora.dropout, stack=stack, slots=slots)
     return LoRAEmbedding(weight, *args, **kwargs) if embedding else LoRALinear(weight, *args, **kwargs)
 
 
@@ -303,15 +379,20 @@ def _wrap_experts(moe: MoE, lora: LoRAConfig, key, stack: int | None) -> LoRAExp
     return LoRAExperts(moe, gate_up, down)
 
 
-def apply_lora(model: nnx.Module, lora: LoRAConfig, seed: int = 0) -> nnx.Module:
+def apply_lora(model: nnx.Module, lora: LoRAConfig, seed: int = 0, *, slots: int = 0) -> nnx.Module:
     """`model` with adapters on the weights `lora` targets (changed in place and returned); a
     model without adapters when `lora.rank` is 0. Adapters draw from `seed`'s adapter stream folded
-    with each weight's path, so a weight's adapters are the same whatever else is targeted."""
+    with each weight's path, so a weight's adapters are the same whatever else is targeted. With
+    `slots`, each adapter holds that many empty adapters of rank up to `lora.rank` (see `rows`)."""
     if not lora.rank:
         return model
     lora.validate()
     if isinstance(getattr(model, "config", None), ModelConfig):  # a whole model, not a block of one
         check_targets(lora, model.config)
+        if slots:
+            check_slot_targets(lora, model.config)
+    elif slots and lora.wants("experts"):
+        raise ValueError("lora.targets: routed experts take no adapter slots; remove experts from lora.targets")
     stream = jax.random.fold_in(jax.random.key(seed), _STREAM)
     stacks = {id(stack): i for i, stack in enumerate(model.stacks())} if hasattr(model, "stacks") else {}
     for path, module in list(nnx.iter_modules(model)):
@@ -322,7 +403,7 @@ def apply_lora(model: nnx.Module, lora: LoRAConfig, seed: int = 0) -> nnx.Module
             if isinstance(value, MoE) and lora.wants("experts"):
                 setattr(module, name, _wrap_experts(value, lora, key, stack))
             elif isinstance(value, Linear | Embedding) and lora.wants(WEIGHT_TARGETS.get(name, "")):
-                setattr(module, name, _wrap_linear(value, WEIGHT_TARGETS[name], lora, key, stack))
+                setattr(module, name, _wrap_linear(value, WEIGHT_TARGETS[name], lora, key, stack, slots))
     if isinstance(model, MoE) and lora.wants("experts"):  # a MoE block alone
         return _wrap_experts(model, lora, jax.random.fold_in(stream, zlib.crc32(b"")), None)
     return model
@@ -338,6 +419,15 @@ def check_targets(lora: LoRAConfig, config) -> None:
     if lora.wants("experts") and not config.num_moe_layers:
         raise ValueError(f"lora.targets: experts adapts routed experts, and this {config.model_type} model has none; "
                          "remove it from lora.targets")
+
+
+def check_slot_targets(lora: LoRAConfig, config) -> None:
+    """Raises ValueError naming `lora.targets` for a target that cannot hold adapter slots."""
+    if lora.wants("experts"):
+        raise ValueError("lora.targets: routed experts take no adapter slots; remove experts from lora.targets")
+    if config.tie_word_embeddings and lora.wants("embed_tokens"):
+        raise ValueError("lora.targets: embed_tokens is also the LM head in a model with tied embeddings "
+                         "(model.tie_word_embeddings), which takes no adapter slots; remove it from lora.targets")
 
 
 def _ancestors(model: nnx.Module, path: Sequence) -> list[nnx.Module]:
@@ -396,3 +486,98 @@ def merged(model: nnx.Module) -> nnx.State:
                     w.set_value((w[...].astype(jnp.float32) + delta).astype(w.dtype))
                 setattr(module, name, moe)
     return nnx.state(plain)
+
+
+def _slot_axis(adapter: Adapter) -> int:
+    """The adapter axis of an adapter with slots (after its layer axis, if stacked)."""
+    return adapter.lora_a.get_metadata()["out_sharding"].index("lora_adapters")
+
+
+def _slot_adapters(model: nnx.Module):
+    """(path key, adapter) of every adapter with slots (`adapters`)."""
+    for key, adapter in adapters(model):
+        if adapter.slots:
+            yield key, adapter
+
+
+def init_slot(model: nnx.Module, slot: int, rank: int, targets: Sequence[str], seed: int) -> None:
+    """Sets slot `slot` of `model`'s adapters (changed in place) to a new adapter of rank `rank` on
+    `targets`, initialised as PEFT does (A kaiming-uniform, B zero; for embeddings A zero, B
+    normal) from `seed`, and to zero on the other targets and ranks (which then get no gradient)."""
+    stream = jax.random.fold_in(jax.random.key(seed), _STREAM)
+    for key, adapter in _slot_adapters(model):
+        axis, a_all = _slot_axis(adapter), adapter.lora_a[...]
+        max_rank = a_all.shape[-1]
+        if not 0 < rank <= max_rank:
+            raise ValueError(f"rank: expected 1 to {max_rank}, found {rank}")
+        in_shape = a_all.shape[axis + 1:-1]
+        out_shape = adapter.lora_b.shape[axis + 2:]
+        if adapter.target in targets:
+            a, b = _adapter_values(jax.random.fold_in(stream, zlib.crc32(key.encode())), in_shape, out_shape,
+                                   a_all.shape[0] if axis else 0, a_all.dtype, rank,
+                                   embedding=isinstance(adapter, LoRAEmbedding))
+            a, b = _padded_rank(a, b, axis, max_rank)
+        else:
+            a = jnp.zeros(a_all.shape[:axis] + a_all.shape[axis + 1:], a_all.dtype)
+            b = jnp.zeros(adapter.lora_b.shape[:axis] + adapter.lora_b.shape[axis + 1:], a_all.dtype)
+        set_slot_arrays(adapter, slot, a, b)
+
+
+def _padded_rank(a: jax.Array, b: jax.Array, lead: int, max_rank: int) -> tuple[jax.Array, jax.Array]:
+    """`A (*lead, *in, r)` and `B (*lead, r, *out)` with zero ranks appended up to `max_rank`."""
+    extra = max_rank - a.shape[-1]
+    return (jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)]),
+            jnp.pad(b, [(0, 0)] * lead + [(0, extra)] + [(0, 0)] * (b.ndim - lead - 1)))
+
+
+def set_slot_arrays(adapter: Adapter, slot: int, a: jax.Array, b: jax.Array) -> None:
+    """Sets slot `slot` of `adapter` to `(A, B)` (shaped without the adapter axis, ranks up to the
+    built one), each array keeping its sharding."""
+    axis = _slot_axis(adapter)
+    for param, value in ((adapter.lora_a, a), (adapter.lora_b, b)):
+        whole = param[...]
+        index = (slice(None),) * axis + (slot,)
+        updated = whole.at[index].set(value.astype(whole.dtype))
+        sharding = getattr(whole, "sharding", None)
+        param.set_value(updated if sharding is None else jax.device_put(updated, sharding))
+
+
+def slot_view(model: nnx.Module, slot: int, rank: int, alpha: float, targets: Sequence[str]) -> nnx.Module:
+    """A copy of `model` whose adapters are slot `slot`'s alone, as `apply_lora` would make an
+    adapter of rank `rank` and `alpha` on `targets` (what PEFT export and single-adapter runs read);
+    `model` is not changed."""
+    view = nnx.clone(model)
+    for _, module in list(nnx.iter_modules(view)):
+        for name, value in list(vars(module).items()):
+            if not (isinstance(value, AdaptedWeight) and value.slots):
+                continue
+            if value.target not in targets:
+                setattr(module, name, value.base)
+                continue
+            axis = _slot_axis(value)
+            keep = (slice(None),) * axis
+            a = value.lora_a[...][(*keep, slot)][..., :rank]
+            b = value.lora_b[...][(*keep, slot, slice(0, rank))]
+            names_a = tuple(n for n in value.lora_a.get_metadata()["out_sharding"] if n != "lora_adapters")
+            names_b = tuple(n for n in value.lora_b.get_metadata()["out_sharding"] if n != "lora_adapters")
+            setattr(module, name, type(value)(value.base, a, b, names_a, names_b, n_in=value.n_in, scale=alpha / rank,
+                                              target=value.target, rate=value.rate, stack=value.stack))
+    return view
+
+
+def set_slot(model: nnx.Module, slot: int, single: nnx.Module) -> None:
+    """Sets slot `slot` of `model`'s adapters (in place) to the adapters of `single`, the same model
+    with one adapter of rank up to the slots' (`slot_view`'s shape); targets `single` lacks are zeroed."""
+    given = dict(adapters(single))
+    for key, adapter in _slot_adapters(model):
+        axis = _slot_axis(adapter)
+        a_shape = adapter.lora_a.shape[:axis] + adapter.lora_a.shape[axis + 1:]
+        b_shape = adapter.lora_b.shape[:axis] + adapter.lora_b.shape[axis + 1:]
+        if key not in given:
+            set_slot_arrays(adapter, slot, jnp.zeros(a_shape), jnp.zeros(b_shape))
+            continue
+        a, b = given[key].lora_a[...], given[key].lora_b[...]
+        rank, max_rank = a.shape[-1], a_shape[-1]
+        if rank > max_rank:
+            raise ValueError(f"rank: expected at most {max_rank} (the service's maximum), found {rank}")
+        set_slot_arrays(adapter, slot, *_padded_rank(a, b, axis, max_rank))

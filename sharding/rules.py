@@ -31,6 +31,7 @@ DEFAULT_RULES: dict[str, str | list[str] | None] = {
     "kv_lora": "fsdp",
     "norm": None,
     "lora_rank": None,  # LoRA adapters: A (..., rank), B (rank, ...)
+    "lora_adapters": None,  # the adapter axis of adapter slots, A (layers, adapters, ..., rank)
     # activations
     "batch": ["dp", "fsdp", "ep"],
     "seq": None,

@@ -1,0 +1,161 @@
+"""Adapter slots: many adapters on one model, each batch row picking its own. A mixed batch gives
+each row the logits and gradients of its adapter alone; empty slots leave the base unchanged; a
+slot is initialised as `apply_lora` (PEFT's init) makes a new adapter; a slot's adapter goes in and
+out whole; what cannot take slots is refused by name."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from lora_fixtures import ALPHA, SLOT_TARGETS, alone, config_of, filled, row_arrays, slotted
+
+from podtrain.models import ARCHITECTURES
+from podtrain.models.lora import LoRAConfig, LoRAParam, adapters, apply_lora, init_slot, rows, slot_view
+from podtrain.sharding.mesh import build_mesh
+from podtrain.sharding.place import abstract_model
+from podtrain.sharding.rules import DEFAULT_RULES
+
+MLP_ONLY = ("gate_proj", "up_proj", "down_proj")
+# slot: (rank, targets, seed); slot 2 of a lower rank and other targets than slot 0.
+CHOSEN = [(4, SLOT_TARGETS, 1), (8, SLOT_TARGETS, 2), (2, MLP_ONLY, 3)]
+
+
+def _ids(config, batch, seq=10, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, config.vocab_size, (batch, seq)), jnp.int32)
+
+
+def test_each_row_gets_the_logits_of_its_adapter_alone():
+    config = config_of()
+    model, singles = filled(config, 4, 8, CHOSEN)
+    # Whatever lies above a slot's rank is masked: fill slot 2's ranks 2..7 with noise.
+    rng = np.random.default_rng(9)
+    for _, adapter in adapters(model):
+        axis = adapter.lora_a.get_metadata()["out_sharding"].index("lora_adapters")
+        for param in (adapter.lora_a, adapter.lora_b):
+            value = np.array(param[...])
+            noise = rng.normal(size=value.shape).astype(value.dtype)
+            where = np.zeros(value.shape, bool)
+            rank_axis = value.ndim - 1 if param is adapter.lora_a else axis + 1
+            where[(slice(None),) * axis + (2,)] = True
+            where &= (np.arange(value.shape[rank_axis]) >= 2).reshape(
+                [-1 if d == rank_axis else 1 for d in range(value.ndim)])
+            param.set_value(jnp.asarray(np.where(where, noise, value)))
+    index = [2, 0, 1, 0, 3]  # slot 3 is empty: the base model
+    ids = _ids(config, len(index))
+    with rows(*row_arrays(index, [4, 8, 2, 8])):
+        got = np.asarray(model(ids)[0])
+    base = ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(0))
+    for row, slot in enumerate(index):
+        reference = base if slot == 3 else singles[slot]
+        want = np.asarray(reference(ids[row:row + 1])[0])[0]
+        np.testing.assert_allclose(got[row], want, rtol=2e-5, atol=2e-5)
+    # The adapters matter: slot 1's rows differ from the base's.
+    assert np.abs(got[2] - np.asarray(base(ids[2:3])[0])[0]).max() > 1e-3
+
+
+def test_each_slot_gets_the_gradient_of_its_rows_alone():
+    config = config_of()
+    model, singles = filled(config, 3, 8, CHOSEN)
+    index = [1, 0, 1, 2]
+    ids = _ids(config, len(index), seed=1)
+    graphdef, params, rest = nnx.split(model, LoRAParam, ...)
+
+    def loss(params):
+        with rows(*row_arrays(index, [4, 8, 2])):
+            logits = nnx.merge(graphdef, params, rest)(ids)[0]
+        return jnp.sum(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+
+    grads = nnx.State(jax.grad(loss)(params))
+    grad_model = nnx.merge(graphdef, grads, rest)
+    for slot, single in enumerate(singles):
+        mine = [row for row, s in enumerate(index) if s == slot]
+        s_graph, s_params, s_rest = nnx.split(single, LoRAParam, ...)
+
+        def single_loss(p, s_graph=s_graph, s_rest=s_rest, mine=mine):
+            logits = nnx.merge(s_graph, p, s_rest)(ids[np.asarray(mine)])[0]
+            return jnp.sum(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+
+        want = dict(adapters(nnx.merge(s_graph, nnx.State(jax.grad(single_loss)(s_params)), s_rest)))
+        rank, targets, _ = CHOSEN[slot]
+        got = dict(adapters(slot_view(grad_model, slot, rank, ALPHA, targets)))
+        assert got.keys() == want.keys() and got
+        for key, adapter in want.items():
+            for name in ("lora_a", "lora_b"):
+                w, g = np.asarray(getattr(adapter, name)[...]), np.asarray(getattr(got[key], name)[...])
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(w).max()), err_msg=key)
+        # Ranks above the slot's get nothing, nor targets it does not have.
+        full = dict(adapters(slot_view(grad_model, slot, 8, ALPHA, SLOT_TARGETS)))
+        for key, adapter in full.items():
+            a = np.asarray(adapter.lora_a[...])
+            if adapter.target not in targets:
+                assert not a.any() and not np.asarray(adapter.lora_b[...]).any(), key
+            else:
+                assert not a[..., rank:].any(), key
+
+
+def test_empty_slots_and_new_adapters_leave_the_base_unchanged():
+    config = config_of()
+    model = slotted(config, 2, 8)
+    ids = _ids(config, 2)
+    base = ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(0))
+    want = np.asarray(base(ids)[0])
+    with rows(*row_arrays([0, 1], [8, 8])):
+        np.testing.assert_array_equal(np.asarray(model(ids)[0]), want)
+        init_slot(model, 1, 4, SLOT_TARGETS, seed=5)
+        np.testing.assert_allclose(np.asarray(model(ids)[0]), want, rtol=0, atol=0)
+
+
+def test_a_new_slot_is_the_adapter_apply_lora_makes():
+    config = config_of()
+    model = slotted(config, 3, 8)
+    init_slot(model, 2, 4, ("q_proj", "down_proj", "embed_tokens"), seed=7)
+    want = dict(adapters(alone(config, 4, ("q_proj", "down_proj", "embed_tokens"), 7)))
+    got = dict(adapters(slot_view(model, 2, 4, ALPHA, ("q_proj", "down_proj", "embed_tokens"))))
+    assert got.keys() == want.keys()
+    for key, adapter in want.items():
+        for name in ("lora_a", "lora_b"):
+            np.testing.assert_array_equal(np.asarray(getattr(got[key], name)[...]),
+                                          np.asarray(getattr(adapter, name)[...]), err_msg=key)
+    # The other slots stay empty.
+    for _, adapter in adapters(slot_view(model, 0, 8, ALPHA, SLOT_TARGETS)):
+        assert not np.asarray(adapter.lora_a[...]).any() and not np.asarray(adapter.lora_b[...]).any()
+
+
+def test_slots_carry_an_adapter_axis_sharded_like_their_weights():
+    config = config_of()
+    lora = LoRAConfig(rank=8, targets=("q_proj", "down_proj", "lm_head"))
+    mesh = build_mesh({"fsdp": 2, "tp": 2}, jax.devices()[:4])
+    cls = ARCHITECTURES[config.model_type].model_class
+    _, state = abstract_model(lambda: apply_lora(cls(config, rngs=nnx.Rngs(0)), lora, slots=5), mesh, DEFAULT_RULES)
+    L, D, H, HD = config.num_layers, config.hidden_size, config.num_heads, config.head_dim
+
+    def spec(v):
+        return tuple(v.get_value().sharding.spec), v.get_value().shape
+
+    layers = state["layers"]
+    assert spec(layers["attn"]["wq"]["lora_a"]) == ((None, None, "fsdp", None), (L, 5, D, 8))
+    assert spec(layers["attn"]["wq"]["lora_b"]) == ((None, None, None, "tp", None), (L, 5, 8, H, HD))
+    assert spec(layers["mlp"]["w_down"]["lora_a"]) == ((None, None, "tp", None), (L, 5, config.intermediate_size, 8))
+    assert spec(state["lm_head"]["lora_b"]) == ((None, None, "tp"), (5, 8, config.vocab_size))
+
+
+def test_what_cannot_take_slots_is_refused_by_name():
+    config = config_of()
+    model = slotted(config, 2, 4)
+    with pytest.raises(ValueError, match=r"lora.rows"):
+        model(_ids(config, 1))
+    with pytest.raises(ValueError, match="slot"):
+        next(a for _, a in adapters(model)).delta()
+    cls = ARCHITECTURES["qwen3"].model_class
+    tied = config_of("qwen3-tiny").replace(tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="embed_tokens"):
+        apply_lora(cls(tied, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=("q_proj", "embed_tokens")), slots=2)
+    deepseek = config_of("deepseek-v3-tiny")
+    with pytest.raises(ValueError, match="experts"):
+        apply_lora(ARCHITECTURES["deepseek_v3"].model_class(deepseek, rngs=nnx.Rngs(0)),
+                   LoRAConfig(rank=4, targets=("experts",)), slots=2)
+    with pytest.raises(ValueError, match="rank: expected 1 to 4"):
+        init_slot(model, 0, 5, SLOT_TARGETS, 0)
