@@ -113,9 +113,12 @@ class Llama(nnx.Module):
             `dropped_tokens` per layer; empty otherwise).
         """
         h, cache, stats = self.hidden_states(input_ids, positions, segment_ids, cache, attention_mask)
+        return constrain(self.logits(h), ("batch", "seq", "act_vocab")), cache, stats
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """The logits (batch, ..., vocab) of final hidden states `h` (batch, ..., hidden)."""
         # A head whose adapter each batch row picks cannot be merged into one matrix.
-        logits = self.lm_head(h) if getattr(self.lm_head, "per_row", False) else dense(h, self.head())
-        return constrain(logits, ("batch", "seq", "act_vocab")), cache, stats
+        return self.lm_head(h) if getattr(self.lm_head, "per_row", False) else dense(h, self.head())
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None, cache: KVCache | None = None,

@@ -37,6 +37,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
         config.plan.validate()
         config.generate.validate()
         config.export.validate()
+        config.serve.validate()
         config.sharding.validate()
         config.optimizer.validate()
         config.train.validate()

@@ -29,14 +29,16 @@ from podtrain.sharding.place import abstract_model, create_sharded_state, state_
 from podtrain.sharding.state import batch_sharding, optimizer_state_shardings, replicated
 
 
-def model_factory(config: ModelConfig, seed: int = 0, lora: LoRAConfig | None = None) -> Callable[[], nnx.Module]:
+def model_factory(config: ModelConfig, seed: int = 0, lora: LoRAConfig | None = None, *,
+                  slots: int = 0) -> Callable[[], nnx.Module]:
     """The model's constructor; with `lora` (rank > 0) the built model gets its adapters
-    (`models.lora.apply_lora`), inside the same traced factory, so they are born sharded too."""
+    (`models.lora.apply_lora`, with `slots` adapter slots), inside the same traced factory, so they
+    are born sharded too."""
     model_class = ARCHITECTURES[config.model_type].model_class
 
     def make() -> nnx.Module:
         model = model_class(config, rngs=nnx.Rngs(seed))
-        return model if lora is None else apply_lora(model, lora, seed)
+        return model if lora is None else apply_lora(model, lora, seed, slots=slots)
 
     return make
 

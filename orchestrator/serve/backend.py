@@ -1,0 +1,534 @@
+"""`Engine`: the service's backend on one JAX process (every host's worker runs one, in lockstep).
+
+It holds the base model with its adapter slots, each slot's pending gradient and Adam state, and
+which adapter (model id) sits in which slot. `run` takes the front end's ordered work items and
+packs them: each model's items keep their order, and the next items of all models that are
+forward/backward passes (or samples) run as one padded batch, so many clients' rows share a step.
+
+Saved adapters are a directory: `adapter.safetensors` (the slot's A and B, and with the optimizer
+its Adam moments, each cut to the adapter's rank) beside `adapter_state.json` (rank, alpha,
+targets, Adam step); `save_weights_for_sampler` adds the PEFT files (`adapter_model.safetensors`,
+`adapter_config.json`) where PEFT can name the targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from podtrain.models import ARCHITECTURES
+from podtrain.models.lora import (
+    ATTENTION_TARGETS,
+    MLA_TARGETS,
+    MLP_TARGETS,
+    LoRAConfig,
+    LoRAParam,
+    init_slot,
+    slot_view,
+    with_base,
+)
+from podtrain.models.peft import to_peft
+from podtrain.orchestrator.inference.load import load_base
+from podtrain.orchestrator.serve import losses
+from podtrain.orchestrator.serve.engine import (
+    Batch,
+    SampleBatch,
+    adam_step,
+    bucket,
+    forward_backward,
+    init_adam,
+    sample_rows,
+    slot_axes,
+)
+from podtrain.orchestrator.serve.work import (
+    BaseInfo,
+    Create,
+    ForwardBackward,
+    ForwardBackwardResult,
+    Load,
+    LoadResult,
+    OptimStep,
+    OptimStepResult,
+    Sample,
+    SampledSequence,
+    SampleResult,
+    Save,
+    ServeError,
+    Unload,
+    Work,
+)
+from podtrain.orchestrator.train.build import PlacedModel, make_mesh, model_factory, resolve_kernels
+from podtrain.sharding.place import abstract_model, create_sharded_state
+from podtrain.sharding.rules import use_rules
+
+STATE_FILE, ARRAYS_FILE = "adapter_state.json", "adapter.safetensors"
+ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+# The smallest padded token count of a training row or a prompt.
+MIN_TOKENS = 16
+
+
+def serve_targets(model_type: str, *, attn: bool = True, mlp: bool = True, unembed: bool = True,
+                  tied: bool = False) -> tuple[str, ...]:
+    """The adapter targets of Tinker's `train_attn` / `train_mlp` / `train_unembed` switches.
+    DeepSeek-V3's attention is MLA without kv_b_proj (which its cached decoding absorbs, one
+    matrix for all rows); its MLP targets are the dense and shared-expert MLPs."""
+    attention = ((*MLA_TARGETS[:3], "o_proj") if model_type == "deepseek_v3" else ATTENTION_TARGETS)
+    targets = (*(attention if attn else ()), *(MLP_TARGETS if mlp else ()))
+    if unembed:
+        if tied:
+            raise ServeError("lora_config.train_unembed: this base model ties its LM head to its embedding, which "
+                             "takes no per-adapter LoRA here; create the client with train_unembed=False")
+        targets = (*targets, "lm_head")
+    if not targets:
+        raise ServeError("lora_config: expected at least one of train_attn, train_mlp, train_unembed")
+    return targets
+
+
+@dataclasses.dataclass
+class Slot:
+    index: int
+    rank: int
+    targets: tuple[str, ...]
+    steps: int = 0
+
+
+class Engine:
+    """The Backend of one process: see the module docstring."""
+
+    def __init__(self, config, devices=None, *, base_model: str, tokenizer_id: str):
+        s, m = config.serve, config.model
+        self.tied = m.tie_word_embeddings
+        targets = serve_targets(m.model_type, unembed=not self.tied)
+        lora = LoRAConfig(rank=s.max_rank, alpha=s.lora_alpha, targets=targets, base=s.base)
+        config = dataclasses.replace(config, lora=lora)
+        self.mesh = make_mesh(config, devices)
+        self.config = config = resolve_kernels(config, self.mesh.devices.flat[0].platform)
+        self.rules = config.sharding.rules
+        factory = model_factory(config.model, config.train.seed, lora, slots=s.max_adapters)
+        with use_rules(self.rules):
+            self.graphdef, abstract = abstract_model(factory, self.mesh, self.rules)
+            base = load_base(PlacedModel(config, self.mesh, self.graphdef, abstract)) if s.base else None
+            frozen = (create_sharded_state(factory, self.mesh, self.rules, keep=nnx.Not(LoRAParam)) if base is None
+                      else with_base(nnx.merge(self.graphdef, abstract), base, nnx.Not(LoRAParam)))
+            adapters = create_sharded_state(factory, self.mesh, self.rules, keep=LoRAParam)
+        self.model = nnx.merge(self.graphdef, adapters, frozen)
+        self.graphdef, self.adapters, self.rest = nnx.split(self.model, LoRAParam, ...)
+        self.axes = slot_axes(self.adapters)
+        self.grads = jax.tree.map(jnp.zeros_like, self.adapters)
+        self.adam = init_adam(self.adapters, self.axes, s.max_adapters)
+        self.slots: dict[str, Slot] = {}
+        self.sample_count = 0
+        self._info = BaseInfo(base_model=base_model, tokenizer_id=tokenizer_id, model_type=m.model_type,
+                              vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
+                              max_adapters=s.max_adapters)
+
+    # -- the Backend interface --
+
+    def info(self) -> BaseInfo:
+        return self._info
+
+    def check(self, work: Work) -> None:
+        info = self._info
+        if isinstance(work, Create):
+            if not 1 <= work.rank <= info.max_rank:
+                raise ServeError(f"lora_config.rank: expected 1 to {info.max_rank} (serve.max_rank), found {work.rank}")
+            unknown = [t for t in work.targets if t not in self.config.lora.targets]
+            if unknown or not work.targets:
+                raise ServeError(f"lora targets: expected some of {list(self.config.lora.targets)}, found "
+                                 f"{list(work.targets)}")
+        elif isinstance(work, ForwardBackward):
+            losses.loss_config(work.loss_fn, work.loss_fn_config)
+            if not work.data:
+                raise ServeError("data: expected at least one datum, found none")
+            for i, datum in enumerate(work.data):
+                self._check_datum(i, datum, work.loss_fn)
+        elif isinstance(work, Sample):
+            self._check_tokens("prompt", work.prompt)
+            if work.num_samples < 1:
+                raise ServeError(f"num_samples: expected a positive integer, found {work.num_samples}")
+            if work.max_tokens < 1:
+                raise ServeError(f"sampling_params.max_tokens: expected a positive integer, found {work.max_tokens}")
+            total = len(work.prompt) + work.max_tokens
+            if total > info.max_seq_len:
+                raise ServeError(f"sampling_params.max_tokens: the prompt's {len(work.prompt)} tokens and "
+                                 f"{work.max_tokens} new ones exceed serve.max_seq_len ({info.max_seq_len})")
+            if not work.temperature >= 0:
+                raise ServeError(f"sampling_params.temperature: expected a number >= 0, found {work.temperature}")
+            if not 0 < work.top_p <= 1:
+                raise ServeError(f"sampling_params.top_p: expected a number in (0, 1], found {work.top_p}")
+            if work.top_k < -1:
+                raise ServeError(f"sampling_params.top_k: expected -1 (all) or a positive integer, found {work.top_k}")
+            bad = [t for t in work.stop_tokens if not 0 <= t < info.vocab_size]
+            if bad:
+                raise ServeError(f"sampling_params.stop: token ids outside the vocabulary [0, {info.vocab_size}): {bad}")
+
+    def run(self, works: list[Work]) -> list[object]:
+        """Each model's items in order; the next forward/backward passes (or samples) of all
+        models in one padded batch."""
+        results: list[object] = [None] * len(works)
+        queues: OrderedDict[str, list[int]] = OrderedDict()
+        for i, work in enumerate(works):
+            queues.setdefault(work.model_id or "", []).append(i)
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            while queues:
+                heads = [q[0] for q in queues.values()]
+                kind = type(works[heads[0]])
+                if kind in (ForwardBackward, Sample):
+                    group = []
+                    for q in queues.values():
+                        while q and type(works[q[0]]) is kind:
+                            group.append(q.pop(0))
+                    self._guarded(self._passes if kind is ForwardBackward else self._samples, works, group, results)
+                else:
+                    index = heads[0]
+                    queues[works[index].model_id or ""].pop(0)
+                    self._guarded(self._single, works, [index], results)
+                for key in [k for k, q in queues.items() if not q]:
+                    del queues[key]
+        return results
+
+    # -- checks --
+
+    def _check_tokens(self, what: str, tokens: np.ndarray) -> None:
+        vocab = self._info.vocab_size
+        if tokens.ndim != 1 or len(tokens) == 0:
+            raise ServeError(f"{what}: expected a non-empty list of token ids, found shape {tokens.shape}")
+        if len(tokens) > self._info.max_seq_len:
+            raise ServeError(f"{what}: {len(tokens)} tokens exceed serve.max_seq_len ({self._info.max_seq_len})")
+        bad = tokens[(tokens < 0) | (tokens >= vocab)]
+        if bad.size:
+            raise ServeError(f"{what}: token ids must be in [0, {vocab}), found {bad[:5].tolist()}")
+
+    def _check_datum(self, i: int, datum, loss_fn: str) -> None:
+        self._check_tokens(f"data[{i}].model_input", datum.tokens)
+        needed, allowed = losses.REQUIRED[loss_fn], losses.REQUIRED[loss_fn] + losses.OPTIONAL[loss_fn]
+        missing = [k for k in needed if k not in datum.inputs]
+        if missing:
+            raise ServeError(f"data[{i}].loss_fn_inputs: {loss_fn} needs {list(needed)}, missing {missing}")
+        extra = [k for k in datum.inputs if k not in allowed]
+        if extra:
+            raise ServeError(f"data[{i}].loss_fn_inputs: {loss_fn} takes {list(allowed)}, found {extra}")
+        for key, value in datum.inputs.items():
+            if value.shape != datum.tokens.shape:
+                raise ServeError(f"data[{i}].loss_fn_inputs.{key}: expected {len(datum.tokens)} values, one per "
+                                 f"model_input token, found shape {tuple(value.shape)}")
+            if key == "target_tokens":
+                self._check_tokens(f"data[{i}].loss_fn_inputs.target_tokens", value)
+            elif not np.all(np.isfinite(value)):
+                raise ServeError(f"data[{i}].loss_fn_inputs.{key}: expected finite numbers, found NaN or inf")
+
+    def _slot(self, model_id: str) -> Slot:
+        slot = self.slots.get(model_id)
+        if slot is None:
+            raise ServeError(f"model_id: no adapter {model_id!r} is loaded", status=404)
+        return slot
+
+    def _guarded(self, fn, works, group, results) -> None:
+        """Runs `fn` on the items `group`; a ServeError of the whole group goes to each of them."""
+        try:
+            fn(works, group, results)
+        except ServeError as e:
+            for index in group:
+                if results[index] is None:
+                    results[index] = e
+
+    # -- one item --
+
+    def _single(self, works, group, results) -> None:
+        index = group[0]
+        work = works[index]
+        if isinstance(work, Create):
+            results[index] = self._create(work)
+        elif isinstance(work, OptimStep):
+            results[index] = self._optim_step(work)
+        elif isinstance(work, Save):
+            results[index] = self._save(work)
+        elif isinstance(work, Load):
+            results[index] = self._load(work)
+        elif isinstance(work, Unload):
+            slot = self._slot(work.model_id)
+            self._clear(slot.index)
+            del self.slots[work.model_id]
+
+    def _free_slot(self) -> int:
+        used = {s.index for s in self.slots.values()}
+        free = [i for i in range(self._info.max_adapters) if i not in used]
+        if not free:
+            raise ServeError(f"no free adapter slot: all {self._info.max_adapters} (serve.max_adapters) hold "
+                             "adapters; unload one first", status=429)
+        return free[0]
+
+    def _create(self, work: Create) -> None:
+        self.check(work)
+        if work.model_id in self.slots:
+            raise ServeError(f"model_id: {work.model_id!r} already exists", status=409)
+        index = self._free_slot()
+        self._clear(index)
+        init_slot(self.model, index, work.rank, work.targets, work.seed)
+        self.adapters = nnx.state(self.model, LoRAParam)
+        self.slots[work.model_id] = Slot(index, work.rank, tuple(work.targets))
+
+    def _clear(self, index: int) -> None:
+        """Slot `index` empty: zero adapters, gradient and Adam state."""
+        init_slot(self.model, index, 1, (), 0)
+        self.adapters = nnx.state(self.model, LoRAParam)
+        self.grads = self._put_slot(self.grads, index, None)
+        self.adam = dataclasses.replace(
+            self.adam, mu=jax.tree.map(lambda m: m.at[index].set(0), self.adam.mu),
+            nu=jax.tree.map(lambda v: v.at[index].set(0), self.adam.nu), count=self.adam.count.at[index].set(0))
+
+    def _put_slot(self, tree, index: int, values):
+        """`tree` (shaped as the adapters) with slot `index` set to `values` (None: zeros)."""
+        axes = jax.tree.unflatten(jax.tree.structure(tree), self.axes)
+
+        def put(x, axis, v=None):
+            where = (slice(None),) * axis + (index,)
+            return x.at[where].set(0 if v is None else v.astype(x.dtype))
+
+        if values is None:
+            return jax.tree.map(put, tree, axes)
+        return jax.tree.map(put, tree, axes, values)
+
+    def _optim_step(self, work: OptimStep) -> OptimStepResult:
+        slot = self._slot(work.model_id)
+        hyper = {key: jnp.asarray(float(work.adam[key]), jnp.float32) for key in ADAM_KEYS}
+        self.adapters, self.grads, self.adam, norm = adam_step(self.adapters, self.grads, self.adam,
+                                                               jnp.asarray(slot.index, jnp.int32), hyper,
+                                                               axes=self.axes)
+        nnx.update(self.model, self.adapters)
+        slot.steps += 1
+        return OptimStepResult({"grad_norm:mean": float(norm)})
+
+    # -- forward/backward passes of many adapters --
+
+    def _passes(self, works, group, results) -> None:
+        rows = []  # (item index, datum index, datum)
+        for index in group:
+            work = works[index]
+            try:
+                self._slot(work.model_id)
+                self.check(work)
+            except ServeError as e:
+                results[index] = e
+                continue
+            rows.extend((index, j, datum) for j, datum in enumerate(work.data))
+        outputs: dict[int, list] = {index: [None] * len(works[index].data) for index in group if results[index] is None}
+        width = self.config.serve.max_rows
+        for start in range(0, len(rows), width):
+            chunk = rows[start:start + width]
+            lp, loss = self._run_batch(works, chunk)
+            for r, (index, j, datum) in enumerate(chunk):
+                n = len(datum.tokens)
+                outputs[index][j] = {"logprobs": lp[r, :n], "elementwise_loss": loss[r, :n]}
+        for index, per_datum in outputs.items():
+            total = float(sum(float(o["elementwise_loss"].sum()) for o in per_datum))
+            results[index] = ForwardBackwardResult(tuple(per_datum), {"loss:sum": total})
+
+    def _run_batch(self, works, chunk) -> tuple[np.ndarray, np.ndarray]:
+        b = bucket(len(chunk))
+        t = bucket(max(len(d.tokens) for _, _, d in chunk), MIN_TOKENS)
+        arrays = {name: np.zeros((b, t), np.float32) for name in ("weights", "sampling_lp", "advantages", "real")}
+        tokens, targets = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+        per_row = {name: np.zeros(b, np.float32) for name in ("scale", "low", "high", "beta", "train")}
+        slot_ix, rank, loss_ix = np.zeros(b, np.int32), np.ones(b, np.int32), np.zeros(b, np.int32)
+        per_row["scale"][:] = 1.0
+        for r, (index, _, datum) in enumerate(chunk):
+            work, n = works[index], len(datum.tokens)
+            slot = self.slots[work.model_id]
+            config = losses.loss_config(work.loss_fn, work.loss_fn_config)
+            tokens[r, :n], targets[r, :n] = datum.tokens, datum.inputs["target_tokens"]
+            arrays["weights"][r, :n] = datum.inputs.get("weights", 1.0) if work.loss_fn == "cross_entropy" else 0.0
+            arrays["sampling_lp"][r, :n] = datum.inputs.get("logprobs", 0.0)
+            arrays["advantages"][r, :n] = datum.inputs.get("advantages", 0.0)
+            arrays["real"][r, :n] = 1.0
+            slot_ix[r], rank[r], loss_ix[r] = slot.index, slot.rank, losses.NAMES.index(work.loss_fn)
+            per_row["scale"][r] = self.config.serve.lora_alpha / slot.rank
+            per_row["low"][r] = config.get("clip_low_threshold", 0.0)
+            per_row["high"][r] = config.get("clip_high_threshold", 0.0)
+            per_row["beta"][r] = config.get("beta", 0.0)
+            per_row["train"][r] = 1.0 if work.backward else 0.0
+        batch = Batch(tokens=tokens, targets=targets, slot=slot_ix, rank=rank, loss=loss_ix, **arrays, **per_row)
+        batch = jax.tree.map(jnp.asarray, batch)
+        grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, batch)
+        if any(works[index].backward for index, _, _ in chunk):
+            self.grads = jax.tree.map(jnp.add, self.grads, grads)
+        return np.asarray(lp), np.asarray(loss)
+
+    # -- sampling --
+
+    def _samples(self, works, group, results) -> None:
+        rows = []  # (item index, sample number)
+        for index in group:
+            work = works[index]
+            try:
+                self.check(work)
+                if work.model_id is not None:
+                    self._slot(work.model_id)
+            except ServeError as e:
+                results[index] = e
+                continue
+            rows.extend((index, k) for k in range(work.num_samples))
+        sequences: dict[int, list] = {index: [] for index in group if results[index] is None}
+        prompt_lps: dict[int, np.ndarray] = {}
+        width = self.config.serve.max_rows
+        for start in range(0, len(rows), width):
+            chunk = rows[start:start + width]
+            self._sample_batch(works, chunk, sequences, prompt_lps)
+        for index, seqs in sequences.items():
+            results[index] = SampleResult(tuple(seqs), prompt_lps.get(index))
+
+    def _sample_batch(self, works, chunk, sequences, prompt_lps) -> None:
+        b = bucket(len(chunk))
+        p = bucket(max(len(works[i].prompt) for i, _ in chunk), MIN_TOKENS)
+        budget = max(works[i].max_tokens for i, _ in chunk)
+        new = bucket(budget, MIN_TOKENS)
+        stops = bucket(max([len(works[i].stop_tokens) for i, _ in chunk] + [1]), 8)
+        prompt = np.zeros((b, p), np.int32)
+        length, slot_ix, rank, top_k = (np.ones(b, np.int32) for _ in range(4))
+        slot_ix[:], top_k[:] = 0, 0
+        scale, temperature, top_p = np.zeros(b, np.float32), np.zeros(b, np.float32), np.ones(b, np.float32)
+        seed, stop, max_tokens = np.zeros(b, np.int32), np.full((b, stops), -1, np.int32), np.ones(b, np.int32)
+        for r, (index, k) in enumerate(chunk):
+            work = works[index]
+            n = len(work.prompt)
+            prompt[r, :n], length[r] = work.prompt, n
+            if work.model_id is not None:
+                slot = self.slots[work.model_id]
+                slot_ix[r], rank[r], scale[r] = slot.index, slot.rank, self.config.serve.lora_alpha / slot.rank
+            temperature[r], top_p[r] = work.temperature, work.top_p
+            top_k[r] = max(work.top_k, 0)
+            seed[r] = self._seed(work, k)
+            stop[r, :len(work.stop_tokens)] = work.stop_tokens
+            max_tokens[r] = work.max_tokens
+        filtered = bool(np.any(top_k[:len(chunk)] > 0) or np.any(top_p[:len(chunk)] < 1))
+        want_prompt_lp = any(works[i].prompt_logprobs for i, _ in chunk)
+        batch = SampleBatch(prompt=prompt, length=length, slot=slot_ix, scale=scale, rank=rank,
+                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                            max_tokens=max_tokens)
+        tokens, logprobs, _, prompt_lp = sample_rows(self.graphdef, self.adapters, self.rest,
+                                                     jax.tree.map(jnp.asarray, batch), new_tokens=new,
+                                                     filtered=filtered, prompt_logprobs=want_prompt_lp)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        stop_sets = {}
+        for r, (index, k) in enumerate(chunk):
+            work = works[index]
+            stop_set = stop_sets.setdefault(index, set(work.stop_tokens))
+            row = tokens[r, :work.max_tokens].tolist()
+            end = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
+            reason = "stop" if end < len(row) or (row and row[end - 1] in stop_set) else "length"
+            sequences[index].append(SampledSequence(np.asarray(row[:end], np.int32),
+                                                    logprobs[r, :end].astype(np.float32), reason))
+            if work.prompt_logprobs and k == 0:
+                prompt_lps[index] = np.asarray(prompt_lp)[r, :len(work.prompt)].astype(np.float32)
+
+    def _seed(self, work: Sample, k: int) -> int:
+        """Sample `k`'s seed: from the request's seed, else from the count of samples drawn (the
+        same on every host, which all run the same items)."""
+        if work.seed is None:
+            self.sample_count += 1
+            return zlib.crc32(f"sample-{self.sample_count}".encode()) & 0x7FFFFFFF
+        return zlib.crc32(f"{work.seed}-{k}".encode()) & 0x7FFFFFFF
+
+    # -- saving and loading --
+
+    def _flat(self, tree) -> dict[str, jax.Array]:
+        return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(tree)}
+
+    def _slot_arrays(self, slot: Slot, *, optimizer: bool) -> dict[str, np.ndarray]:
+        """The slot's adapters (and moments), each cut to its rank, as host arrays by name."""
+        out = {}
+        for (name, value), axis in zip(self._flat(self.adapters).items(), self.axes, strict=True):
+            one = np.asarray(jnp.take(value, slot.index, axis=axis))
+            out[f"adapter.{name}"] = _cut_rank(one, name, axis, slot.rank)
+        if optimizer:
+            for moment in ("mu", "nu"):
+                for (name, value), axis in zip(self._flat(getattr(self.adam, moment)).items(), self.axes, strict=True):
+                    out[f"{moment}.{name}"] = _cut_rank(np.asarray(value[slot.index]), name, axis, slot.rank)
+        return out
+
+    def _save(self, work: Save) -> None:
+        slot = self._slot(work.model_id)
+        final = Path(work.path)
+        partial = final.with_name(final.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        save_file(self._slot_arrays(slot, optimizer=work.optimizer), str(partial / ARRAYS_FILE))
+        state = {"rank": slot.rank, "alpha": self.config.serve.lora_alpha, "targets": list(slot.targets),
+                 "steps": slot.steps, "optimizer": work.optimizer,
+                 "adam_count": int(self.adam.count[slot.index]) if work.optimizer else 0,
+                 "model_type": self.config.model.model_type, "base_model": self._info.base_model}
+        (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        if not work.optimizer and not set(slot.targets) & set(ARCHITECTURES[self.config.model.model_type]
+                                                               .peft_unwritable):
+            lora = LoRAConfig(rank=slot.rank, alpha=self.config.serve.lora_alpha, targets=slot.targets)
+            view = slot_view(self.model, slot.index, slot.rank, lora.alpha, slot.targets)
+            to_peft(view, self.config.model, lora, partial, base=self._info.base_model)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+
+    def _load(self, work: Load) -> LoadResult:
+        path = Path(work.path)
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+            arrays = load_file(str(path / ARRAYS_FILE))
+        except (OSError, ValueError) as e:
+            raise ServeError(f"path: no saved adapter state at {work.path} ({e})", status=404) from None
+        if state["model_type"] != self.config.model.model_type:
+            raise ServeError(f"path: {work.path} holds a {state['model_type']} adapter; this service serves "
+                             f"{self.config.model.model_type}")
+        if work.optimizer and not state["optimizer"]:
+            raise ServeError(f"path: {work.path} holds weights only (save_weights_for_sampler); load it without "
+                             "the optimizer")
+        rank, targets = int(state["rank"]), tuple(state["targets"])
+        self.check(Create(work.model_id, rank, targets))
+        slot = self.slots.get(work.model_id)
+        if slot is None:
+            slot = Slot(self._free_slot(), rank, targets)
+        self._clear(slot.index)
+        slot.rank, slot.targets, slot.steps = rank, targets, int(state["steps"])
+        max_rank = self._info.max_rank
+        names = list(self._flat(self.adapters))
+        values = [_pad_rank(arrays[f"adapter.{n}"], n, a, max_rank) for n, a in zip(names, self.axes, strict=True)]
+        self.adapters = self._put_slot(self.adapters, slot.index, jax.tree.unflatten(
+            jax.tree.structure(self.adapters), [jnp.asarray(v) for v in values]))
+        nnx.update(self.model, self.adapters)
+        if work.optimizer:
+            moments = {}
+            for moment in ("mu", "nu"):
+                leaves = [jnp.asarray(_pad_rank(arrays[f"{moment}.{n}"], n, a, max_rank))
+                          for n, a in zip(names, self.axes, strict=True)]
+                tree = getattr(self.adam, moment)
+                moments[moment] = jax.tree.map(lambda all_, v: all_.at[slot.index].set(v), tree,
+                                               jax.tree.unflatten(jax.tree.structure(tree), leaves))
+            self.adam = dataclasses.replace(self.adam, **moments,
+                                            count=self.adam.count.at[slot.index].set(int(state["adam_count"])))
+        self.slots[work.model_id] = slot
+        return LoadResult(rank, targets)
+
+
+def _cut_rank(one: np.ndarray, name: str, axis: int, rank: int) -> np.ndarray:
+    """One slot's array (adapter axis removed) cut to `rank`: A's last axis, B's axis after its lead."""
+    if name.endswith("lora_a"):
+        return np.ascontiguousarray(one[..., :rank])
+    return np.ascontiguousarray(one[(slice(None),) * axis + (slice(0, rank),)])
+
+
+def _pad_rank(one: np.ndarray, name: str, axis: int, max_rank: int) -> np.ndarray:
+    rank_axis = one.ndim - 1 if name.endswith("lora_a") else axis
+    if one.shape[rank_axis] > max_rank:
+        raise ServeError(f"rank: the saved adapter's rank {one.shape[rank_axis]} exceeds serve.max_rank ({max_rank})")
+    pad = [(0, 0)] * one.ndim
+    pad[rank_axis] = (0, max_rank - one.shape[rank_axis])
+    return np.pad(one, pad)

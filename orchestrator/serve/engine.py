@@ -1,0 +1,249 @@
+"""The service's engine: one base model, sharded as in training, with `serve.max_adapters` LoRA
+adapter slots, and the pure jitted programs that run a step of many adapters' rows.
+
+Every batch row carries its adapter's slot, scale and rank (`models.lora.rows`). Rows are padded
+to a few fixed shapes (rows and tokens rounded up to powers of two), so steady work never
+recompiles; a padded row or token has no loss and no gradient.
+
+- `forward_backward`: target logprobs, each row's own loss (`losses.token_losses`), and the
+  gradient of the trained rows' summed loss with respect to every slot: a slot's gradient is that
+  of its rows alone, since a row reads only its own slot.
+- `adam_step`: one Adam step of one slot (optax's Adam with decoupled weight decay, clipped by
+  that slot's gradient norm); the other slots' parameters and moments are not touched.
+- `sample_rows`: prefill then decode in one program over the stacked KV cache, each row with its
+  own adapter, temperature, top-k, top-p, seed, stop tokens and token budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from podtrain.models import lora
+from podtrain.models.generate import greedy
+from podtrain.orchestrator.serve.losses import token_losses
+
+
+def bucket(n: int, smallest: int = 1) -> int:
+    """`n` rounded up to a power of two (at least `smallest`): the padded size of a batch axis."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Batch:
+    """A padded training batch of B rows of T tokens. Per token: `tokens` (int32), `targets`
+    (int32), `weights`, `sampling_lp` (the sampler's logprobs) and `advantages` (float32), and
+    `real` (1 for the row's tokens, 0 for padding). Per row: its adapter `slot`, `scale` and
+    `rank`; its loss (`loss`, an index into `losses.NAMES`) with `low`, `high` and `beta`; and
+    `train`, 1 when its gradient is kept (`forward_backward`), 0 for a forward only."""
+
+    tokens: jax.Array
+    targets: jax.Array
+    weights: jax.Array
+    sampling_lp: jax.Array
+    advantages: jax.Array
+    real: jax.Array
+    slot: jax.Array
+    scale: jax.Array
+    rank: jax.Array
+    loss: jax.Array
+    low: jax.Array
+    high: jax.Array
+    beta: jax.Array
+    train: jax.Array
+
+
+def target_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """log p(target) (B, T) in float32."""
+    logits = logits_BTV.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def batch_losses(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(target logprobs, elementwise losses), each (B, T) float32 and zero on padding."""
+    with lora.rows(batch.slot, batch.scale, batch.rank):
+        logits = model(batch.tokens)[0]
+    lp = target_logprobs(logits, batch.targets)
+    losses = token_losses(lp, batch.weights, batch.sampling_lp, batch.advantages, batch.loss, batch.low, batch.high,
+                          batch.beta)
+    real = batch.real > 0
+    return jnp.where(real, lp, 0.0), jnp.where(real, losses, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def forward_backward(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, batch: Batch):
+    """(gradient of the trained rows' summed loss for every slot, logprobs (B, T), losses (B, T))."""
+
+    def objective(adapters):
+        lp, losses = batch_losses(nnx.merge(graphdef, adapters, rest), batch)
+        return jnp.sum(losses * batch.train[:, None]), (lp, losses)
+
+    grads, (lp, losses) = jax.grad(objective, has_aux=True)(adapters)
+    return grads, lp, losses
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AdamState:
+    """Every slot's Adam moments, slot-major (`mu`, `nu`: the adapters' leaves with their adapter
+    axis moved first), and each slot's step count (N,)."""
+
+    mu: nnx.State
+    nu: nnx.State
+    count: jax.Array
+
+
+def slot_axes(adapters: nnx.State) -> tuple[int, ...]:
+    """Each adapter leaf's adapter axis (its position in the leaf's logical axes), in leaf order."""
+    variables = jax.tree.leaves(adapters, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return tuple(v.get_metadata()["out_sharding"].index("lora_adapters") for v in variables)
+
+
+def _axes_tree(adapters, axes: tuple[int, ...]):
+    return jax.tree.unflatten(jax.tree.structure(adapters), axes)
+
+
+def init_adam(adapters: nnx.State, axes: tuple[int, ...], slots: int) -> AdamState:
+    """Zero moments and counts for every slot."""
+    def zeros(x, axis):
+        return jnp.zeros((x.shape[axis], *x.shape[:axis], *x.shape[axis + 1:]), jnp.float32)
+
+    mu = jax.tree.map(zeros, adapters, _axes_tree(adapters, axes))
+    return AdamState(mu, jax.tree.map(jnp.zeros_like, mu), jnp.zeros((slots,), jnp.int32))
+
+
+def _pick(tree, axes, slot):
+    return jax.tree.map(lambda x, axis: jax.lax.dynamic_index_in_dim(x, slot, axis, keepdims=False), tree, axes)
+
+
+def _put(tree, values, axes, slot):
+    return jax.tree.map(lambda x, v, axis: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), slot, axis),
+                        tree, values, axes)
+
+
+@functools.partial(jax.jit, static_argnames=("axes",), donate_argnums=(0, 1, 2))
+def adam_step(adapters: nnx.State, grads: nnx.State, state: AdamState, slot: jax.Array, hyper: dict, *, axes):
+    """One Adam step of slot `slot` on its gradient (Tinker's AdamParams in `hyper`: learning_rate,
+    beta1, beta2, eps, weight_decay, grad_clip_norm (0: none)). Returns (adapters, grads with the
+    slot's zeroed, state, the slot's gradient norm before clipping)."""
+    axes = _axes_tree(adapters, axes)
+    params, grad = _pick(adapters, axes, slot), _pick(grads, axes, slot)
+    grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
+    norm = optax.tree.norm(grad)
+    clip = hyper["grad_clip_norm"]
+    grad = optax.tree.scale(jnp.where((clip > 0) & (norm > clip), clip / norm, 1.0), grad)
+    tx = optax.chain(optax.scale_by_adam(b1=hyper["beta1"], b2=hyper["beta2"], eps=hyper["eps"]),
+                     optax.add_decayed_weights(hyper["weight_decay"]),
+                     optax.scale_by_learning_rate(hyper["learning_rate"]))
+    moments = optax.ScaleByAdamState(count=state.count[slot], mu=jax.tree.map(lambda m: m[slot], state.mu),
+                                     nu=jax.tree.map(lambda v: v[slot], state.nu))
+    f32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    updates, (moments, _, _) = tx.update(grad, (moments, optax.EmptyState(), optax.EmptyState()), f32)
+    new = optax.apply_updates(f32, updates)
+    state = AdamState(jax.tree.map(lambda all_, m: all_.at[slot].set(m), state.mu, moments.mu),
+                      jax.tree.map(lambda all_, v: all_.at[slot].set(v), state.nu, moments.nu),
+                      state.count.at[slot].set(moments.count))
+    zeros = jax.tree.map(jnp.zeros_like, grad)
+    return _put(adapters, new, axes, slot), _put(grads, zeros, axes, slot), state, norm
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SampleBatch:
+    """B prompts right-padded to P (`prompt`, `length`), each row's adapter (`slot`, `scale`,
+    `rank`), sampling (`temperature` (0: greedy), `top_k` (0: all), `top_p`, `seed`), its stop
+    tokens (B, S; -1 pads) and its token budget `max_tokens`."""
+
+    prompt: jax.Array
+    length: jax.Array
+    slot: jax.Array
+    scale: jax.Array
+    rank: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    stop: jax.Array
+    max_tokens: jax.Array
+
+
+def pick_tokens(logits_BV: jax.Array, keys: jax.Array, batch: SampleBatch, *, filtered: bool):
+    """(token, its logprob) per row: greedy where the temperature is 0; else drawn from the logits
+    divided by the temperature, restricted (`filtered`) to the row's top-k and then top-p tokens.
+    The logprob is under the distribution the token was drawn from."""
+    logits = logits_BV.astype(jnp.float32)
+    hot = batch.temperature > 0
+    scaled = logits / jnp.where(hot, batch.temperature, 1.0)[:, None]
+    if filtered:
+        vocab = logits.shape[-1]
+        order = jnp.argsort(-scaled, axis=-1, stable=True)
+        ranked = jnp.take_along_axis(scaled, order, axis=-1)
+        in_k = jnp.arange(vocab)[None] < jnp.where(batch.top_k > 0, batch.top_k, vocab)[:, None]
+        probs = jax.nn.softmax(jnp.where(in_k, ranked, -jnp.inf), axis=-1)
+        keep_ranked = in_k & ((jnp.cumsum(probs, axis=-1) - probs) < batch.top_p[:, None])
+        keep = jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled).astype(jnp.int32)
+    token = jnp.where(hot, drawn, greedy(logits))
+    logprobs = jax.nn.log_softmax(jnp.where(hot[:, None], scaled, logits), axis=-1)
+    return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "new_tokens", "filtered", "prompt_logprobs"))
+def sample_rows(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, batch: SampleBatch, *,
+                new_tokens: int, filtered: bool, prompt_logprobs: bool):
+    """Prefill then decode up to `new_tokens` tokens per row, as one program. Returns (tokens
+    (B, new_tokens), their logprobs, steps made, prompt logprobs (B, P) or None); a row's tokens
+    end at its stop token (included) or its budget, the rest is padding."""
+    model = nnx.merge(graphdef, adapters, rest)
+    model.config = dataclasses.replace(model.config, scan_layers=True)
+    rows_b, prompt_len = batch.prompt.shape
+    base_keys = jax.vmap(jax.random.key)(batch.seed)
+
+    def choose(hidden_BD, step, done):
+        logits = model.logits(hidden_BD)
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, step)
+        token, logprob = pick_tokens(logits, keys, batch, filtered=filtered)
+        token = jnp.where(done, 0, token)
+        stopped = jnp.any(token[:, None] == batch.stop, axis=-1) | (step + 1 >= batch.max_tokens)
+        return token, jnp.where(done, 0.0, logprob), done | stopped
+
+    with lora.rows(batch.slot, batch.scale, batch.rank):
+        cache = model.init_cache(rows_b, prompt_len + new_tokens)
+        real = jnp.arange(prompt_len)[None] < batch.length[:, None]
+        hidden, cache, _ = model.hidden_states(batch.prompt, cache=cache, attention_mask=real)
+        prompt_lp = None
+        if prompt_logprobs:
+            lp = target_logprobs(model.logits(hidden[:, :-1]), batch.prompt[:, 1:])
+            prompt_lp = jnp.concatenate([jnp.full((rows_b, 1), jnp.nan), lp], axis=1)
+        token, logprob, done = choose(hidden[jnp.arange(rows_b), batch.length - 1], 0, jnp.zeros((rows_b,), bool))
+        tokens = jnp.zeros((rows_b, new_tokens), jnp.int32).at[:, 0].set(token)
+        logprobs = jnp.zeros((rows_b, new_tokens), jnp.float32).at[:, 0].set(logprob)
+
+        def cond(carry):
+            step, _, _, _, _, done = carry
+            return (step < new_tokens) & ~jnp.all(done)
+
+        def body(carry):
+            step, cache, token, tokens, logprobs, done = carry
+            positions = (batch.length + step - 1)[:, None]
+            hidden, cache, _ = model.hidden_states(token[:, None], positions=positions, cache=cache)
+            token, logprob, done = choose(hidden[:, 0], step, done)
+            tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
+            logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, logprob[:, None], step, axis=1)
+            return step + 1, cache, token, tokens, logprobs, done
+
+        carry = (jnp.ones((), jnp.int32), cache, token, tokens, logprobs, done)
+        steps, _, _, tokens, logprobs, _ = jax.lax.while_loop(cond, body, carry)
+    return tokens, logprobs, steps, prompt_lp

@@ -1,0 +1,174 @@
+"""The service's engine on one process: many adapters' rows in one step, each getting what its
+adapter alone would give; an Adam step of one adapter leaves the others bit-identical and equals
+optax's AdamW on that adapter alone; sampling and saved state."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from serve_fixtures import ADAM, TARGETS, make_engine, reference_losses, sft_datum, single
+
+from podtrain.models.generate import generate
+from podtrain.models.lora import LoRAParam, slot_view
+from podtrain.orchestrator.serve.work import (
+    Create,
+    ForwardBackward,
+    ForwardBackwardResult,
+    Load,
+    OptimStep,
+    Sample,
+    Save,
+    ServeError,
+    Unload,
+)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine()
+
+
+def _flat(model):
+    return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
+
+
+def test_rows_of_many_adapters_in_one_step_get_their_own_results_and_steps(engine):
+    vocab = engine.info().vocab_size
+    rng = np.random.default_rng(0)
+    engine.run([Create("a", 4, TARGETS, seed=1), Create("b", 8, ("gate_proj", "up_proj", "down_proj"), seed=2)])
+    # Train b a little so that its adapter is not new (B no longer zero).
+    warm = tuple(sft_datum(rng, 12, vocab) for _ in range(2))
+    engine.run([ForwardBackward("b", warm, "cross_entropy"), OptimStep("b", ADAM)])
+    data_a = tuple(sft_datum(rng, n, vocab) for n in (9, 20, 5))
+    data_b = tuple(sft_datum(rng, n, vocab) for n in (17,))
+    before_a, before_b = single(engine, "a"), single(engine, "b")
+    params_b = _flat(before_b)
+    out = engine.run([ForwardBackward("a", data_a, "cross_entropy"), ForwardBackward("b", data_b, "cross_entropy")])
+    assert isinstance(out[0], ForwardBackwardResult), out[0]
+    for result, model, data in ((out[0], before_a, data_a), (out[1], before_b, data_b)):
+        lps, total = reference_losses(model, data)
+        for got, want in zip(result.outputs, lps, strict=True):
+            np.testing.assert_allclose(got["logprobs"], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result.metrics["loss:sum"], total, rtol=1e-5)
+    # a's pending gradient is that of its rows on a alone.
+    graphdef, params, rest = nnx.split(before_a, LoRAParam, ...)
+    want_grads = jax.grad(lambda p: reference_loss_jax(nnx.merge(graphdef, p, rest), data_a))(params)
+    slot = engine.slots["a"]
+    pending = slot_view(nnx.merge(engine.graphdef, engine.grads, engine.rest), slot.index, slot.rank,
+                        engine.config.serve.lora_alpha, slot.targets)
+    got_grads = _flat(pending)
+    for key, want in ((k, np.asarray(v.get_value())) for k, v in nnx.to_flat_state(want_grads)):
+        np.testing.assert_allclose(got_grads[key], want, rtol=1e-4, atol=2e-5 * np.abs(want).max(), err_msg=str(key))
+    # a's step is optax's AdamW on that gradient, clipped by a's own gradient norm.
+    step = engine.run([OptimStep("a", ADAM)])[0]
+    grads = nnx.state(pending, LoRAParam)
+    tx = optax.chain(optax.clip_by_global_norm(ADAM["grad_clip_norm"]),
+                     optax.adamw(ADAM["learning_rate"], ADAM["beta1"], ADAM["beta2"], ADAM["eps"],
+                                 weight_decay=ADAM["weight_decay"]))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    want = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(optax.apply_updates(params, updates))}
+    got = _flat(single(engine, "a"))
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-8, err_msg=str(key))
+    assert step.metrics["grad_norm:mean"] > ADAM["grad_clip_norm"]  # the clip was used
+    # b had no step: bit-identical; its pending gradient is applied by its next step.
+    for key, value in _flat(single(engine, "b")).items():
+        np.testing.assert_array_equal(value, params_b[key])
+    engine.run([Unload("a"), Unload("b")])
+
+
+def reference_loss_jax(model, data):
+    total = 0.0
+    for datum in data:
+        logits = model(jnp.asarray(datum.tokens)[None])[0][0].astype(jnp.float32)
+        lp = jax.nn.log_softmax(logits)[jnp.arange(len(datum.tokens)), datum.inputs["target_tokens"]]
+        total = total + jnp.sum(-lp * datum.inputs["weights"])
+    return total
+
+
+def test_sampling_rows_of_several_adapters(engine, tmp_path):
+    vocab = engine.info().vocab_size
+    rng = np.random.default_rng(1)
+    engine.run([Create("s", 8, TARGETS, seed=3), Create("t", 2, TARGETS, seed=4)])
+    engine.run([ForwardBackward(m, tuple(sft_datum(rng, 10, vocab) for _ in range(2)), "cross_entropy")
+                for m in ("s", "t")] + [OptimStep("s", ADAM), OptimStep("t", ADAM)])
+    prompt_s, prompt_t = rng.integers(0, vocab, 7).astype(np.int32), rng.integers(0, vocab, 12).astype(np.int32)
+    out = engine.run([Sample("s", prompt_s, max_tokens=9, temperature=0.0, prompt_logprobs=True),
+                      Sample("t", prompt_t, max_tokens=5, temperature=0.0),
+                      Sample("s", prompt_s, num_samples=2, max_tokens=6, temperature=1.0, top_k=20, top_p=0.9,
+                             seed=11),
+                      Sample("s", prompt_s, num_samples=2, max_tokens=6, temperature=1.0, top_k=20, top_p=0.9,
+                             seed=11)])
+    for result, model_id, prompt, n in ((out[0], "s", prompt_s, 9), (out[1], "t", prompt_t, 5)):
+        want = generate(single(engine, model_id), [prompt.tolist()], max_new_tokens=n)[0]
+        assert result.sequences[0].tokens.tolist() == want
+        assert result.sequences[0].stop_reason == "length"
+    # Prompt logprobs are the model's; the sampled tokens' logprobs are too (greedy).
+    logits = single(engine, "s")(jnp.asarray(np.concatenate([prompt_s, out[0].sequences[0].tokens]))[None])[0][0]
+    lp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))
+    full = np.concatenate([prompt_s, out[0].sequences[0].tokens])
+    np.testing.assert_allclose(out[0].prompt_logprobs[1:], lp[np.arange(6), full[1:7]], rtol=1e-4, atol=1e-4)
+    assert np.isnan(out[0].prompt_logprobs[0])
+    np.testing.assert_allclose(out[0].sequences[0].logprobs, lp[np.arange(6, 15), full[7:16]], rtol=1e-4, atol=1e-4)
+    # A seeded sampler repeats itself; its two samples differ from each other.
+    assert [s.tokens.tolist() for s in out[2].sequences] == [s.tokens.tolist() for s in out[3].sequences]
+    assert out[2].sequences[0].tokens.tolist() != out[2].sequences[1].tokens.tolist()
+    # A stop token ends a sequence, included.
+    stop = int(out[0].sequences[0].tokens[3])
+    stopped = engine.run([Sample("s", prompt_s, max_tokens=9, temperature=0.0, stop_tokens=(stop,))])[0]
+    first = out[0].sequences[0].tokens.tolist().index(stop)
+    assert stopped.sequences[0].tokens.tolist() == out[0].sequences[0].tokens.tolist()[:first + 1]
+    assert stopped.sequences[0].stop_reason == "stop"
+    engine.run([Unload("s"), Unload("t")])
+
+
+def test_saved_state_comes_back_with_the_same_logprobs_and_next_step(engine, tmp_path):
+    vocab = engine.info().vocab_size
+    rng = np.random.default_rng(2)
+    data = tuple(sft_datum(rng, 11, vocab) for _ in range(2))
+    engine.run([Create("x", 4, TARGETS, seed=5), ForwardBackward("x", data, "cross_entropy"), OptimStep("x", ADAM)])
+    engine.run([Save("x", str(tmp_path / "x"), optimizer=True), Save("x", str(tmp_path / "xs"), optimizer=False)])
+    assert (tmp_path / "xs" / "adapter_config.json").exists()
+    engine.run([Load("y", str(tmp_path / "x"), optimizer=True)])
+    out = engine.run([ForwardBackward("x", data, "cross_entropy"), ForwardBackward("y", data, "cross_entropy"),
+                      OptimStep("x", ADAM), OptimStep("y", ADAM)])
+    for a, b in zip(out[0].outputs, out[1].outputs, strict=True):
+        np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
+    x, y = _flat(single(engine, "x")), _flat(single(engine, "y"))
+    for key in x:
+        np.testing.assert_array_equal(x[key], y[key])
+    with pytest.raises(AssertionError):  # weights only: no optimizer state to load
+        assert not isinstance(engine.run([Load("z", str(tmp_path / "xs"), optimizer=True)])[0], ServeError)
+    engine.run([Unload("x"), Unload("y")])
+
+
+def test_bad_items_are_refused_alone(engine):
+    vocab = engine.info().vocab_size
+    rng = np.random.default_rng(3)
+    good = sft_datum(rng, 6, vocab)
+    oov = sft_datum(rng, 6, vocab)
+    oov.tokens[2] = vocab
+    short = type(good)(good.tokens, {"target_tokens": good.inputs["target_tokens"][:-1]})
+    for work, match in [(Create("q", 9, TARGETS), "rank: expected 1 to 8"),
+                        (ForwardBackward("q", (oov,), "cross_entropy"), r"token ids must be in \[0, "),
+                        (ForwardBackward("q", (short,), "cross_entropy"), "expected 6 values"),
+                        (ForwardBackward("q", (good,), "nope"), "loss_fn: expected one of"),
+                        (ForwardBackward("q", (good,), "ppo"), "missing"),
+                        (ForwardBackward("q", (sft_datum(rng, 70, vocab),), "cross_entropy"), "serve.max_seq_len"),
+                        (Sample(None, good.tokens, max_tokens=60), "serve.max_seq_len")]:
+        with pytest.raises(ServeError, match=match):
+            engine.check(work)
+    engine.run([Create("q", 2, TARGETS)])
+    out = engine.run([ForwardBackward("q", (good,), "cross_entropy"),
+                      ForwardBackward("nobody", (good,), "cross_entropy"), Create("q", 2, TARGETS)])
+    assert isinstance(out[0], ForwardBackwardResult)
+    assert isinstance(out[1], ServeError) and out[1].status == 404
+    assert isinstance(out[2], ServeError) and "already exists" in str(out[2])
+    full = engine.run([Create(f"f{i}", 2, TARGETS) for i in range(4)])
+    assert isinstance(full[-1], ServeError) and full[-1].status == 429 and "no free adapter slot" in str(full[-1])
+    engine.run([Unload(m) for m in ("q", "f0", "f1", "f2")])
