@@ -171,7 +171,7 @@ class Engine:
                 raise ServeError(f"sampling_params.top_k: expected -1 (all) or a positive integer, found {work.top_k}")
             bad = [t for t in work.stop_tokens if not 0 <= t < info.vocab_size]
             if bad:
-                raise ServeError(f"sampling_params.stop: token ids outside the vocabulary [0, {info.vocab_size}): {bad}")
+                raise ServeError(f"sampling_params.stop: token ids must be in [0, {info.vocab_size}), found {bad}")
 
     def run(self, works: list[Work]) -> list[object]:
         """Each model's items in order; the next forward/backward passes (or samples) of all
