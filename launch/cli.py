@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": "continue prompts with a checkpoint or HF model (checkpoint=<dir> prompt=<text> "
                 "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P])",
     "check": "build the model sharded over the devices and run train steps on random tokens",
+    "serve": "serve the Tinker training API: many LoRA adapters on one base model (serve.port=8000 ...)",
 }
 
 

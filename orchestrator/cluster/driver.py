@@ -163,8 +163,11 @@ class _LogFilter:
 class Driver:
     """Runs one job: attempts until success, a stop, or a spent budget."""
 
-    def __init__(self, config: Config, run_dir: Path, out=None):
+    def __init__(self, config: Config, run_dir: Path, out=None, *, service=None):
+        """`service`: for `podtrain serve`, the driver's `GangBackend`: its environment goes to every
+        worker, and it hears when an attempt's gang is lost."""
         self.config, self.cluster = config, config.cluster
+        self.service = service
         self.run_dir = Path(run_dir).absolute()
         self.out = out or sys.stdout
         self.stop_requested = False
@@ -224,8 +227,11 @@ class Driver:
             own_checkpoint = _last_checkpoint(self.config, self.run_dir) != checkpoint_at_start
             config = worker_config(self.config, own_checkpoint=own_checkpoint)
             outcome = self._one_attempt(attempt, port_retries, config)
+            if self.service is not None:
+                self.service.lost(f"attempt {attempt} ended: {outcome.kind}: {outcome.detail}")
             if outcome.kind == Ending.DONE:
-                return result(JobStatus.SUCCEEDED, f"trained to step {self.config.train.steps}")
+                done = "served until told to stop" if self.service else f"trained to step {self.config.train.steps}"
+                return result(JobStatus.SUCCEEDED, done)
             if outcome.kind == Ending.STOPPED or self.stop_requested:
                 return result(JobStatus.STOPPED, "stopped on request after checkpointing")
             if outcome.kind == Ending.CONFIG:
@@ -292,6 +298,7 @@ class Driver:
                 p.ENV_PROCESS_ID: str(rank),
                 p.ENV_INIT_TIMEOUT: str(self.cluster.init_timeout_s),
                 p.ENV_HEARTBEAT_TIMEOUT: str(self.cluster.heartbeat_timeout_s),
+                **(self.service.env() if self.service is not None else {}),
             }
             starts.append(actor.start.remote(env, config_yaml, str(attempt_dir), rank))
         pids = ray.get(starts, timeout=60)

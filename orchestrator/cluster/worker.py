@@ -113,12 +113,17 @@ def main() -> int:
 
         # Before joining the JAX world: every rank finds the same mistake and leaves at once, and
         # none is left waiting in a collective for a peer that left.
-        inputs = check_inputs(config, run_dir)
+        serving = env.get(p.ENV_ROLE) == "serve"
+        inputs = check_inputs(config, run_dir, data=not serving)
         _initialize_distributed(env)
-        from podtrain.orchestrator.train.loop import run
-
         _describe_process(env)
         heartbeat = env.get(p.ENV_HEARTBEAT_FILE)
+        if serving:
+            from podtrain.orchestrator.serve.gang import worker_main
+
+            return worker_main(config, run_dir, env, heartbeat)
+        from podtrain.orchestrator.train.loop import run
+
         result = run(config, run_dir, inputs=inputs,
                      on_step=(lambda step: p.write_heartbeat(heartbeat, step)) if heartbeat else None)
     except SystemExit as stop:

@@ -29,9 +29,6 @@ from safetensors.numpy import load_file, save_file
 
 from podtrain.models import ARCHITECTURES
 from podtrain.models.lora import (
-    ATTENTION_TARGETS,
-    MLA_TARGETS,
-    MLP_TARGETS,
     LoRAConfig,
     LoRAParam,
     init_slot,
@@ -39,8 +36,10 @@ from podtrain.models.lora import (
     with_base,
 )
 from podtrain.models.peft import to_peft
-from podtrain.orchestrator.inference.load import load_base
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.inference.load import load_base, load_checkpoint_tokenizer
 from podtrain.orchestrator.serve import losses
+from podtrain.orchestrator.serve.checks import check_work, serve_targets
 from podtrain.orchestrator.serve.engine import (
     Batch,
     SampleBatch,
@@ -78,21 +77,25 @@ ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_cli
 MIN_TOKENS = 16
 
 
-def serve_targets(model_type: str, *, attn: bool = True, mlp: bool = True, unembed: bool = True,
-                  tied: bool = False) -> tuple[str, ...]:
-    """The adapter targets of Tinker's `train_attn` / `train_mlp` / `train_unembed` switches.
-    DeepSeek-V3's attention is MLA without kv_b_proj (which its cached decoding absorbs, one
-    matrix for all rows); its MLP targets are the dense and shared-expert MLPs."""
-    attention = ((*MLA_TARGETS[:3], "o_proj") if model_type == "deepseek_v3" else ATTENTION_TARGETS)
-    targets = (*(attention if attn else ()), *(MLP_TARGETS if mlp else ()))
-    if unembed:
-        if tied:
-            raise ServeError("lora_config.train_unembed: this base model ties its LM head to its embedding, which "
-                             "takes no per-adapter LoRA here; create the client with train_unembed=False")
-        targets = (*targets, "lm_head")
-    if not targets:
-        raise ServeError("lora_config: expected at least one of train_attn, train_mlp, train_unembed")
-    return targets
+def serve_info(config) -> tuple[BaseInfo, tuple[str, ...]]:
+    """(what clients see of the base model, every adapter target the service holds) of a serve
+    config; the same in the driver and on every worker."""
+    s, m = config.serve, config.model
+    targets = serve_targets(m.model_type, unembed=not m.tie_word_embeddings)
+    info = BaseInfo(base_model=s.base_model, tokenizer_id=s.tokenizer or "", model_type=m.model_type,
+                    vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
+                    max_adapters=s.max_adapters, tied_embeddings=m.tie_word_embeddings, eos_token_ids=_eos_ids(config))
+    return info, targets
+
+
+def _eos_ids(config) -> tuple[int, ...]:
+    """Where sampling stops when a client names no stop tokens: the EOS ids of the tokenizer
+    clients load (an HF directory's), else of `data.tokenizer`; none if neither can be read."""
+    try:
+        _, stop, _ = load_checkpoint_tokenizer(config, config.serve.tokenizer or "")
+    except ConfigError:
+        return ()
+    return tuple(int(i) for i in stop if i is not None)
 
 
 @dataclasses.dataclass
@@ -106,10 +109,9 @@ class Slot:
 class Engine:
     """The Backend of one process: see the module docstring."""
 
-    def __init__(self, config, devices=None, *, base_model: str, tokenizer_id: str):
-        s, m = config.serve, config.model
-        self.tied = m.tie_word_embeddings
-        targets = serve_targets(m.model_type, unembed=not self.tied)
+    def __init__(self, config, devices=None):
+        s = config.serve
+        self._info, targets = serve_info(config)
         lora = LoRAConfig(rank=s.max_rank, alpha=s.lora_alpha, targets=targets, base=s.base)
         config = dataclasses.replace(config, lora=lora)
         self.mesh = make_mesh(config, devices)
@@ -129,9 +131,6 @@ class Engine:
         self.adam = init_adam(self.adapters, self.axes, s.max_adapters)
         self.slots: dict[str, Slot] = {}
         self.sample_count = 0
-        self._info = BaseInfo(base_model=base_model, tokenizer_id=tokenizer_id, model_type=m.model_type,
-                              vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
-                              max_adapters=s.max_adapters)
 
     # -- the Backend interface --
 
@@ -139,39 +138,7 @@ class Engine:
         return self._info
 
     def check(self, work: Work) -> None:
-        info = self._info
-        if isinstance(work, Create):
-            if not 1 <= work.rank <= info.max_rank:
-                raise ServeError(f"lora_config.rank: expected 1 to {info.max_rank} (serve.max_rank), found {work.rank}")
-            unknown = [t for t in work.targets if t not in self.config.lora.targets]
-            if unknown or not work.targets:
-                raise ServeError(f"lora targets: expected some of {list(self.config.lora.targets)}, found "
-                                 f"{list(work.targets)}")
-        elif isinstance(work, ForwardBackward):
-            losses.loss_config(work.loss_fn, work.loss_fn_config)
-            if not work.data:
-                raise ServeError("data: expected at least one datum, found none")
-            for i, datum in enumerate(work.data):
-                self._check_datum(i, datum, work.loss_fn)
-        elif isinstance(work, Sample):
-            self._check_tokens("prompt", work.prompt)
-            if work.num_samples < 1:
-                raise ServeError(f"num_samples: expected a positive integer, found {work.num_samples}")
-            if work.max_tokens < 1:
-                raise ServeError(f"sampling_params.max_tokens: expected a positive integer, found {work.max_tokens}")
-            total = len(work.prompt) + work.max_tokens
-            if total > info.max_seq_len:
-                raise ServeError(f"sampling_params.max_tokens: the prompt's {len(work.prompt)} tokens and "
-                                 f"{work.max_tokens} new ones exceed serve.max_seq_len ({info.max_seq_len})")
-            if not work.temperature >= 0:
-                raise ServeError(f"sampling_params.temperature: expected a number >= 0, found {work.temperature}")
-            if not 0 < work.top_p <= 1:
-                raise ServeError(f"sampling_params.top_p: expected a number in (0, 1], found {work.top_p}")
-            if work.top_k < -1:
-                raise ServeError(f"sampling_params.top_k: expected -1 (all) or a positive integer, found {work.top_k}")
-            bad = [t for t in work.stop_tokens if not 0 <= t < info.vocab_size]
-            if bad:
-                raise ServeError(f"sampling_params.stop: token ids must be in [0, {info.vocab_size}), found {bad}")
+        check_work(self._info, self.config.lora.targets, work)
 
     def run(self, works: list[Work]) -> list[object]:
         """Each model's items in order; the next forward/backward passes (or samples) of all
@@ -197,36 +164,6 @@ class Engine:
                 for key in [k for k, q in queues.items() if not q]:
                     del queues[key]
         return results
-
-    # -- checks --
-
-    def _check_tokens(self, what: str, tokens: np.ndarray) -> None:
-        vocab = self._info.vocab_size
-        if tokens.ndim != 1 or len(tokens) == 0:
-            raise ServeError(f"{what}: expected a non-empty list of token ids, found shape {tokens.shape}")
-        if len(tokens) > self._info.max_seq_len:
-            raise ServeError(f"{what}: {len(tokens)} tokens exceed serve.max_seq_len ({self._info.max_seq_len})")
-        bad = tokens[(tokens < 0) | (tokens >= vocab)]
-        if bad.size:
-            raise ServeError(f"{what}: token ids must be in [0, {vocab}), found {bad[:5].tolist()}")
-
-    def _check_datum(self, i: int, datum, loss_fn: str) -> None:
-        self._check_tokens(f"data[{i}].model_input", datum.tokens)
-        needed, allowed = losses.REQUIRED[loss_fn], losses.REQUIRED[loss_fn] + losses.OPTIONAL[loss_fn]
-        missing = [k for k in needed if k not in datum.inputs]
-        if missing:
-            raise ServeError(f"data[{i}].loss_fn_inputs: {loss_fn} needs {list(needed)}, missing {missing}")
-        extra = [k for k in datum.inputs if k not in allowed]
-        if extra:
-            raise ServeError(f"data[{i}].loss_fn_inputs: {loss_fn} takes {list(allowed)}, found {extra}")
-        for key, value in datum.inputs.items():
-            if value.shape != datum.tokens.shape:
-                raise ServeError(f"data[{i}].loss_fn_inputs.{key}: expected {len(datum.tokens)} values, one per "
-                                 f"model_input token, found shape {tuple(value.shape)}")
-            if key == "target_tokens":
-                self._check_tokens(f"data[{i}].loss_fn_inputs.target_tokens", value)
-            elif not np.all(np.isfinite(value)):
-                raise ServeError(f"data[{i}].loss_fn_inputs.{key}: expected finite numbers, found NaN or inf")
 
     def _slot(self, model_id: str) -> Slot:
         slot = self.slots.get(model_id)

@@ -27,7 +27,6 @@ from flax import nnx
 
 from podtrain.models import lora
 from podtrain.models.generate import greedy
-from podtrain.orchestrator.serve.losses import token_losses
 
 
 def bucket(n: int, smallest: int = 1) -> int:
@@ -36,6 +35,27 @@ def bucket(n: int, smallest: int = 1) -> int:
     while size < n:
         size *= 2
     return size
+
+
+def token_losses(lp, weights, sampling_lp, advantages, loss_index, low, high, beta):
+    """Elementwise losses (B, T) float32 of rows whose loss is `NAMES[loss_index[b]]` with config
+    `low`/`high`/`beta` (B,): `lp` the target logprobs under the adapter, the rest each row's inputs.
+
+    A row's other losses are computed too and dropped; their ratio is taken against `lp` itself
+    (not the row's, possibly absent, sampling logprobs), so what is dropped cannot make NaNs.
+    """
+    rl = loss_index[:, None] > 0
+    q = jnp.where(rl, sampling_lp, jax.lax.stop_gradient(lp))
+    ratio = jnp.exp(lp - q)
+    clipped = jnp.clip(ratio, low[:, None], high[:, None])
+    losses = jnp.stack([
+        -weights * lp,
+        -ratio * advantages,
+        -jnp.minimum(ratio * advantages, clipped * advantages),
+        -jax.lax.stop_gradient(clipped) * lp * advantages,
+        -(lp * advantages - 0.5 * beta[:, None] * (lp - q) ** 2),
+    ])
+    return jnp.take_along_axis(losses, loss_index[None, :, None], axis=0)[0]
 
 
 @jax.tree_util.register_dataclass

@@ -8,13 +8,11 @@ elementwise loss of the target tokens' logprobs under the adapter (`lp`) and the
 - dro: `-(lp * A - beta / 2 * (lp - q)^2)` (as above; beta 0.05).
 
 One compiled step serves every loss: each row carries its loss's index and config values, and
-every row's loss is picked from all of them (`token_losses`).
+every row's loss is picked from all of them (`engine.token_losses`). This module is the losses'
+specification without JAX, which the front end checks requests against.
 """
 
 from __future__ import annotations
-
-import jax
-import jax.numpy as jnp
 
 from podtrain.orchestrator.serve.work import ServeError
 
@@ -49,24 +47,3 @@ def loss_config(loss_fn: str, given: dict | None) -> dict[str, float]:
     if config.get("beta", 0.0) < 0:
         raise ServeError(f"loss_fn_config.beta: expected a number >= 0, found {config['beta']}")
     return config
-
-
-def token_losses(lp, weights, sampling_lp, advantages, loss_index, low, high, beta):
-    """Elementwise losses (B, T) float32 of rows whose loss is `NAMES[loss_index[b]]` with config
-    `low`/`high`/`beta` (B,): `lp` the target logprobs under the adapter, the rest each row's inputs.
-
-    A row's other losses are computed too and dropped; their ratio is taken against `lp` itself
-    (not the row's, possibly absent, sampling logprobs), so what is dropped cannot make NaNs.
-    """
-    rl = loss_index[:, None] > 0
-    q = jnp.where(rl, sampling_lp, jax.lax.stop_gradient(lp))
-    ratio = jnp.exp(lp - q)
-    clipped = jnp.clip(ratio, low[:, None], high[:, None])
-    losses = jnp.stack([
-        -weights * lp,
-        -ratio * advantages,
-        -jnp.minimum(ratio * advantages, clipped * advantages),
-        -jax.lax.stop_gradient(clipped) * lp * advantages,
-        -(lp * advantages - 0.5 * beta[:, None] * (lp - q) ** 2),
-    ])
-    return jnp.take_along_axis(losses, loss_index[None, :, None], axis=0)[0]

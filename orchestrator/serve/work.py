@@ -34,6 +34,7 @@ class BaseInfo:
     max_seq_len: int  # the longest token sequence (prompt plus sampled tokens) one row may hold
     max_rank: int
     max_adapters: int
+    tied_embeddings: bool = False  # the LM head is the embedding (no train_unembed)
     eos_token_ids: tuple[int, ...] = ()  # where sampling stops when the client names no stop tokens
 
 

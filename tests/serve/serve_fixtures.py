@@ -20,8 +20,8 @@ ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight
 
 
 def make_engine(preset: str = "llama3-tiny", devices=1, overrides=()):
-    config = load_config(preset, [*OVERRIDES, *overrides])
-    return Engine(config, jax.devices()[:devices], base_model=preset, tokenizer_id="unused")
+    config = load_config(preset, [*OVERRIDES, f"serve.base_model={preset}", *overrides])
+    return Engine(config, jax.devices()[:devices])
 
 
 def single(engine: Engine, model_id: str) -> nnx.Module:

@@ -1,0 +1,161 @@
+"""`podtrain serve -c <preset | YAML | HF dir> [key=value ...]`: the Tinker-API training service.
+
+The HTTP front end (sessions, futures, checkpoints in `<run dir>/serve.sqlite`) runs in this
+process. The engine runs on the configured cluster like a training job (`cluster.kind=local`, the
+default, starts an embedded Ray and one worker process per host; `tpu` and `gpu` as for training),
+every worker running each engine step in lockstep; with `cluster.kind=none` it runs in this
+process. `-c` may name an HF directory: its config.json is the model, its weights the base, its
+directory name the base model's name and its tokenizer what clients load. The listening address
+goes to `<run dir>/serve.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from podtrain.orchestrator.checkpoint.rundir import RunLock, resolve_run_dir
+from podtrain.orchestrator.config.compose import load_config, resolve_preset
+from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.config.validate import validate
+
+API_KEY_ENV = "PODTRAIN_SERVE_API_KEY"
+
+
+def _is_hf_directory(path: str) -> bool:
+    return Path(path).expanduser().is_dir() and (Path(path).expanduser() / "config.json").is_file()
+
+
+def serve_config(source: str, overrides: list[str]) -> tuple[Config, str]:
+    """(the service's config, its run name) from `-c` and the overrides. Its rows are
+    `serve.max_seq_len` long, which the kernels are chosen for (as `train.seq_len`)."""
+    config, name = _compose(source, overrides)
+    limit = config.model.max_position_embeddings
+    if config.serve.max_seq_len > limit:
+        raise ConfigError(f"serve.max_seq_len: expected at most model.max_position_embeddings={limit}, the positions "
+                          f"the model is made for, found {config.serve.max_seq_len}")
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=config.serve.max_seq_len))
+    validate(config)
+    return config, name
+
+
+def _compose(source: str, overrides: list[str]) -> tuple[Config, str]:
+    if not _is_hf_directory(source):
+        config = load_config(source, overrides)
+        name = resolve_preset(source).stem
+        serve = config.serve
+        if not serve.base_model:
+            serve = dataclasses.replace(serve, base_model=name)
+        if serve.tokenizer is None and serve.base is not None:
+            serve = dataclasses.replace(serve, tokenizer=serve.base)
+        return dataclasses.replace(config, serve=serve), name
+    from podtrain.models.hf_config import config_from_hf
+    from podtrain.models.hf_read import read_json_object
+
+    directory = Path(source).expanduser().absolute()
+    try:
+        model = config_from_hf(read_json_object(directory / "config.json"), source=str(directory / "config.json"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    fixed = [o.split("=", 1)[0] for o in overrides if o.startswith("model.")]
+    if fixed:
+        raise ConfigError(f"{fixed[0]}: {directory / 'config.json'} describes the model of -c {source}; it cannot "
+                          "be overridden")
+    config = load_config(None, [*overrides, "train.seq_len=8"])  # the rows' length is set from serve.max_seq_len
+    serve = config.serve
+    serve = dataclasses.replace(serve, base=str(directory), base_model=serve.base_model or directory.name,
+                                tokenizer=serve.tokenizer or str(directory))
+    return dataclasses.replace(config, model=model, serve=serve), directory.name
+
+
+def api_key(config: Config) -> str | None:
+    """The key clients must send: `serve.api_key`, else $PODTRAIN_SERVE_API_KEY, else none, which
+    only a loopback address may go without."""
+    key = config.serve.api_key or os.environ.get(API_KEY_ENV, "")
+    host = config.serve.host
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not key and not loopback:
+        raise ConfigError(f"serve.host: {host} is not a loopback address, so the service needs an API key: set "
+                          f"serve.api_key or ${API_KEY_ENV}")
+    return key or None
+
+
+def run_command(args) -> int:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours = logging.getLogger("podtrain")
+    ours.setLevel(logging.INFO)
+    ours.addHandler(handler)
+    ours.propagate = False
+    config, name = serve_config(args.config, args.overrides)
+    key = api_key(config)
+    run_dir = resolve_run_dir(config, name)
+    with RunLock(run_dir, f"podtrain serve cluster={config.cluster.kind}"):
+        return _serve(config, run_dir, key)
+
+
+def _serve(config: Config, run_dir: Path, key: str | None) -> int:
+    import uvicorn
+
+    from podtrain.orchestrator.serve.api import create_app
+    from podtrain.orchestrator.serve.store import Store
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if config.cluster.kind == "none":
+        from podtrain.orchestrator.serve.backend import Engine
+
+        backend, gang = Engine(config), None
+    else:
+        from podtrain.orchestrator.serve.backend import serve_info
+        from podtrain.orchestrator.serve.gang import GangBackend
+
+        info, targets = serve_info(config)
+        backend = gang = GangBackend(info, targets, ready_timeout_s=config.cluster.startup_timeout_s)
+    app = create_app(backend, Store(run_dir), api_key=key, max_request_bytes=config.serve.max_request_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level="warning",
+                                           timeout_keep_alive=60))
+    thread = threading.Thread(target=server.run, name="serve-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise ConfigError(f"serve.port: could not listen on {config.serve.host}:{config.serve.port}")
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://{config.serve.host}:{port}"
+    (run_dir / "serve.json").write_text(json.dumps({"url": url, "pid": os.getpid()}) + "\n")
+    print(f"podtrain: serving {config.serve.base_model} at {url} (run directory {run_dir})", flush=True)
+    try:
+        if gang is None:
+            _wait_for_stop()
+            return 0
+        from podtrain.orchestrator.cluster.driver import Driver
+
+        result = Driver(config, run_dir, service=gang).run()
+        return result.exit_code
+    finally:
+        if gang is not None:
+            gang.stop()
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _wait_for_stop() -> None:
+    """Blocks until SIGTERM or Ctrl-C."""
+    import signal
+
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass

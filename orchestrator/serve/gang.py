@@ -1,0 +1,163 @@
+"""The engine spread over the gang: the driver's `GangBackend` sends each engine step to every
+host's worker, which all run it in lockstep (every JAX process must run the same program), and
+takes the results from process 0.
+
+The channel is `multiprocessing.connection` over TCP: the driver listens, each worker connects
+with the job's random key (HMAC challenge) and says which rank it is; a step is one pickled list
+of work items, and every rank answers it (process 0 with the results, the others with their
+count), so the driver knows the gang finished the step. A worker that waits for work writes its
+heartbeat every few seconds, so the driver's hang detection sees an idle service as alive and a
+stuck step as hung.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import signal
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+
+from podtrain.orchestrator.cluster import protocol as p
+from podtrain.orchestrator.serve.checks import check_work
+from podtrain.orchestrator.serve.work import BaseInfo, ServeError, Work
+
+log = logging.getLogger(__name__)
+IDLE_BEAT_S = 5.0
+
+
+class GangBackend:
+    """The Backend the driver's front end uses: checks locally, runs steps on the gang."""
+
+    def __init__(self, info: BaseInfo, targets: tuple[str, ...], *, host: str = "127.0.0.1",
+                 ready_timeout_s: float = 1800.0):
+        self._info, self._targets = info, tuple(targets)
+        self.num_processes = 0  # as the workers say when they join
+        self.authkey = secrets.token_bytes(32)
+        self._listener = Listener((host, 0), authkey=self.authkey)
+        self.address = self._listener.address
+        self._conns: dict[int, Connection] = {}
+        self._changed = threading.Condition()
+        self._step_lock = threading.Lock()
+        self.ready_timeout_s = ready_timeout_s
+        self.failure: str | None = None
+        threading.Thread(target=self._accept, name="serve-gang-accept", daemon=True).start()
+
+    def env(self) -> dict[str, str]:
+        """What each worker needs to join (set in its environment by the driver)."""
+        host, port = self.address
+        return {p.ENV_ROLE: "serve", p.ENV_SERVE_ADDRESS: f"{host}:{port}", p.ENV_SERVE_AUTHKEY: self.authkey.hex()}
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+                rank, world = conn.recv()
+            except (OSError, EOFError) as error:
+                if self._listener is None:
+                    return
+                log.warning("a worker could not join the serve channel: %s", error)
+                continue
+            with self._changed:
+                old = self._conns.pop(rank, None)
+                if old is not None:
+                    old.close()
+                self._conns[rank] = conn
+                self.num_processes = world
+                self.failure = None
+                self._changed.notify_all()
+
+    def info(self) -> BaseInfo:
+        return self._info
+
+    def check(self, work: Work) -> None:
+        check_work(self._info, self._targets, work)
+
+    def run(self, works: list[Work]) -> list[object]:
+        """Sends `works` to every rank and returns process 0's results. ServeError 503 (retryable)
+        when the gang is not up, or a worker is lost during the step."""
+        with self._step_lock:
+            conns = self._ready()
+            try:
+                for rank in range(self.num_processes):
+                    conns[rank].send(works)
+                answers = [conns[rank].recv() for rank in range(self.num_processes)]
+            except (OSError, EOFError) as error:
+                self._drop(conns)
+                raise ServeError(f"the engine's workers were lost during this step ({error or type(error).__name__});"
+                                 " the service restarts them: retry", status=503) from None
+        return answers[0]
+
+    def _ready(self) -> dict[int, Connection]:
+        deadline = time.monotonic() + self.ready_timeout_s
+        with self._changed:
+            while not self._conns or len(self._conns) < self.num_processes:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.failure is not None:
+                    why = self.failure or f"the workers did not all join within {self.ready_timeout_s:g}s"
+                    raise ServeError(f"the engine is not running ({why}); retry later", status=503)
+                self._changed.wait(min(left, 1.0))
+            return dict(self._conns)
+
+    def _drop(self, conns: dict[int, Connection]) -> None:
+        with self._changed:
+            for rank, conn in conns.items():
+                if self._conns.get(rank) is conn:
+                    del self._conns[rank]
+                conn.close()
+
+    def lost(self, why: str) -> None:
+        """The gang ended (the driver saw it): steps fail at once with `why` until it is back."""
+        with self._changed:
+            for conn in self._conns.values():
+                conn.close()
+            self._conns.clear()
+            self.failure = why
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        """Tells every worker to exit (they answer nothing more)."""
+        with self._changed:
+            for conn in self._conns.values():
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+
+
+def serve_steps(engine, env, heartbeat: str | None) -> int:
+    """The worker's loop: join the driver's channel, then run each step it sends until it sends
+    None (exit 0) or SIGTERM arrives (exit `EXIT_PREEMPTED` after the current step)."""
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    host, port = env[p.ENV_SERVE_ADDRESS].rsplit(":", 1)
+    rank, world = int(env.get(p.ENV_PROCESS_ID, "0")), int(env.get(p.ENV_NUM_PROCESSES, "1"))
+    conn = Client((host, int(port)), authkey=bytes.fromhex(env[p.ENV_SERVE_AUTHKEY]))
+    conn.send((rank, world))
+    steps = 0
+    beat = (lambda: p.write_heartbeat(heartbeat, steps)) if heartbeat else (lambda: None)
+    beat()
+    while not stopping.is_set():
+        if not conn.poll(IDLE_BEAT_S):
+            beat()
+            continue
+        try:
+            works = conn.recv()
+        except EOFError:
+            return p.EXIT_OK  # the driver is gone
+        if works is None:
+            return p.EXIT_OK
+        results = engine.run(works)
+        steps += 1
+        beat()
+        conn.send(results if rank == 0 else len(results))
+    return p.EXIT_PREEMPTED
+
+
+def worker_main(config, run_dir: Path, env, heartbeat: str | None) -> int:
+    """A serve worker: build the engine on this process's devices, then run steps."""
+    from podtrain.orchestrator.serve.backend import Engine
+
+    engine = Engine(config)
+    return serve_steps(engine, env, heartbeat)

@@ -1,0 +1,266 @@
+"""The service's state in SQLite (`<run_dir>/serve.sqlite`): sessions, models, futures, checkpoints
+and sampling sessions.
+
+Everything a client may ask about after a restart lives here, so a new store on the same file
+lists the same models and resolves the same `tinker://` paths. One connection behind a lock:
+the HTTP handlers and the scheduler thread share it, and each call is a short transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+CheckpointKind = Literal["state", "sampler"]
+# The `tinker://<model_id>/<segment>/<name>` segment of each kind, as the SDK parses it.
+PATH_SEGMENT: dict[str, str] = {"state": "weights", "sampler": "sampler_weights"}
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY, created REAL NOT NULL, last_heartbeat REAL NOT NULL,
+    user_metadata TEXT NOT NULL, finished TEXT);
+CREATE TABLE IF NOT EXISTS models (
+    model_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, base_model TEXT NOT NULL, rank INTEGER NOT NULL,
+    targets TEXT NOT NULL, seed INTEGER, created REAL NOT NULL, state TEXT NOT NULL,
+    last_checkpoint TEXT, user_metadata TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS futures (
+    request_id TEXT PRIMARY KEY, model_id TEXT, kind TEXT NOT NULL, dedup_key TEXT UNIQUE,
+    status TEXT NOT NULL, result BLOB, media_type TEXT, error TEXT, category TEXT,
+    created REAL NOT NULL, finished REAL);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    tinker_path TEXT PRIMARY KEY, model_id TEXT NOT NULL, name TEXT NOT NULL, kind TEXT NOT NULL,
+    directory TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS samplers (
+    sampler_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, base_model TEXT NOT NULL, model_path TEXT,
+    directory TEXT, created REAL NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+    created: float
+    last_heartbeat: float
+    user_metadata: dict
+    finished: str | None  # the finish reason, None while open
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    model_id: str
+    session_id: str
+    base_model: str
+    rank: int
+    targets: tuple[str, ...]
+    seed: int | None
+    created: float
+    state: Literal["live", "unloaded"]
+    last_checkpoint: str | None  # the tinker:// path of its latest save_state
+    user_metadata: dict
+
+
+@dataclass(frozen=True)
+class FutureRecord:
+    request_id: str
+    model_id: str | None
+    kind: str
+    status: Literal["pending", "done", "error"]
+    result: bytes | None
+    media_type: str | None
+    error: str | None
+    category: str | None  # "user" or "server" (the SDK's RequestErrorCategory)
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    tinker_path: str
+    model_id: str
+    name: str
+    kind: CheckpointKind
+    directory: str
+    created: float
+
+
+@dataclass(frozen=True)
+class SamplerRecord:
+    sampler_id: str
+    session_id: str
+    base_model: str
+    model_path: str | None  # None: the base model
+    directory: str | None
+    created: float
+
+
+def tinker_path(model_id: str, kind: CheckpointKind, name: str) -> str:
+    return f"tinker://{model_id}/{PATH_SEGMENT[kind]}/{name}"
+
+
+class Store:
+    """The service's SQLite database and checkpoint folders under `run_dir`."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.run_dir / "serve.sqlite", check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _run(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # Sessions.
+
+    def create_session(self, user_metadata: dict | None) -> str:
+        session_id = uuid.uuid4().hex[:16]
+        now = time.time()
+        self._run("INSERT INTO sessions VALUES (?, ?, ?, ?, NULL)",
+                  (session_id, now, now, json.dumps(user_metadata or {})))
+        return session_id
+
+    def session(self, session_id: str) -> SessionRecord | None:
+        rows = self._run("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
+        if not rows:
+            return None
+        row = rows[0]
+        return SessionRecord(row["session_id"], row["created"], row["last_heartbeat"],
+                             json.loads(row["user_metadata"]), row["finished"])
+
+    def heartbeat(self, session_id: str) -> None:
+        self._run("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?", (time.time(), session_id))
+
+    def finish_session(self, session_id: str, reason: str) -> None:
+        """Marks the session finished; the first reason wins."""
+        self._run("UPDATE sessions SET finished = ? WHERE session_id = ? AND finished IS NULL", (reason, session_id))
+
+    # Models.
+
+    def add_model(self, model: ModelRecord) -> None:
+        self._run("INSERT OR REPLACE INTO models VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  (model.model_id, model.session_id, model.base_model, model.rank, json.dumps(model.targets),
+                   model.seed, model.created, model.state, model.last_checkpoint, json.dumps(model.user_metadata)))
+
+    def model(self, model_id: str) -> ModelRecord | None:
+        rows = self._run("SELECT * FROM models WHERE model_id = ?", (model_id,))
+        return _model(rows[0]) if rows else None
+
+    def models(self, session_id: str | None = None) -> list[ModelRecord]:
+        if session_id is None:
+            return [_model(row) for row in self._run("SELECT * FROM models ORDER BY created")]
+        return [_model(row) for row in self._run("SELECT * FROM models WHERE session_id = ? ORDER BY created",
+                                                 (session_id,))]
+
+    def set_model_state(self, model_id: str, state: Literal["live", "unloaded"]) -> None:
+        self._run("UPDATE models SET state = ? WHERE model_id = ?", (state, model_id))
+
+    def unload_all_models(self) -> None:
+        """Marks every model unloaded: a new engine holds none of them."""
+        self._run("UPDATE models SET state = 'unloaded'")
+
+    # Futures.
+
+    def add_future(self, kind: str, model_id: str | None, dedup_key: str | None) -> tuple[str, bool]:
+        """A new pending future, or the one already made for `dedup_key` (a retried submission):
+        its request id and whether it is new."""
+        with self._lock:
+            if dedup_key is not None:
+                row = self._db.execute("SELECT request_id FROM futures WHERE dedup_key = ?", (dedup_key,)).fetchone()
+                if row is not None:
+                    return row["request_id"], False
+            request_id = uuid.uuid4().hex
+            self._db.execute("INSERT INTO futures VALUES (?, ?, ?, ?, 'pending', NULL, NULL, NULL, NULL, ?, NULL)",
+                             (request_id, model_id, kind, dedup_key, time.time()))
+            return request_id, True
+
+    def future_id(self, dedup_key: str) -> str | None:
+        """The request id of the future made for `dedup_key`, if any."""
+        rows = self._run("SELECT request_id FROM futures WHERE dedup_key = ?", (dedup_key,))
+        return rows[0]["request_id"] if rows else None
+
+    def complete_future(self, request_id: str, result: bytes, media_type: str) -> None:
+        self._run("UPDATE futures SET status = 'done', result = ?, media_type = ?, finished = ? WHERE request_id = ?",
+                  (result, media_type, time.time(), request_id))
+
+    def fail_future(self, request_id: str, error: str, category: str) -> None:
+        self._run("UPDATE futures SET status = 'error', error = ?, category = ?, finished = ? WHERE request_id = ?",
+                  (error, category, time.time(), request_id))
+
+    def fail_pending_futures(self, error: str) -> None:
+        """Fails every pending future: they died with the engine that was to run them."""
+        self._run("UPDATE futures SET status = 'error', error = ?, category = 'server', finished = ? "
+                  "WHERE status = 'pending'", (error, time.time()))
+
+    def future(self, request_id: str) -> FutureRecord | None:
+        rows = self._run("SELECT * FROM futures WHERE request_id = ?", (request_id,))
+        if not rows:
+            return None
+        row = rows[0]
+        return FutureRecord(row["request_id"], row["model_id"], row["kind"], row["status"], row["result"],
+                            row["media_type"], row["error"], row["category"])
+
+    # Checkpoints.
+
+    def checkpoint_dir(self, model_id: str, kind: CheckpointKind, name: str) -> Path:
+        return self.run_dir / "checkpoints" / model_id / PATH_SEGMENT[kind] / name
+
+    def add_checkpoint(self, model_id: str, kind: CheckpointKind, name: str) -> CheckpointRecord:
+        """Records a finished save (replacing one of the same path) and, for a training state, makes
+        it the model's latest checkpoint."""
+        record = CheckpointRecord(tinker_path(model_id, kind, name), model_id, name, kind,
+                                  str(self.checkpoint_dir(model_id, kind, name)), time.time())
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?)",
+                             (record.tinker_path, model_id, name, kind, record.directory, record.created))
+            if kind == "state":
+                self._db.execute("UPDATE models SET last_checkpoint = ? WHERE model_id = ?",
+                                 (record.tinker_path, model_id))
+        return record
+
+    def checkpoint(self, path: str) -> CheckpointRecord | None:
+        rows = self._run("SELECT * FROM checkpoints WHERE tinker_path = ?", (path,))
+        return _checkpoint(rows[0]) if rows else None
+
+    def checkpoints(self, model_id: str | None = None) -> list[CheckpointRecord]:
+        if model_id is None:
+            return [_checkpoint(row) for row in self._run("SELECT * FROM checkpoints ORDER BY created")]
+        return [_checkpoint(row) for row in self._run("SELECT * FROM checkpoints WHERE model_id = ? ORDER BY created",
+                                                      (model_id,))]
+
+    # Sampling sessions.
+
+    def add_sampler(self, sampler: SamplerRecord) -> None:
+        self._run("INSERT OR REPLACE INTO samplers VALUES (?, ?, ?, ?, ?, ?)",
+                  (sampler.sampler_id, sampler.session_id, sampler.base_model, sampler.model_path,
+                   sampler.directory, sampler.created))
+
+    def sampler(self, sampler_id: str) -> SamplerRecord | None:
+        rows = self._run("SELECT * FROM samplers WHERE sampler_id = ?", (sampler_id,))
+        if not rows:
+            return None
+        row = rows[0]
+        return SamplerRecord(row["sampler_id"], row["session_id"], row["base_model"], row["model_path"],
+                             row["directory"], row["created"])
+
+
+def _model(row: sqlite3.Row) -> ModelRecord:
+    return ModelRecord(row["model_id"], row["session_id"], row["base_model"], row["rank"],
+                       tuple(json.loads(row["targets"])), row["seed"], row["created"], row["state"],
+                       row["last_checkpoint"], json.loads(row["user_metadata"]))
+
+
+def _checkpoint(row: sqlite3.Row) -> CheckpointRecord:
+    return CheckpointRecord(row["tinker_path"], row["model_id"], row["name"], row["kind"], row["directory"],
+                            row["created"])

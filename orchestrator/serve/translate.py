@@ -1,0 +1,199 @@
+"""SDK requests checked and turned into work items.
+
+The front end refuses what it can judge from the request alone (token ids outside the vocabulary,
+loss inputs of the wrong length, losses and options the service does not offer) with a one-line
+message naming the field; what needs the engine's state it leaves to `Backend.check`.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from podtrain.orchestrator.serve.checks import serve_targets
+from podtrain.orchestrator.serve.wire import LoraBody, SampleBody, WireDatum, WireForwardBackward
+from podtrain.orchestrator.serve.work import BaseInfo, Create, Datum, ForwardBackward, Sample, ServeError
+
+ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                 "grad_clip_norm": 0.0}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def not_supported(what: str) -> ServeError:
+    return ServeError(f"{what} is not supported by podtrain serve")
+
+
+def lora_targets(info: BaseInfo, lora: LoraBody) -> tuple[str, ...]:
+    """The HF module names LoRA adapts for the SDK's train_attn / train_mlp / train_unembed."""
+    return serve_targets(info.model_type, attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed,
+                         tied=info.tied_embeddings)
+
+
+def create(model_id: str, lora: LoraBody | None, optimizer: Mapping[str, Any] | None, info: BaseInfo) -> Create:
+    if lora is None:
+        raise not_supported("full fine-tuning (create_model without lora_config)")
+    check_optimizer(optimizer)
+    if not 1 <= lora.rank <= info.max_rank:
+        raise ServeError(f"lora_config.rank: expected 1 to {info.max_rank}, found {lora.rank}")
+    seed = lora.seed if lora.seed is not None else secrets.randbelow(2**31)
+    return Create(model_id=model_id, rank=lora.rank, targets=lora_targets(info, lora), seed=seed)
+
+
+def check_optimizer(optimizer: Mapping[str, Any] | None) -> None:
+    kind = (optimizer or {}).get("type", "adamw")
+    if kind != "adamw":
+        raise not_supported(f"optimizer {kind!r} (only adamw)")
+
+
+def check_base_model(base_model: str | None, info: BaseInfo) -> None:
+    if base_model is not None and base_model != info.base_model:
+        raise ServeError(f"base_model: this service holds {info.base_model!r}, found {base_model!r}")
+
+
+def checkpoint_name(name: str | None, field: str) -> str:
+    if name is None or not _NAME.fullmatch(name):
+        raise ServeError(f"{field}: expected a checkpoint name of letters, digits, '.', '_' or '-', found {name!r}")
+    return name
+
+
+def adam(params: Mapping[str, Any] | None, optimizer_params: Mapping[str, Any] | None) -> dict[str, float]:
+    if optimizer_params is not None:
+        raise not_supported(f"optimizer {optimizer_params.get('type')!r} (only AdamParams)")
+    values = dict(ADAM_DEFAULTS)
+    for key, value in (params or {}).items():
+        if key not in ADAM_FIELDS:
+            raise ServeError(f"adam_params: unknown field {key!r}; expected some of {list(ADAM_FIELDS)}")
+        if not isinstance(value, (int, float)) or not np.isfinite(value):
+            raise ServeError(f"adam_params.{key}: expected a finite number, found {value!r}")
+        values[key] = float(value)
+    return values
+
+
+def forward_backward(request: WireForwardBackward, info: BaseInfo) -> ForwardBackward:
+    """The work item of a forward(_backward) request; what it asks of the loss and the tokens is
+    checked against the base model by `checks.check_work`."""
+    data = tuple(_datum(index, datum, info) for index, datum in enumerate(request.data))
+    return ForwardBackward(model_id=request.model_id, data=data, loss_fn=request.loss_fn,
+                           loss_fn_config=dict(request.loss_fn_config) or None, backward=not request.forward_only)
+
+
+def _datum(index: int, datum: WireDatum, info: BaseInfo) -> Datum:
+    """One datum as int32 tokens and float32 inputs (int32 targets); ids are range-checked before
+    they are narrowed, so none wraps into the vocabulary."""
+    where = f"data[{index}]"
+    other = [kind for kind in datum.chunk_kinds if kind != "encoded_text"]
+    if other:
+        raise not_supported(f"{where}.model_input: {other[0]} chunks (only encoded text)")
+    check_tokens(f"{where}.model_input", datum.tokens, info)
+    targets = datum.inputs.get("target_tokens")
+    if targets is not None:
+        if not np.issubdtype(targets.dtype, np.integer):
+            raise ServeError(f"{where}.loss_fn_inputs['target_tokens']: expected int64 token ids, "
+                             f"found {targets.dtype}")
+        check_tokens(f"{where}.loss_fn_inputs['target_tokens']", targets, info)
+    inputs = {name: array.astype(np.int32 if name == "target_tokens" else np.float32)
+              for name, array in datum.inputs.items()}
+    return Datum(tokens=datum.tokens.astype(np.int32), inputs=inputs)
+
+
+def check_tokens(where: str, tokens: np.ndarray, info: BaseInfo) -> None:
+    bad = tokens[(tokens < 0) | (tokens >= info.vocab_size)]
+    if bad.size:
+        raise ServeError(f"{where}: token ids must be in [0, {info.vocab_size}), found {int(bad[0])}")
+
+
+def prompt_tokens(chunks: list[dict[str, Any]], info: BaseInfo) -> np.ndarray:
+    tokens: list[int] = []
+    for chunk in chunks:
+        kind = chunk.get("type", "encoded_text")
+        if kind != "encoded_text":
+            raise not_supported(f"prompt: {kind} chunks (only encoded text)")
+        values = chunk.get("tokens", [])
+        if not all(isinstance(token, int) and not isinstance(token, bool) for token in values):
+            raise ServeError("prompt: expected integer token ids")
+        tokens += values
+    if not tokens:
+        raise ServeError("prompt: expected at least one token, found none")
+    array = np.asarray(tokens, np.int64)
+    check_tokens("prompt", array, info)
+    return array.astype(np.int32)
+
+
+def sample(body: SampleBody, info: BaseInfo) -> Sample:
+    """The sample request as a work item of the base model (the scheduler puts in the adapter slot
+    of the sampler's weights)."""
+    _refuse_unsupported_sampling(body)
+    prompt = prompt_tokens(body.prompt.chunks, info)
+    params = body.sampling_params
+    max_tokens = _number(params, "max_tokens", Sample.max_tokens, int)
+    if max_tokens < 1:
+        raise ServeError(f"sampling_params.max_tokens: expected a positive integer, found {max_tokens}")
+    if len(prompt) + max_tokens > info.max_seq_len:
+        raise ServeError(f"prompt ({len(prompt)} tokens) plus sampling_params.max_tokens ({max_tokens}) exceeds "
+                         f"the {info.max_seq_len} tokens a sequence may hold")
+    if body.num_samples < 1:
+        raise ServeError(f"num_samples: expected at least 1, found {body.num_samples}")
+    temperature, top_p = _number(params, "temperature", 1.0, float), _number(params, "top_p", 1.0, float)
+    top_k = _number(params, "top_k", -1, int)
+    if temperature < 0:
+        raise ServeError(f"sampling_params.temperature: expected 0 or more, found {temperature}")
+    if not 0 < top_p <= 1:
+        raise ServeError(f"sampling_params.top_p: expected a value in (0, 1], found {top_p}")
+    if top_k != -1 and top_k < 1:
+        raise ServeError(f"sampling_params.top_k: expected -1 (no limit) or at least 1, found {top_k}")
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None and not (body.prompt_logprobs and 1 <= last_n < len(prompt)):
+        raise ServeError(f"prompt_logprobs_last_n: expected 1 to {len(prompt) - 1} with prompt_logprobs, "
+                         f"found {last_n}")
+    seed = _number(params, "seed", None, int)
+    return Sample(model_id=None, prompt=prompt, num_samples=body.num_samples, max_tokens=max_tokens,
+                  temperature=temperature, top_p=top_p, top_k=top_k, stop_tokens=stop_tokens(params.get("stop"), info),
+                  seed=seed, prompt_logprobs=bool(body.prompt_logprobs))
+
+
+def _number(params: Mapping[str, Any], key: str, default: float | None, kind: type) -> Any:
+    """`params[key]` (its default when absent or None) as an int or a float."""
+    value = params.get(key)
+    if value is None:
+        return default
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not integral):
+        raise ServeError(f"sampling_params.{key}: expected {'an integer' if kind is int else 'a number'}, "
+                         f"found {value!r}")
+    return kind(value)
+
+
+def _refuse_unsupported_sampling(body: SampleBody) -> None:
+    if body.topk_prompt_logprobs or body.topk_sample_logprobs:
+        raise not_supported("top-k logprobs (topk_prompt_logprobs, topk_sample_logprobs)")
+    if body.target_prompt_logprobs is not None:
+        raise not_supported("target_prompt_logprobs")
+    if body.prompt_alt_tokens_k:
+        raise not_supported("prompt_alt_tokens_k")
+    if body.record_stability_info:
+        raise not_supported("record_stability_info")
+
+
+def stop_tokens(stop: Any, info: BaseInfo) -> tuple[int, ...]:
+    """The SDK's `stop`: None stops at end of sequence, a list of token ids at those."""
+    if stop is None:
+        return tuple(info.eos_token_ids)
+    if isinstance(stop, str) or any(isinstance(item, str) for item in stop):
+        raise ServeError("sampling_params.stop: stop strings are not supported by podtrain serve, pass token ids")
+    ids = np.asarray(list(stop), np.int64)
+    check_tokens("sampling_params.stop", ids, info)
+    return tuple(int(token) for token in ids)
+
+
+def masked_prompt_logprobs(logprobs: np.ndarray | None, last_n: int | None) -> np.ndarray | None:
+    """The prompt logprobs with all but the last `last_n` blanked (NaN), as `prompt_logprobs_last_n` asks."""
+    if logprobs is None or last_n is None:
+        return logprobs
+    masked = np.array(logprobs, np.float32)
+    masked[: len(masked) - last_n] = np.nan
+    return masked

@@ -1,0 +1,169 @@
+"""`podtrain serve` as users meet it: a real service process on a tiny HF Llama, driven by the
+unchanged `tinker` SDK. An SFT loop learns; two clients' adapters stay apart; sampler weights are
+a PEFT adapter that `peft` and `podtrain generate` read to the service's logits and tokens; a bad
+request is one clear error and the service goes on; a restarted service gives back saved state."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from cluster_fixtures import env
+from hf_fixtures import make_hf_model
+from service_fixtures import KEY, Service, hf_base
+from tinker import types
+from train_fixtures import ROOT
+
+pytestmark = pytest.mark.slow
+ADAM = types.AdamParams(learning_rate=2e-2)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return hf_base(tmp_path_factory.mktemp("hf") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, base):
+    tmp = tmp_path_factory.mktemp("service")
+    running = Service(tmp, base, tmp / "runs" / "svc", "cluster.kind=none")
+    yield running
+    assert running.stop() == 0, running.output()
+
+
+def _client(service) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=service.url, api_key=KEY)
+
+
+def _chat_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
+    """prompt then answer, the loss on the answer's tokens only (an SFT mask)."""
+    p, a = tokenizer.encode(prompt, add_special_tokens=False), tokenizer.encode(answer, add_special_tokens=False)
+    tokens = p + a
+    weights = np.array([0.0] * (len(p) - 1) + [1.0] * len(a), np.float32)
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64), "weights": weights})
+
+
+def _logprobs(trainer, data) -> list[np.ndarray]:
+    out = trainer.forward(data, "cross_entropy").result()
+    return [np.asarray(o["logprobs"].tolist(), np.float32) for o in out.loss_fn_outputs]
+
+
+def test_an_sft_loop_learns_and_another_clients_steps_leave_it_alone(service, base):
+    client = _client(service)
+    rest = tinker.RestClient(base_url=service.url, api_key=KEY)
+    assert base.name in [m.model_name for m in rest.get_server_capabilities().result().supported_models]
+    a = client.create_lora_training_client(base_model=base.name, rank=4).result()
+    b = client.create_lora_training_client(base_model=base.name, rank=8, train_unembed=False).result()
+    tokenizer = a.get_tokenizer()
+    assert a.get_info().model_data.tokenizer_id == str(base)
+    rng = np.random.default_rng(0)
+    sft = [_chat_datum(tokenizer, " ".join(f"w{i}" for i in rng.integers(2, 128, 6)), "w9 w8 w7 w6 </s>")
+           for _ in range(4)]
+    other = [_chat_datum(tokenizer, "w3 w4 w5", "w60 w61 w62")]
+    losses = []
+    for step in range(8):
+        fb = a.forward_backward(sft, "cross_entropy")
+        if step % 2:  # b's steps land between a's
+            b.forward_backward(other, "cross_entropy").result()
+            b.optim_step(ADAM).result()
+        losses.append(fb.result().metrics["loss:sum"])
+        a.optim_step(ADAM).result()
+    assert losses[-1] < 0.5 * losses[0], losses
+    before = _logprobs(a, sft)
+    for _ in range(2):
+        b.forward_backward(other, "cross_entropy").result()
+        b.optim_step(ADAM).result()
+    for x, y in zip(before, _logprobs(a, sft), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_sampler_weights_are_a_peft_adapter_with_the_services_logits_and_tokens(service, base, tmp_path):
+    from peft import PeftModel
+
+    client = _client(service)
+    trainer = client.create_lora_training_client(base_model=base.name, rank=4, seed=3).result()
+    tokenizer = trainer.get_tokenizer()
+    data = [_chat_datum(tokenizer, "w5 w6 w7", "w20 w21 w22 w23")]
+    for _ in range(3):
+        trainer.forward_backward(data, "cross_entropy").result()
+        trainer.optim_step(ADAM).result()
+    saved = trainer.save_weights_for_sampler("peft-check").result().path
+    directory = service.run_dir / "checkpoints" / trainer.model_id / "sampler_weights" / "peft-check"
+    assert saved.startswith("tinker://") and (directory / "adapter_config.json").is_file()
+    # peft on the HF base gives the service's logprobs.
+    hf = PeftModel.from_pretrained(make_hf_model("llama"), str(directory)).eval()
+    tokens = data[0].model_input.to_ints()
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([tokens])).logits[0].float()
+    targets = torch.tensor(data[0].loss_fn_inputs["target_tokens"].tolist())
+    want = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), targets]
+    np.testing.assert_allclose(_logprobs(trainer, data)[0], want.numpy(), rtol=1e-4, atol=1e-4)
+    # Greedy sampling from those weights is what `podtrain generate` makes with the PEFT adapter.
+    sampler = client.create_sampling_client(model_path=saved).result()
+    prompt = tokenizer.encode("w5 w6 w7", add_special_tokens=False)
+    params = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+    sampled = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0].tokens
+    generated = subprocess.run(
+        [sys.executable, "-m", "podtrain.launch.cli", "generate", f"checkpoint={base}", f"adapter={directory}",
+         "prompt=w5 w6 w7", "max_new_tokens=6", "stop="],
+        cwd=ROOT, env=env(tmp_path, 1), capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0, generated.stderr
+    lines = generated.stdout.splitlines()
+    completion = lines[next(i for i, line in enumerate(lines) if line.startswith("--- completion 1")) + 1]
+    assert tokenizer.decode(sampled).split() == completion.split(), generated.stdout
+
+
+def test_a_bad_request_is_one_clear_error_and_the_service_goes_on(service, base):
+    client = _client(service)
+    trainer = client.create_lora_training_client(base_model=base.name, rank=2).result()
+    good = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4]),
+                        loss_fn_inputs={"target_tokens": np.array([3, 4, 5], np.int64)})]
+    oov = [types.Datum(model_input=types.ModelInput.from_ints([2, 300]),
+                       loss_fn_inputs={"target_tokens": np.array([3, 4], np.int64)})]
+    short = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4]),
+                         loss_fn_inputs={"target_tokens": np.array([3, 4], np.int64)})]
+    for data, match in ((oov, r"token ids must be in \[0, 128\)"), (short, "expected 3 values")):
+        started = time.monotonic()
+        with pytest.raises(tinker.BadRequestError, match=match):
+            trainer.forward_backward(data, "cross_entropy").result()
+        assert time.monotonic() - started < 10
+    with pytest.raises(tinker.BadRequestError, match="rank: expected 1 to 8"):
+        client.create_lora_training_client(base_model=base.name, rank=16).result()
+    with pytest.raises(tinker.BadRequestError, match="base_model"):
+        client.create_lora_training_client(base_model="someone-else", rank=2).result()
+    assert trainer.forward_backward(good, "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
+    run_dir = tmp_path / "runs" / "restart"
+    first = Service(tmp_path, base, run_dir, "cluster.kind=none", name="first")
+    client = _client(first)
+    trainer = client.create_lora_training_client(base_model=base.name, rank=4).result()
+    data = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5]),
+                        loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6], np.int64)})]
+    trainer.forward_backward(data, "cross_entropy").result()
+    trainer.optim_step(ADAM).result()
+    path = trainer.save_state("kept").result().path
+    want = _logprobs(trainer, data)
+    trainer.forward_backward(data, "cross_entropy").result()
+    next_step = trainer.optim_step(ADAM).result()
+    assert first.stop() == 0, first.output()
+    second = Service(tmp_path, base, run_dir, "cluster.kind=none", name="second")
+    try:
+        client = _client(second)
+        rest = tinker.RestClient(base_url=second.url, api_key=KEY)
+        listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
+        assert [c.tinker_path for c in listed] == [path]
+        resumed = client.create_training_client_from_state_with_optimizer(path).result()
+        for x, y in zip(want, _logprobs(resumed, data), strict=True):
+            np.testing.assert_array_equal(x, y)
+        resumed.forward_backward(data, "cross_entropy").result()
+        assert resumed.optim_step(ADAM).result().metrics == next_step.metrics
+    finally:
+        assert second.stop() == 0, second.output()
