@@ -141,8 +141,11 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
             return 0
         from podtrain.orchestrator.cluster.driver import Driver
 
+        from podtrain.orchestrator.cluster.outcomes import JobStatus
+
         result = Driver(config, run_dir, service=gang).run()
-        return result.exit_code
+        # A service ends when it is told to stop: that is its success.
+        return 0 if result.status == JobStatus.STOPPED else result.exit_code
     finally:
         if gang is not None:
             gang.stop()

@@ -59,7 +59,8 @@ class Service:
         raise AssertionError(f"podtrain serve did not listen within {timeout}s:\n{self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def stop(self, timeout: float = 120) -> int:

@@ -167,3 +167,30 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
         assert resumed.optim_step(ADAM).result().metrics == next_step.metrics
     finally:
         assert second.stop() == 0, second.output()
+
+
+@pytest.mark.ray
+def test_the_engine_runs_in_the_jobs_worker_on_a_local_ray_cluster(tmp_path, base):
+    """The default cluster kind: an embedded Ray, the front end in the driver, the engine in the
+    host's worker process; the same results as the engine in one process."""
+    data = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5, 6]),
+                        loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6, 7], np.int64)})]
+    results = {}
+    for kind in ("none", "local"):
+        extra = ("cluster.kind=none",) if kind == "none" else ("cluster=local", "cluster.devices_per_host=2",
+                                                               "cluster.startup_timeout_s=240")
+        service = Service(tmp_path, base, tmp_path / "runs" / kind, *extra, name=kind)
+        try:
+            trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
+            losses = []
+            for _ in range(3):
+                losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+                trainer.optim_step(ADAM).result()
+            results[kind] = losses
+        finally:
+            code = service.stop()
+        assert code == 0, service.output()
+    if kind == "local":
+        assert "attempt 1: started 1 worker processes" in service.output()
+    np.testing.assert_allclose(results["local"], results["none"], rtol=1e-5)
+    assert results["local"][-1] < results["local"][0]
