@@ -119,6 +119,30 @@ def test_sampler_weights_are_a_peft_adapter_with_the_services_logits_and_tokens(
     assert tokenizer.decode(sampled).split() == completion.split(), generated.stdout
 
 
+def test_a_custom_loss_on_the_client_trains_as_the_same_built_in_loss(service, base):
+    """`forward_backward_custom`: the SDK takes `forward`'s logprobs, computes the loss and sends its
+    gradient back; a custom weighted cross-entropy steps an adapter exactly as `cross_entropy` does."""
+    client = _client(service)
+    built_in, custom = (client.create_lora_training_client(base_model=base.name, rank=4, seed=7).result()
+                        for _ in range(2))
+    weights = np.array([0.0, 1.0, 0.5, 1.0], np.float32)
+    data = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5]),
+                        loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6], np.int64), "weights": weights})]
+
+    def weighted_nll(data, logprobs):
+        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(data, logprobs, strict=True))
+        return loss, {"custom_nll": float(loss)}
+
+    for trainer, run in ((built_in, lambda t: t.forward_backward(data, "cross_entropy")),
+                         (custom, lambda t: t.forward_backward_custom(data, weighted_nll))):
+        for _ in range(2):
+            run(trainer).result()
+            trainer.optim_step(ADAM).result()
+    np.testing.assert_allclose(_logprobs(custom, data)[0], _logprobs(built_in, data)[0], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(_logprobs(custom, data)[0], _logprobs(
+        client.create_lora_training_client(base_model=base.name, rank=4, seed=7).result(), data)[0], atol=1e-3)
+
+
 def test_a_bad_request_is_one_clear_error_and_the_service_goes_on(service, base):
     client = _client(service)
     trainer = client.create_lora_training_client(base_model=base.name, rank=2).result()
