@@ -130,7 +130,8 @@ def test_a_custom_loss_on_the_client_trains_as_the_same_built_in_loss(service, b
                         loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6], np.int64), "weights": weights})]
 
     def weighted_nll(data, logprobs):
-        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(data, logprobs, strict=True))
+        pairs = zip(data, logprobs, strict=True)
+        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in pairs)
         return loss, {"custom_nll": float(loss)}
 
     for trainer, run in ((built_in, lambda t: t.forward_backward(data, "cross_entropy")),
