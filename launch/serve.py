@@ -140,7 +140,6 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
             _wait_for_stop()
             return 0
         from podtrain.orchestrator.cluster.driver import Driver
-
         from podtrain.orchestrator.cluster.outcomes import JobStatus
 
         result = Driver(config, run_dir, service=gang).run()
