@@ -56,6 +56,7 @@ def test_each_row_gets_the_logits_of_its_adapter_alone():
     assert np.abs(got[2] - np.asarray(base(ids[2:3])[0])[0]).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_each_slot_gets_the_gradient_of_its_rows_alone():
     config = config_of()
     model, singles = filled(config, 3, 8, CHOSEN)

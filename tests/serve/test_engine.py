@@ -36,6 +36,7 @@ def _flat(model):
     return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
 
 
+@pytest.mark.slow
 def test_rows_of_many_adapters_in_one_step_get_their_own_results_and_steps(engine):
     vocab = engine.info().vocab_size
     rng = np.random.default_rng(0)
@@ -91,6 +92,7 @@ def reference_loss_jax(model, data):
     return total
 
 
+@pytest.mark.slow
 def test_sampling_rows_of_several_adapters(engine, tmp_path):
     vocab = engine.info().vocab_size
     rng = np.random.default_rng(1)
