@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
 
 from podtrain.models import ARCHITECTURES
@@ -41,6 +42,7 @@ from podtrain.orchestrator.inference.load import load_base, load_checkpoint_toke
 from podtrain.orchestrator.serve import losses
 from podtrain.orchestrator.serve.checks import check_work, serve_targets
 from podtrain.orchestrator.serve.engine import (
+    AdamState,
     Batch,
     SampleBatch,
     adam_step,
@@ -129,8 +131,20 @@ class Engine:
         self.axes = slot_axes(self.adapters)
         self.grads = jax.tree.map(jnp.zeros_like, self.adapters)
         self.adam = init_adam(self.adapters, self.axes, s.max_adapters)
+        self._layout = jax.tree.map(lambda x: x.sharding, self.adapters)
+        self._adam_layout = _adam_layout(self.adapters, self.axes, self.mesh)
+        self._pin()
         self.slots: dict[str, Slot] = {}
         self.sample_count = 0
+
+    def _pin(self) -> None:
+        """Every slot array back in the layout the engine was built with (the moments in their
+        adapters' layout, adapter axis first), so that the compiled programs see the same shardings
+        whatever changed the arrays (an eager update, a step's outputs) and never compile again."""
+        self.adapters = jax.device_put(self.adapters, self._layout)
+        self.grads = jax.device_put(self.grads, self._layout)
+        self.adam = jax.device_put(self.adam, self._adam_layout)
+        nnx.update(self.model, self.adapters)
 
     # -- the Backend interface --
 
@@ -214,6 +228,7 @@ class Engine:
         self._clear(index)
         init_slot(self.model, index, work.rank, work.targets, work.seed)
         self.adapters = nnx.state(self.model, LoRAParam)
+        self._pin()
         self.slots[work.model_id] = Slot(index, work.rank, tuple(work.targets))
 
     def _clear(self, index: int) -> None:
@@ -224,6 +239,7 @@ class Engine:
         self.adam = dataclasses.replace(
             self.adam, mu=jax.tree.map(lambda m: m.at[index].set(0), self.adam.mu),
             nu=jax.tree.map(lambda v: v.at[index].set(0), self.adam.nu), count=self.adam.count.at[index].set(0))
+        self._pin()
 
     def _put_slot(self, tree, index: int, values):
         """`tree` (shaped as the adapters) with slot `index` set to `values` (None: zeros)."""
@@ -243,7 +259,7 @@ class Engine:
         self.adapters, self.grads, self.adam, norm = adam_step(self.adapters, self.grads, self.adam,
                                                                jnp.asarray(slot.index, jnp.int32), hyper,
                                                                axes=self.axes)
-        nnx.update(self.model, self.adapters)
+        self._pin()
         slot.steps += 1
         return OptimStepResult({"grad_norm:mean": float(norm)})
 
@@ -299,7 +315,7 @@ class Engine:
         batch = jax.tree.map(jnp.asarray, batch)
         grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, batch)
         if any(works[index].backward for index, _, _ in chunk):
-            self.grads = jax.tree.map(jnp.add, self.grads, grads)
+            self.grads = jax.device_put(jax.tree.map(jnp.add, self.grads, grads), self._layout)
         return np.asarray(lp), np.asarray(loss)
 
     # -- sampling --
@@ -451,8 +467,20 @@ class Engine:
                                                jax.tree.unflatten(jax.tree.structure(tree), leaves))
             self.adam = dataclasses.replace(self.adam, **moments,
                                             count=self.adam.count.at[slot.index].set(int(state["adam_count"])))
+        self._pin()
         self.slots[work.model_id] = slot
         return LoadResult(rank, targets)
+
+
+def _adam_layout(adapters: nnx.State, axes: tuple[int, ...], mesh):
+    """The moments' shardings: each adapter leaf's, its adapter axis first; the counts replicated."""
+    def moved(x, axis):
+        spec = [*x.sharding.spec, *([None] * (x.ndim - len(x.sharding.spec)))]
+        entry = spec.pop(axis)
+        return NamedSharding(mesh, PartitionSpec(entry, *spec))
+
+    moments = jax.tree.map(moved, adapters, jax.tree.unflatten(jax.tree.structure(adapters), axes))
+    return AdamState(moments, moments, NamedSharding(mesh, PartitionSpec()))
 
 
 def _cut_rank(one: np.ndarray, name: str, axis: int, rank: int) -> np.ndarray:

@@ -174,3 +174,47 @@ def test_bad_items_are_refused_alone(engine):
     full = engine.run([Create(f"f{i}", 2, TARGETS) for i in range(4)])
     assert isinstance(full[-1], ServeError) and full[-1].status == 429 and "no free adapter slot" in str(full[-1])
     engine.run([Unload(m) for m in ("q", "f0", "f1", "f2")])
+
+
+def test_steady_work_of_other_lengths_and_adapters_does_not_recompile(engine):
+    from podtrain.orchestrator.serve.engine import adam_step, forward_backward
+
+    vocab = engine.info().vocab_size
+    rng = np.random.default_rng(4)
+    engine.run([Create("u", 4, TARGETS, seed=1), Create("v", 2, TARGETS, seed=2)])
+
+    def step(lengths_u, lengths_v):
+        engine.run([ForwardBackward("u", tuple(sft_datum(rng, n, vocab) for n in lengths_u), "cross_entropy"),
+                    ForwardBackward("v", tuple(sft_datum(rng, n, vocab) for n in lengths_v), "cross_entropy"),
+                    OptimStep("u", ADAM), OptimStep("v", ADAM)])
+
+    step((20, 30), (17,))  # 3 rows of at most 32 tokens: padded to 4 x 32
+    compiled = forward_backward._cache_size(), adam_step._cache_size()
+    step((25,), (18, 31, 19))  # other lengths, adapters and rows: the same padded shape
+    step((32, 17, 20), ())
+    assert (forward_backward._cache_size(), adam_step._cache_size()) == compiled
+    engine.run([Unload("u"), Unload("v")])
+
+
+@pytest.mark.slow
+def test_a_sharded_engine_gives_the_one_device_results(engine):
+    """fsdp x tp over 4 devices: the same logprobs, losses, steps and samples as on one device."""
+    sharded = make_engine(devices=4, overrides=("mesh.fsdp=2", "mesh.tp=2"))
+    vocab = engine.info().vocab_size
+    rng = np.random.default_rng(5)
+    data = {m: tuple(sft_datum(rng, n, vocab) for n in lengths) for m, lengths in (("g", (9, 14)), ("h", (21,)))}
+    prompt = rng.integers(0, vocab, 6).astype(np.int32)
+    outs = []
+    for e in (engine, sharded):
+        e.run([Create("g", 4, TARGETS, seed=1), Create("h", 8, ("gate_proj", "up_proj", "down_proj"), seed=2)])
+        e.run([ForwardBackward(m, d, "cross_entropy") for m, d in data.items()] + [OptimStep("g", ADAM),
+                                                                                   OptimStep("h", ADAM)])
+        outs.append(e.run([ForwardBackward(m, d, "cross_entropy", backward=False) for m, d in data.items()]
+                          + [Sample("g", prompt, max_tokens=6, temperature=0.0)]))
+        e.run([Unload("g"), Unload("h")])
+    specs = [str(leaf.sharding.spec) for leaf in jax.tree.leaves(sharded.adapters)]
+    assert any("'tp'" in spec for spec in specs) and any("'fsdp'" in spec for spec in specs), specs
+    for one, four in zip(outs[0][:2], outs[1][:2], strict=True):
+        for a, b in zip(one.outputs, four.outputs, strict=True):
+            np.testing.assert_allclose(b["logprobs"], a["logprobs"], rtol=1e-5, atol=1e-5)
+    assert outs[1][2].sequences[0].tokens.tolist() == outs[0][2].sequences[0].tokens.tolist()
