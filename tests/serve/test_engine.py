@@ -218,3 +218,26 @@ def test_a_sharded_engine_gives_the_one_device_results(engine):
         for a, b in zip(one.outputs, four.outputs, strict=True):
             np.testing.assert_allclose(b["logprobs"], a["logprobs"], rtol=1e-5, atol=1e-5)
     assert outs[1][2].sequences[0].tokens.tolist() == outs[0][2].sequences[0].tokens.tolist()
+
+
+@pytest.mark.slow
+def test_deepseek_v3_with_expert_parallel_experts_trains_and_samples_its_adapters():
+    """MLA and MoE layers, experts over ep=2: two adapters train in one step, and greedy sampling
+    of one equals `generate` with that adapter alone."""
+    from podtrain.orchestrator.serve.checks import serve_targets
+    from podtrain.sharding.rules import use_rules
+
+    deepseek = make_engine("deepseek-v3-tiny", devices=4, overrides=("mesh.ep=2", "mesh.fsdp=2"))
+    targets = serve_targets("deepseek_v3")
+    rng = np.random.default_rng(6)
+    vocab = deepseek.info().vocab_size
+    data = tuple(sft_datum(rng, 12, vocab) for _ in range(2))
+    deepseek.run([Create("a", 4, targets, seed=1), Create("b", 8, ("gate_proj", "up_proj", "down_proj"), seed=2)])
+    before = deepseek.run([ForwardBackward("a", data, "cross_entropy")])[0].metrics["loss:sum"]
+    deepseek.run([ForwardBackward("b", data, "cross_entropy"), OptimStep("a", ADAM), OptimStep("b", ADAM)])
+    after = deepseek.run([ForwardBackward("a", data, "cross_entropy", backward=False)])[0].metrics["loss:sum"]
+    assert after < before
+    prompt = rng.integers(0, vocab, 5).astype(np.int32)
+    sampled = deepseek.run([Sample("a", prompt, max_tokens=5, temperature=0.0)])[0].sequences[0].tokens.tolist()
+    with jax.sharding.set_mesh(deepseek.mesh), use_rules(deepseek.rules):
+        assert sampled == generate(single(deepseek, "a"), [prompt.tolist()], max_new_tokens=5)[0]
