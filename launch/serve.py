@@ -121,7 +121,10 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
         from podtrain.orchestrator.serve.gang import GangBackend
 
         info, targets = serve_info(config)
-        backend = gang = GangBackend(info, targets, ready_timeout_s=config.cluster.startup_timeout_s)
+        # Workers on other machines reach the channel on any interface; it admits only holders of
+        # the job's key. Local hosts share this machine's loopback.
+        host = "127.0.0.1" if config.cluster.kind == "local" else "0.0.0.0"
+        backend = gang = GangBackend(info, targets, host=host, ready_timeout_s=config.cluster.startup_timeout_s)
     app = create_app(backend, Store(run_dir), api_key=key, max_request_bytes=config.serve.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level="warning",
                                            timeout_keep_alive=60))

@@ -47,8 +47,13 @@ class GangBackend:
         threading.Thread(target=self._accept, name="serve-gang-accept", daemon=True).start()
 
     def env(self) -> dict[str, str]:
-        """What each worker needs to join (set in its environment by the driver)."""
+        """What each worker needs to join (set in its environment by the driver, after it joined
+        Ray): a channel bound to every interface is reached at this Ray node's address."""
         host, port = self.address
+        if host == "0.0.0.0":
+            import ray
+
+            host = ray.util.get_node_ip_address()
         return {p.ENV_ROLE: "serve", p.ENV_SERVE_ADDRESS: f"{host}:{port}", p.ENV_SERVE_AUTHKEY: self.authkey.hex()}
 
     def _accept(self) -> None:
