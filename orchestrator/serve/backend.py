@@ -45,7 +45,7 @@ from podtrain.orchestrator.serve.engine import (
     AdamState,
     Batch,
     SampleBatch,
-    adam_step,
+    adam_steps,
     bucket,
     forward_backward,
     init_adam,
@@ -165,12 +165,15 @@ class Engine:
             while queues:
                 heads = [q[0] for q in queues.values()]
                 kind = type(works[heads[0]])
-                if kind in (ForwardBackward, Sample):
+                if kind in (ForwardBackward, Sample, OptimStep):
                     group = []
                     for q in queues.values():
-                        while q and type(works[q[0]]) is kind:
+                        # An adapter's passes (or samples) may share a batch; its steps follow one another.
+                        while q and type(works[q[0]]) is kind and (kind is not OptimStep or not any(
+                                works[i].model_id == works[q[0]].model_id for i in group)):
                             group.append(q.pop(0))
-                    self._guarded(self._passes if kind is ForwardBackward else self._samples, works, group, results)
+                    run = {ForwardBackward: self._passes, Sample: self._samples, OptimStep: self._optim_steps}[kind]
+                    self._guarded(run, works, group, results)
                 else:
                     index = heads[0]
                     queues[works[index].model_id or ""].pop(0)
@@ -201,8 +204,6 @@ class Engine:
         work = works[index]
         if isinstance(work, Create):
             results[index] = self._create(work)
-        elif isinstance(work, OptimStep):
-            results[index] = self._optim_step(work)
         elif isinstance(work, Save):
             results[index] = self._save(work)
         elif isinstance(work, Load):
@@ -253,15 +254,32 @@ class Engine:
             return jax.tree.map(put, tree, axes)
         return jax.tree.map(put, tree, axes, values)
 
-    def _optim_step(self, work: OptimStep) -> OptimStepResult:
-        slot = self._slot(work.model_id)
-        hyper = {key: jnp.asarray(float(work.adam[key]), jnp.float32) for key in ADAM_KEYS}
-        self.adapters, self.grads, self.adam, norm = adam_step(self.adapters, self.grads, self.adam,
-                                                               jnp.asarray(slot.index, jnp.int32), hyper,
-                                                               axes=self.axes)
+    def _optim_steps(self, works, group, results) -> None:
+        """One Adam step of each item's adapter, all in one program, each with its own AdamParams."""
+        n = self._info.max_adapters
+        hyper = {key: np.zeros(n, np.float32) for key in ADAM_KEYS}
+        active = np.zeros(n, bool)
+        stepped = []
+        for index in group:
+            try:
+                slot = self._slot(works[index].model_id)
+            except ServeError as e:
+                results[index] = e
+                continue
+            for key in ADAM_KEYS:
+                hyper[key][slot.index] = float(works[index].adam[key])
+            active[slot.index] = True
+            stepped.append((index, slot))
+        if not stepped:
+            return
+        hyper = {key: jnp.asarray(value) for key, value in hyper.items()} | {"active": jnp.asarray(active)}
+        self.adapters, self.grads, self.adam, norms = adam_steps(self.adapters, self.grads, self.adam, hyper,
+                                                                 axes=self.axes)
         self._pin()
-        slot.steps += 1
-        return OptimStepResult({"grad_norm:mean": float(norm)})
+        norms = np.asarray(norms)
+        for index, slot in stepped:
+            slot.steps += 1
+            results[index] = OptimStepResult({"grad_norm:mean": float(norms[slot.index])})
 
     # -- forward/backward passes of many adapters --
 

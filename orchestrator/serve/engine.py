@@ -8,8 +8,9 @@ recompiles; a padded row or token has no loss and no gradient.
 - `forward_backward`: target logprobs, each row's own loss (`losses.token_losses`), and the
   gradient of the trained rows' summed loss with respect to every slot: a slot's gradient is that
   of its rows alone, since a row reads only its own slot.
-- `adam_step`: one Adam step of one slot (optax's Adam with decoupled weight decay, clipped by
-  that slot's gradient norm); the other slots' parameters and moments are not touched.
+- `adam_steps`: one Adam step of any set of slots at once, each with its own hyperparameters
+  (optax's Adam with decoupled weight decay mapped over the adapter axis, clipped by that slot's
+  gradient norm); the other slots' parameters and moments are not touched.
 - `sample_rows`: prefill then decode in one program over the stacked KV cache, each row with its
   own adapter, temperature, top-k, top-p, seed, stop tokens and token budget.
 """
@@ -143,39 +144,47 @@ def init_adam(adapters: nnx.State, axes: tuple[int, ...], slots: int) -> AdamSta
     return AdamState(mu, jax.tree.map(jnp.zeros_like, mu), jnp.zeros((slots,), jnp.int32))
 
 
-def _pick(tree, axes, slot):
-    return jax.tree.map(lambda x, axis: jax.lax.dynamic_index_in_dim(x, slot, axis, keepdims=False), tree, axes)
+def _slot_major(tree, axes):
+    return jax.tree.map(lambda x, axis: jnp.moveaxis(x, axis, 0), tree, axes)
 
 
-def _put(tree, values, axes, slot):
-    return jax.tree.map(lambda x, v, axis: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), slot, axis),
-                        tree, values, axes)
+def _slot_minor(tree, like, axes):
+    return jax.tree.map(lambda v, x, axis: jnp.moveaxis(v, 0, axis).astype(x.dtype), tree, like, axes)
 
 
 @functools.partial(jax.jit, static_argnames=("axes",), donate_argnums=(0, 1, 2))
-def adam_step(adapters: nnx.State, grads: nnx.State, state: AdamState, slot: jax.Array, hyper: dict, *, axes):
-    """One Adam step of slot `slot` on its gradient (Tinker's AdamParams in `hyper`: learning_rate,
-    beta1, beta2, eps, weight_decay, grad_clip_norm (0: none)). Returns (adapters, grads with the
-    slot's zeroed, state, the slot's gradient norm before clipping)."""
+def adam_steps(adapters: nnx.State, grads: nnx.State, state: AdamState, hyper: dict, *, axes):
+    """One Adam step of every slot whose `hyper["active"]` (N,) is set, each on its own gradient
+    with its own hyperparameters (Tinker's AdamParams, each an (N,) array: learning_rate, beta1,
+    beta2, eps, weight_decay, grad_clip_norm (0: none)): optax's Adam with decoupled weight decay,
+    mapped over the adapter axis, the gradient clipped by the slot's own norm. Inactive slots keep
+    their parameters, moments, count and gradient exactly. Returns (adapters, grads with the
+    active slots' zeroed, state, every slot's gradient norm before clipping (N,))."""
     axes = _axes_tree(adapters, axes)
-    params, grad = _pick(adapters, axes, slot), _pick(grads, axes, slot)
-    grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
-    norm = optax.tree.norm(grad)
-    clip = hyper["grad_clip_norm"]
-    grad = optax.tree.scale(jnp.where((clip > 0) & (norm > clip), clip / norm, 1.0), grad)
-    tx = optax.chain(optax.scale_by_adam(b1=hyper["beta1"], b2=hyper["beta2"], eps=hyper["eps"]),
-                     optax.add_decayed_weights(hyper["weight_decay"]),
-                     optax.scale_by_learning_rate(hyper["learning_rate"]))
-    moments = optax.ScaleByAdamState(count=state.count[slot], mu=jax.tree.map(lambda m: m[slot], state.mu),
-                                     nu=jax.tree.map(lambda v: v[slot], state.nu))
-    f32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-    updates, (moments, _, _) = tx.update(grad, (moments, optax.EmptyState(), optax.EmptyState()), f32)
-    new = optax.apply_updates(f32, updates)
-    state = AdamState(jax.tree.map(lambda all_, m: all_.at[slot].set(m), state.mu, moments.mu),
-                      jax.tree.map(lambda all_, v: all_.at[slot].set(v), state.nu, moments.nu),
-                      state.count.at[slot].set(moments.count))
-    zeros = jax.tree.map(jnp.zeros_like, grad)
-    return _put(adapters, new, axes, slot), _put(grads, zeros, axes, slot), state, norm
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), _slot_major(adapters, axes))
+    grad = jax.tree.map(lambda g: g.astype(jnp.float32), _slot_major(grads, axes))
+
+    def one(p, g, mu, nu, count, h):
+        norm = optax.tree.norm(g)
+        clip = h["grad_clip_norm"]
+        g = optax.tree.scale(jnp.where((clip > 0) & (norm > clip), clip / norm, 1.0), g)
+        tx = optax.chain(optax.scale_by_adam(b1=h["beta1"], b2=h["beta2"], eps=h["eps"]),
+                         optax.add_decayed_weights(h["weight_decay"]), optax.scale_by_learning_rate(h["learning_rate"]))
+        updates, (moments, _, _) = tx.update(g, (optax.ScaleByAdamState(count, mu, nu), optax.EmptyState(),
+                                                 optax.EmptyState()), p)
+        return optax.apply_updates(p, updates), moments.mu, moments.nu, moments.count, norm
+
+    new, mu, nu, count, norm = jax.vmap(one)(params, grad, state.mu, state.nu, state.count, hyper)
+    active = hyper["active"]
+
+    def keep(new, old):
+        return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
+
+    new = jax.tree.map(keep, new, params)
+    state = AdamState(jax.tree.map(keep, mu, state.mu), jax.tree.map(keep, nu, state.nu),
+                      jnp.where(active, count, state.count))
+    grad = jax.tree.map(lambda g: keep(jnp.zeros_like(g), g), grad)
+    return _slot_minor(new, adapters, axes), _slot_minor(grad, grads, axes), state, norm
 
 
 @jax.tree_util.register_dataclass

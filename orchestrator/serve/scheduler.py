@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,6 +21,9 @@ from podtrain.orchestrator.serve.store import Store
 from podtrain.orchestrator.serve.work import Backend, Load, ServeError, Unload, Work
 
 logger = logging.getLogger(__name__)
+# How long the scheduler waits for more requests before it runs what it has (see `_gather`).
+GATHER_QUIET_S = 0.01
+GATHER_MAX_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Scheduler:
             with self._wake:
                 while not self._pending and not self._stopping:
                     self._wake.wait()
+                self._gather()
                 if self._stopping:
                     return
                 jobs, self._pending = self._pending, []
@@ -82,6 +87,17 @@ class Scheduler:
             except Exception as error:
                 logger.exception("settling %d jobs failed", len(jobs))
                 self._fail(jobs, error)
+
+    def _gather(self) -> None:
+        """Waits while requests keep arriving (each within `GATHER_QUIET_S` of the last, for at most
+        `GATHER_MAX_S`): the requests a client loop submits together then share one engine step,
+        and steps keep the same few padded shapes instead of whatever split their arrival made."""
+        deadline = time.monotonic() + GATHER_MAX_S
+        while not self._stopping:
+            count = len(self._pending)
+            self._wake.wait(min(GATHER_QUIET_S, max(deadline - time.monotonic(), 0.0)))
+            if len(self._pending) == count or time.monotonic() >= deadline:
+                return
 
     def _fail(self, jobs: list[Job], error: Exception) -> None:
         """Fails what `run` left pending, so that no client waits forever."""

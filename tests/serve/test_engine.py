@@ -177,7 +177,7 @@ def test_bad_items_are_refused_alone(engine):
 
 
 def test_steady_work_of_other_lengths_and_adapters_does_not_recompile(engine):
-    from podtrain.orchestrator.serve.engine import adam_step, forward_backward
+    from podtrain.orchestrator.serve.engine import adam_steps, forward_backward
 
     vocab = engine.info().vocab_size
     rng = np.random.default_rng(4)
@@ -189,10 +189,10 @@ def test_steady_work_of_other_lengths_and_adapters_does_not_recompile(engine):
                     OptimStep("u", ADAM), OptimStep("v", ADAM)])
 
     step((20, 30), (17,))  # 3 rows of at most 32 tokens: padded to 4 x 32
-    compiled = forward_backward._cache_size(), adam_step._cache_size()
+    compiled = forward_backward._cache_size(), adam_steps._cache_size()
     step((25,), (18, 31, 19))  # other lengths, adapters and rows: the same padded shape
     step((32, 17, 20), ())
-    assert (forward_backward._cache_size(), adam_step._cache_size()) == compiled
+    assert (forward_backward._cache_size(), adam_steps._cache_size()) == compiled
     engine.run([Unload("u"), Unload("v")])
 
 
@@ -241,3 +241,26 @@ def test_deepseek_v3_with_expert_parallel_experts_trains_and_samples_its_adapter
     sampled = deepseek.run([Sample("a", prompt, max_tokens=5, temperature=0.0)])[0].sequences[0].tokens.tolist()
     with jax.sharding.set_mesh(deepseek.mesh), use_rules(deepseek.rules):
         assert sampled == generate(single(deepseek, "a"), [prompt.tolist()], max_new_tokens=5)[0]
+
+
+def test_steps_of_several_adapters_in_one_call_are_each_their_own(engine):
+    """Two adapters stepped in one program, each with its own AdamParams, end exactly where each
+    stepped alone ends."""
+    vocab = engine.info().vocab_size
+    rng = np.random.default_rng(7)
+    data = tuple(sft_datum(rng, 10, vocab) for _ in range(2))
+    slow = dict(ADAM, learning_rate=1e-3, grad_clip_norm=0.0)
+    pairs = (("p1", "q1"), ("p2", "q2"))
+    # p1 and p2 are the same new adapter (seed 0), as are q1 and q2 (seed 1).
+    engine.run([Create(m, 4, TARGETS, seed=i % 2) for i, m in enumerate(m for pair in pairs for m in pair)])
+    engine.run([ForwardBackward(m, data, "cross_entropy") for pair in pairs for m in pair])
+    engine.run([OptimStep("p1", ADAM), OptimStep("q1", slow)])  # together
+    engine.run([OptimStep("p2", ADAM)])  # one at a time
+    engine.run([OptimStep("q2", slow)])
+    for a, b in (("p1", "p2"), ("q1", "q2")):
+        x, y = _flat(single(engine, a)), _flat(single(engine, b))
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=f"{a} {key}")
+    assert any(not np.array_equal(_flat(single(engine, "p1"))[k], _flat(single(engine, "q1"))[k])
+               for k in _flat(single(engine, "p1")))
+    engine.run([Unload(m) for pair in pairs for m in pair])
