@@ -14,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
-import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -92,12 +90,9 @@ def api_key(config: Config) -> str | None:
 
 
 def run_command(args) -> int:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    ours = logging.getLogger("podtrain")
-    ours.setLevel(logging.INFO)
-    ours.addHandler(handler)
-    ours.propagate = False
+    from podtrain.launch.train import log_podtrain_messages
+
+    log_podtrain_messages()
     config, name = serve_config(args.config, args.overrides)
     key = api_key(config)
     run_dir = resolve_run_dir(config, name)

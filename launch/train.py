@@ -11,15 +11,20 @@ from podtrain.orchestrator.train.loop import EXIT_PREEMPTED, run
 from podtrain.orchestrator.train.preflight import check_inputs
 
 
-def run_command(args) -> int:
-    # podtrain's own messages at INFO (where the run starts, samples at evals); the libraries' stay at
-    # WARNING (importing JAX and Orbax gave the root logger absl's handler, so basicConfig would do nothing).
+def log_podtrain_messages() -> None:
+    """podtrain's own messages at INFO on stderr (where the run starts, samples at evals); the
+    libraries' stay at WARNING (importing JAX and Orbax gave the root logger absl's handler, so
+    basicConfig would do nothing)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     ours = logging.getLogger("podtrain")
     ours.setLevel(logging.INFO)
     ours.addHandler(handler)
     ours.propagate = False
+
+
+def run_command(args) -> int:
+    log_podtrain_messages()
     config = load_config(args.config, args.overrides)
     run_dir = resolve_run_dir(config, resolve_preset(args.config).stem)
     if config.cluster.kind != "none":
