@@ -26,6 +26,9 @@ from podtrain.orchestrator.serve.work import (
     Unload,
 )
 
+# Every test here compiles the engine's programs: make test-quick leaves them to make test.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def engine():
@@ -36,7 +39,6 @@ def _flat(model):
     return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
 
 
-@pytest.mark.slow
 def test_rows_of_many_adapters_in_one_step_get_their_own_results_and_steps(engine):
     vocab = engine.info().vocab_size
     rng = np.random.default_rng(0)
@@ -92,7 +94,6 @@ def reference_loss_jax(model, data):
     return total
 
 
-@pytest.mark.slow
 def test_sampling_rows_of_several_adapters(engine, tmp_path):
     vocab = engine.info().vocab_size
     rng = np.random.default_rng(1)
@@ -196,7 +197,6 @@ def test_steady_work_of_other_lengths_and_adapters_does_not_recompile(engine):
     engine.run([Unload("u"), Unload("v")])
 
 
-@pytest.mark.slow
 def test_a_sharded_engine_gives_the_one_device_results(engine):
     """fsdp x tp over 4 devices: the same logprobs, losses, steps and samples as on one device."""
     sharded = make_engine(devices=4, overrides=("mesh.fsdp=2", "mesh.tp=2"))
@@ -220,7 +220,6 @@ def test_a_sharded_engine_gives_the_one_device_results(engine):
     assert outs[1][2].sequences[0].tokens.tolist() == outs[0][2].sequences[0].tokens.tolist()
 
 
-@pytest.mark.slow
 def test_deepseek_v3_with_expert_parallel_experts_trains_and_samples_its_adapters():
     """MLA and MoE layers, experts over ep=2: two adapters train in one step, and greedy sampling
     of one equals `generate` with that adapter alone."""
