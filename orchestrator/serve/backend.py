@@ -32,10 +32,9 @@ from podtrain.models import ARCHITECTURES
 from podtrain.models.lora import (
     LoRAConfig,
     LoRAParam,
-    init_slot,
-    slot_view,
     with_base,
 )
+from podtrain.models.lora_slots import init_slot, slot_view
 from podtrain.models.peft import to_peft
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.inference.load import load_base, load_checkpoint_tokenizer

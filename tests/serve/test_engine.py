@@ -13,7 +13,8 @@ from flax import nnx
 from serve_fixtures import ADAM, TARGETS, make_engine, reference_losses, sft_datum, single
 
 from podtrain.models.generate import generate
-from podtrain.models.lora import LoRAParam, slot_view
+from podtrain.models.lora import LoRAParam
+from podtrain.models.lora_slots import slot_view
 from podtrain.orchestrator.serve.work import (
     Create,
     ForwardBackward,

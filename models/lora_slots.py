@@ -1,0 +1,109 @@
+"""Adapter slots one at a time: a new adapter put into a slot of a model built with
+`apply_lora(..., slots=N)`, one slot's adapter copied out as a plain adapter (what PEFT export and
+single-adapter references read), and one put back."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from podtrain.models.lora import _STREAM, AdaptedWeight, Adapter, LoRAEmbedding, _adapter_values, adapters
+
+
+def _slot_axis(adapter: Adapter) -> int:
+    """The adapter axis of an adapter with slots (after its layer axis, if stacked)."""
+    return adapter.lora_a.get_metadata()["out_sharding"].index("lora_adapters")
+
+
+def _slot_adapters(model: nnx.Module):
+    """(path key, adapter) of every adapter with slots (`adapters`)."""
+    for key, adapter in adapters(model):
+        if adapter.slots:
+            yield key, adapter
+
+
+def init_slot(model: nnx.Module, slot: int, rank: int, targets: Sequence[str], seed: int) -> None:
+    """Sets slot `slot` of `model`'s adapters (changed in place) to a new adapter of rank `rank` on
+    `targets`, initialised as PEFT does (A kaiming-uniform, B zero; for embeddings A zero, B
+    normal) from `seed`, and to zero on the other targets and ranks (which then get no gradient)."""
+    stream = jax.random.fold_in(jax.random.key(seed), _STREAM)
+    for key, adapter in _slot_adapters(model):
+        axis, a_all = _slot_axis(adapter), adapter.lora_a[...]
+        max_rank = a_all.shape[-1]
+        if not 0 < rank <= max_rank:
+            raise ValueError(f"rank: expected 1 to {max_rank}, found {rank}")
+        in_shape = a_all.shape[axis + 1:-1]
+        out_shape = adapter.lora_b.shape[axis + 2:]
+        if adapter.target in targets:
+            a, b = _adapter_values(jax.random.fold_in(stream, zlib.crc32(key.encode())), in_shape, out_shape,
+                                   a_all.shape[0] if axis else 0, a_all.dtype, rank,
+                                   embedding=isinstance(adapter, LoRAEmbedding))
+            a, b = _padded_rank(a, b, axis, max_rank)
+        else:
+            a = jnp.zeros(a_all.shape[:axis] + a_all.shape[axis + 1:], a_all.dtype)
+            b = jnp.zeros(adapter.lora_b.shape[:axis] + adapter.lora_b.shape[axis + 1:], a_all.dtype)
+        set_slot_arrays(adapter, slot, a, b)
+
+
+def _padded_rank(a: jax.Array, b: jax.Array, lead: int, max_rank: int) -> tuple[jax.Array, jax.Array]:
+    """`A (*lead, *in, r)` and `B (*lead, r, *out)` with zero ranks appended up to `max_rank`."""
+    extra = max_rank - a.shape[-1]
+    return (jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)]),
+            jnp.pad(b, [(0, 0)] * lead + [(0, extra)] + [(0, 0)] * (b.ndim - lead - 1)))
+
+
+def set_slot_arrays(adapter: Adapter, slot: int, a: jax.Array, b: jax.Array) -> None:
+    """Sets slot `slot` of `adapter` to `(A, B)` (shaped without the adapter axis, ranks up to the
+    built one), each array keeping its sharding."""
+    axis = _slot_axis(adapter)
+    for param, value in ((adapter.lora_a, a), (adapter.lora_b, b)):
+        whole = param[...]
+        index = (slice(None),) * axis + (slot,)
+        updated = whole.at[index].set(value.astype(whole.dtype))
+        sharding = getattr(whole, "sharding", None)
+        param.set_value(updated if sharding is None else jax.device_put(updated, sharding))
+
+
+def slot_view(model: nnx.Module, slot: int, rank: int, alpha: float, targets: Sequence[str]) -> nnx.Module:
+    """A copy of `model` whose adapters are slot `slot`'s alone, as `apply_lora` would make an
+    adapter of rank `rank` and `alpha` on `targets` (what PEFT export and single-adapter runs read);
+    `model` is not changed."""
+    view = nnx.clone(model)
+    for _, module in list(nnx.iter_modules(view)):
+        for name, value in list(vars(module).items()):
+            if not (isinstance(value, AdaptedWeight) and value.slots):
+                continue
+            if value.target not in targets:
+                setattr(module, name, value.base)
+                continue
+            axis = _slot_axis(value)
+            keep = (slice(None),) * axis
+            a = value.lora_a[...][(*keep, slot)][..., :rank]
+            b = value.lora_b[...][(*keep, slot, slice(0, rank))]
+            names_a = tuple(n for n in value.lora_a.get_metadata()["out_sharding"] if n != "lora_adapters")
+            names_b = tuple(n for n in value.lora_b.get_metadata()["out_sharding"] if n != "lora_adapters")
+            setattr(module, name, type(value)(value.base, a, b, names_a, names_b, n_in=value.n_in, scale=alpha / rank,
+                                              target=value.target, rate=value.rate, stack=value.stack))
+    return view
+
+
+def set_slot(model: nnx.Module, slot: int, single: nnx.Module) -> None:
+    """Sets slot `slot` of `model`'s adapters (in place) to the adapters of `single`, the same model
+    with one adapter of rank up to the slots' (`slot_view`'s shape); targets `single` lacks are zeroed."""
+    given = dict(adapters(single))
+    for key, adapter in _slot_adapters(model):
+        axis = _slot_axis(adapter)
+        a_shape = adapter.lora_a.shape[:axis] + adapter.lora_a.shape[axis + 1:]
+        b_shape = adapter.lora_b.shape[:axis] + adapter.lora_b.shape[axis + 1:]
+        if key not in given:
+            set_slot_arrays(adapter, slot, jnp.zeros(a_shape), jnp.zeros(b_shape))
+            continue
+        a, b = given[key].lora_a[...], given[key].lora_b[...]
+        rank, max_rank = a.shape[-1], a_shape[-1]
+        if rank > max_rank:
+            raise ValueError(f"rank: expected at most {max_rank} (the service's maximum), found {rank}")
+        set_slot_arrays(adapter, slot, *_padded_rank(a, b, axis, max_rank))
