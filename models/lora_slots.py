@@ -58,14 +58,15 @@ def _padded_rank(a: jax.Array, b: jax.Array, lead: int, max_rank: int) -> tuple[
 
 def set_slot_arrays(adapter: Adapter, slot: int, a: jax.Array, b: jax.Array) -> None:
     """Sets slot `slot` of `adapter` to `(A, B)` (shaped without the adapter axis, ranks up to the
-    built one), each array keeping its sharding."""
+    built one), each array keeping its sharding (when not traced)."""
     axis = _slot_axis(adapter)
     for param, value in ((adapter.lora_a, a), (adapter.lora_b, b)):
         whole = param[...]
         index = (slice(None),) * axis + (slot,)
         updated = whole.at[index].set(value.astype(whole.dtype))
-        sharding = getattr(whole, "sharding", None)
-        param.set_value(updated if sharding is None else jax.device_put(updated, sharding))
+        if not isinstance(whole, jax.core.Tracer):
+            updated = jax.device_put(updated, whole.sharding)
+        param.set_value(updated)
 
 
 def slot_view(model: nnx.Module, slot: int, rank: int, alpha: float, targets: Sequence[str]) -> nnx.Module:

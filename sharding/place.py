@@ -56,16 +56,12 @@ def _shard_bytes(value: jax.ShapeDtypeStruct) -> int:
     return math.prod(shape) * value.dtype.itemsize
 
 
-def _pick(state: nnx.State, path) -> jax.Array:
-    return dict(nnx.to_flat_state(state))[path].get_value()
-
-
 @dataclasses.dataclass
 class _VariableInit:
-    """How one unstacked variable is born sharded: one program that returns it."""
+    """How a group of unstacked variables is born sharded: one program that returns them."""
 
-    path: tuple
-    var: nnx.Variable
+    paths: list
+    vars: list
     init: Callable
 
 
@@ -88,9 +84,9 @@ def _variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules 
     initialiser. Stacked variables (leading logical axis "layers") are allocated as zeros and then
     written one layer at a time (`layer_slice(i)` makes the factory create layer i only, the
     buffers are donated), so the random-number scratch is that of one layer's shards (on CPU,
-    JAX's rolled threefry loop needs about 3x what it generates). Stacked variables of the same
-    depth share their two programs in groups no larger per layer than the largest one
-    (`_stack_groups`): far fewer programs to trace and compile, the same scratch bound.
+    JAX's rolled threefry loop needs about 3x what it generates). Variables share programs in
+    groups no larger (per layer, for stacked ones of one depth) than the largest single one
+    (`_groups`): far fewer programs to trace and compile, the same scratch bound.
 
     `keep` (an nnx filter) limits them to the variables it matches.
 
@@ -104,22 +100,29 @@ def _variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules 
         with nnx.use_eager_sharding(False):
             return nnx.state(factory())
 
-    inits, stacked = [], {}
+    inits, by_depth = [], {}
     by_size = sorted(nnx.to_flat_state(abstract), key=lambda item: -_shard_bytes(item[1].get_value()))
     for path, var in by_size:
         if kept is not None and not kept(path, var):
             continue
         value = var.get_value()
         names = var.get_metadata().get("out_sharding") or ()
-        if layer_slice is None or not names or names[0] != "layers":
-            program = jax.jit(lambda path=path: _pick(build(), path), out_shardings=value.sharding)
-            inits.append(_VariableInit(path, var, program))
-        else:
-            stacked.setdefault(value.shape[0], []).append((path, var))
-    for num_layers, group in _stack_groups(stacked):
+        stacked = layer_slice is not None and names and names[0] == "layers"
+        by_depth.setdefault(value.shape[0] if stacked else None, []).append((path, var))
+    # Unstacked variables first: their programs' scratch is whole variables', so they run while the
+    # least is held.
+    by_depth = dict(sorted(by_depth.items(), key=lambda item: item[0] is not None))
+    for num_layers, group in _groups(by_depth):
         paths, variables = [p for p, _ in group], [v for _, v in group]
         values = [v.get_value() for v in variables]
         shardings = tuple(v.sharding for v in values)
+        if num_layers is None:
+            def init(paths=paths):
+                flat = dict(nnx.to_flat_state(build()))
+                return tuple(flat[path].get_value() for path in paths)
+
+            inits.append(_VariableInit(paths, variables, jax.jit(init, out_shardings=shardings)))
+            continue
 
         def write_layer(buffers, index, paths=paths):
             with layer_slice(index):
@@ -138,15 +141,19 @@ def _variable_inits(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules 
     return graphdef, inits
 
 
-def _stack_groups(stacked: dict[int, list]) -> list[tuple[int, list]]:
-    """(num_layers, [(path, var), ...]) groups of stacked variables that share their programs: per
-    depth, packed largest first so that one layer of a group holds at most as many bytes per device
-    as one layer of the largest stacked variable (the scratch of a per-variable program)."""
-    sized = {n: [(path, var, _shard_bytes(var.get_value()) // n) for path, var in items]
-             for n, items in stacked.items()}
-    cap = max((size for items in sized.values() for *_, size in items), default=0)
+def _groups(by_depth: dict[int | None, list]) -> list[tuple[int | None, list]]:
+    """(num_layers, [(path, var), ...]) groups of variables that share their programs (num_layers
+    None: unstacked, made whole): per depth, packed largest first so that an unstacked group holds
+    at most as many bytes per device as the largest unstacked variable, and one layer of a stacked
+    group at most as many as one layer of the largest stacked variable (the scratch bounds of
+    per-variable programs)."""
+    sized = {n: [(path, var, _shard_bytes(var.get_value()) // (n or 1)) for path, var in items]
+             for n, items in by_depth.items()}
+    caps = {stacked: max((size for n, items in sized.items() if (n is not None) == stacked for *_, size in items),
+                         default=0) for stacked in (False, True)}
     groups = []
     for num_layers, items in sized.items():
+        cap = caps[num_layers is not None]
         bins: list[list] = []  # [one layer's bytes, members]
         for path, var, size in items:  # largest first: first fit
             target = next((b for b in bins if b[0] + size <= cap), None)
@@ -185,7 +192,8 @@ def _create(factory, mesh, rules, layer_slice, keep) -> tuple[nnx.GraphDef, nnx.
     with jax.set_mesh(mesh):
         for item in inits:
             if isinstance(item, _VariableInit):
-                flat.append((item.path, item.var.replace(item.init())))
+                flat += [(path, var.replace(value))
+                         for path, var, value in zip(item.paths, item.vars, item.init(), strict=True)]
                 continue
             buffers = item.zeros()
             for index in range(item.num_layers):

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from podtrain.models import ModelConfig, from_hf
 from podtrain.models.lora import LoRAParam, apply_lora, merged, with_base
 from podtrain.models.peft import load_peft, read_peft_config
+from podtrain.models.runner import only_layer
 from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
 from podtrain.orchestrator.checkpoint.integrity import content_hash
 from podtrain.orchestrator.checkpoint.resume import lora_differences, model_differences, model_key_differences
@@ -224,7 +225,8 @@ def with_peft_adapter(model: nnx.Module, adapter: str, rules=None) -> nnx.Module
         factory = lambda: apply_lora(type(model)(config, rngs=nnx.Rngs(0)), lora)  # noqa: E731
         graphdef, abstract = abstract_model(factory, mesh, rules)
         base = with_base(nnx.merge(graphdef, abstract), state)
-        adapted = nnx.merge(graphdef, base, create_sharded_state(factory, mesh, rules, keep=LoRAParam))
+        adapted = nnx.merge(graphdef, base, create_sharded_state(factory, mesh, rules, layer_slice=only_layer,
+                                                                  keep=LoRAParam))
         load_peft(adapted, config, Path(adapter).expanduser())
     except ValueError as e:
         raise ConfigError(f"adapter={adapter}: {e}") from None

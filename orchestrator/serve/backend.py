@@ -34,8 +34,9 @@ from podtrain.models.lora import (
     LoRAParam,
     with_base,
 )
-from podtrain.models.lora_slots import init_slot, slot_view
+from podtrain.models.lora_slots import slot_view
 from podtrain.models.peft import to_peft
+from podtrain.models.runner import only_layer
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.inference.load import load_base, load_checkpoint_tokenizer
 from podtrain.orchestrator.serve import losses
@@ -50,6 +51,15 @@ from podtrain.orchestrator.serve.engine import (
     init_adam,
     sample_rows,
     slot_axes,
+)
+from podtrain.orchestrator.serve.slots import (
+    clear_slot,
+    cut_rank,
+    flat_names,
+    new_slot,
+    pad_rank,
+    read_slot,
+    write_slot,
 )
 from podtrain.orchestrator.serve.work import (
     BaseInfo,
@@ -122,9 +132,10 @@ class Engine:
         with use_rules(self.rules):
             self.graphdef, abstract = abstract_model(factory, self.mesh, self.rules)
             base = load_base(PlacedModel(config, self.mesh, self.graphdef, abstract)) if s.base else None
-            frozen = (create_sharded_state(factory, self.mesh, self.rules, keep=nnx.Not(LoRAParam)) if base is None
+            frozen = (create_sharded_state(factory, self.mesh, self.rules, layer_slice=only_layer,
+                                                  keep=nnx.Not(LoRAParam)) if base is None
                       else with_base(nnx.merge(self.graphdef, abstract), base, nnx.Not(LoRAParam)))
-            adapters = create_sharded_state(factory, self.mesh, self.rules, keep=LoRAParam)
+            adapters = create_sharded_state(factory, self.mesh, self.rules, layer_slice=only_layer, keep=LoRAParam)
         self.model = nnx.merge(self.graphdef, adapters, frozen)
         self.graphdef, self.adapters, self.rest = nnx.split(self.model, LoRAParam, ...)
         self.axes = slot_axes(self.adapters)
@@ -226,32 +237,16 @@ class Engine:
             raise ServeError(f"model_id: {work.model_id!r} already exists", status=409)
         index = self._free_slot()
         self._clear(index)
-        init_slot(self.model, index, work.rank, work.targets, work.seed)
-        self.adapters = nnx.state(self.model, LoRAParam)
+        self.adapters = new_slot(self.graphdef, self.adapters, self.rest, jnp.int32(index), jnp.int32(work.seed),
+                                 rank=work.rank, targets=tuple(work.targets))
         self._pin()
         self.slots[work.model_id] = Slot(index, work.rank, tuple(work.targets))
 
     def _clear(self, index: int) -> None:
         """Slot `index` empty: zero adapters, gradient and Adam state."""
-        init_slot(self.model, index, 1, (), 0)
-        self.adapters = nnx.state(self.model, LoRAParam)
-        self.grads = self._put_slot(self.grads, index, None)
-        self.adam = dataclasses.replace(
-            self.adam, mu=jax.tree.map(lambda m: m.at[index].set(0), self.adam.mu),
-            nu=jax.tree.map(lambda v: v.at[index].set(0), self.adam.nu), count=self.adam.count.at[index].set(0))
+        self.adapters, self.grads, self.adam = clear_slot(self.adapters, self.grads, self.adam, jnp.int32(index),
+                                                          axes=self.axes)
         self._pin()
-
-    def _put_slot(self, tree, index: int, values):
-        """`tree` (shaped as the adapters) with slot `index` set to `values` (None: zeros)."""
-        axes = jax.tree.unflatten(jax.tree.structure(tree), self.axes)
-
-        def put(x, axis, v=None):
-            where = (slice(None),) * axis + (index,)
-            return x.at[where].set(0 if v is None else v.astype(x.dtype))
-
-        if values is None:
-            return jax.tree.map(put, tree, axes)
-        return jax.tree.map(put, tree, axes, values)
 
     def _optim_steps(self, works, group, results) -> None:
         """One Adam step of each item's adapter, all in one program, each with its own AdamParams."""
@@ -330,9 +325,8 @@ class Engine:
             per_row["train"][r] = 1.0 if work.backward else 0.0
         batch = Batch(tokens=tokens, targets=targets, slot=slot_ix, rank=rank, loss=loss_ix, **arrays, **per_row)
         batch = jax.tree.map(jnp.asarray, batch)
-        grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, batch)
-        if any(works[index].backward for index, _, _ in chunk):
-            self.grads = jax.device_put(jax.tree.map(jnp.add, self.grads, grads), self._layout)
+        self.grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, self.grads, batch)
+        self._pin()
         return np.asarray(lp), np.asarray(loss)
 
     # -- sampling --
@@ -412,20 +406,15 @@ class Engine:
 
     # -- saving and loading --
 
-    def _flat(self, tree) -> dict[str, jax.Array]:
-        return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(tree)}
-
     def _slot_arrays(self, slot: Slot, *, optimizer: bool) -> dict[str, np.ndarray]:
         """The slot's adapters (and moments), each cut to its rank, as host arrays by name."""
-        out = {}
-        for (name, value), axis in zip(self._flat(self.adapters).items(), self.axes, strict=True):
-            one = np.asarray(jnp.take(value, slot.index, axis=axis))
-            out[f"adapter.{name}"] = _cut_rank(one, name, axis, slot.rank)
-        if optimizer:
-            for moment in ("mu", "nu"):
-                for (name, value), axis in zip(self._flat(getattr(self.adam, moment)).items(), self.axes, strict=True):
-                    out[f"{moment}.{name}"] = _cut_rank(np.asarray(value[slot.index]), name, axis, slot.rank)
-        return out
+        values, moments = read_slot(self.adapters, self.adam, jnp.int32(slot.index), axes=self.axes,
+                                    optimizer=optimizer)
+        named = [("adapter", values)] + ([] if moments is None else list(zip(("mu", "nu"), moments, strict=True)))
+        names = flat_names(self.adapters)
+        return {f"{prefix}.{name}": cut_rank(np.asarray(value), name, axis, slot.rank)
+                for prefix, tree in named
+                for name, value, axis in zip(names, jax.tree.leaves(tree), self.axes, strict=True)}
 
     def _save(self, work: Save) -> None:
         slot = self._slot(work.model_id)
@@ -463,27 +452,34 @@ class Engine:
                              "the optimizer")
         rank, targets = int(state["rank"]), tuple(state["targets"])
         self.check(Create(work.model_id, rank, targets))
+        names, structure = flat_names(self.adapters), jax.tree.structure(self.adapters)
+        shapes = [x.shape[:axis] + x.shape[axis + 1:] for x, axis in zip(jax.tree.leaves(self.adapters), self.axes,
+                                                                       strict=True)]
+
+        def tree(prefix):
+            leaves = []
+            for name, axis, shape in zip(names, self.axes, shapes, strict=True):
+                key = f"{prefix}.{name}"
+                if key not in arrays:
+                    raise ServeError(f"path: {work.path} lacks {key} ({ARRAYS_FILE})")
+                try:
+                    leaves.append(pad_rank(arrays[key], name, axis, self._info.max_rank))
+                except ValueError as e:
+                    raise ServeError(str(e)) from None
+                if leaves[-1].shape != shape:
+                    raise ServeError(f"path: {work.path}: {key} has shape {arrays[key].shape}, this service's "
+                                     f"adapters {shape} (at rank {self._info.max_rank})")
+            return jax.tree.unflatten(structure, leaves)
+
+        values = tree("adapter")
+        moments = (tree("mu"), tree("nu")) if work.optimizer else None
         slot = self.slots.get(work.model_id)
         if slot is None:
             slot = Slot(self._free_slot(), rank, targets)
         self._clear(slot.index)
         slot.rank, slot.targets, slot.steps = rank, targets, int(state["steps"])
-        max_rank = self._info.max_rank
-        names = list(self._flat(self.adapters))
-        values = [_pad_rank(arrays[f"adapter.{n}"], n, a, max_rank) for n, a in zip(names, self.axes, strict=True)]
-        self.adapters = self._put_slot(self.adapters, slot.index, jax.tree.unflatten(
-            jax.tree.structure(self.adapters), [jnp.asarray(v) for v in values]))
-        nnx.update(self.model, self.adapters)
-        if work.optimizer:
-            moments = {}
-            for moment in ("mu", "nu"):
-                leaves = [jnp.asarray(_pad_rank(arrays[f"{moment}.{n}"], n, a, max_rank))
-                          for n, a in zip(names, self.axes, strict=True)]
-                tree = getattr(self.adam, moment)
-                moments[moment] = jax.tree.map(lambda all_, v: all_.at[slot.index].set(v), tree,
-                                               jax.tree.unflatten(jax.tree.structure(tree), leaves))
-            self.adam = dataclasses.replace(self.adam, **moments,
-                                            count=self.adam.count.at[slot.index].set(int(state["adam_count"])))
+        self.adapters, self.adam = write_slot(self.adapters, self.adam, jnp.int32(slot.index), values, moments,
+                                              jnp.int32(state["adam_count"]), axes=self.axes)
         self._pin()
         self.slots[work.model_id] = slot
         return LoadResult(rank, targets)
@@ -498,19 +494,3 @@ def _adam_layout(adapters: nnx.State, axes: tuple[int, ...], mesh):
 
     moments = jax.tree.map(moved, adapters, jax.tree.unflatten(jax.tree.structure(adapters), axes))
     return AdamState(moments, moments, NamedSharding(mesh, PartitionSpec()))
-
-
-def _cut_rank(one: np.ndarray, name: str, axis: int, rank: int) -> np.ndarray:
-    """One slot's array (adapter axis removed) cut to `rank`: A's last axis, B's axis after its lead."""
-    if name.endswith("lora_a"):
-        return np.ascontiguousarray(one[..., :rank])
-    return np.ascontiguousarray(one[(slice(None),) * axis + (slice(0, rank),)])
-
-
-def _pad_rank(one: np.ndarray, name: str, axis: int, max_rank: int) -> np.ndarray:
-    rank_axis = one.ndim - 1 if name.endswith("lora_a") else axis
-    if one.shape[rank_axis] > max_rank:
-        raise ServeError(f"rank: the saved adapter's rank {one.shape[rank_axis]} exceeds serve.max_rank ({max_rank})")
-    pad = [(0, 0)] * one.ndim
-    pad[rank_axis] = (0, max_rank - one.shape[rank_axis])
-    return np.pad(one, pad)

@@ -102,16 +102,18 @@ def batch_losses(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]
     return jnp.where(real, lp, 0.0), jnp.where(real, losses, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def forward_backward(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, batch: Batch):
-    """(gradient of the trained rows' summed loss for every slot, logprobs (B, T), losses (B, T))."""
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,))
+def forward_backward(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, grads: nnx.State, batch: Batch):
+    """(`grads` plus the gradient of the trained rows' summed loss for every slot, logprobs (B, T),
+    losses (B, T)). A batch of forward passes only leaves `grads` exactly as they were."""
 
     def objective(adapters):
         lp, losses = batch_losses(nnx.merge(graphdef, adapters, rest), batch)
         return jnp.sum(losses * batch.train[:, None]), (lp, losses)
 
-    grads, (lp, losses) = jax.grad(objective, has_aux=True)(adapters)
-    return grads, lp, losses
+    new, (lp, losses) = jax.grad(objective, has_aux=True)(adapters)
+    trained = jnp.any(batch.train > 0)
+    return jax.tree.map(lambda g, n: jnp.where(trained, g + n.astype(g.dtype), g), grads, new), lp, losses
 
 
 @jax.tree_util.register_dataclass
@@ -131,7 +133,7 @@ def slot_axes(adapters: nnx.State) -> tuple[int, ...]:
     return tuple(v.get_metadata()["out_sharding"].index("lora_adapters") for v in variables)
 
 
-def _axes_tree(adapters, axes: tuple[int, ...]):
+def axes_tree(adapters, axes: tuple[int, ...]):
     return jax.tree.unflatten(jax.tree.structure(adapters), axes)
 
 
@@ -140,7 +142,7 @@ def init_adam(adapters: nnx.State, axes: tuple[int, ...], slots: int) -> AdamSta
     def zeros(x, axis):
         return jnp.zeros((x.shape[axis], *x.shape[:axis], *x.shape[axis + 1:]), jnp.float32)
 
-    mu = jax.tree.map(zeros, adapters, _axes_tree(adapters, axes))
+    mu = jax.tree.map(zeros, adapters, axes_tree(adapters, axes))
     return AdamState(mu, jax.tree.map(jnp.zeros_like, mu), jnp.zeros((slots,), jnp.int32))
 
 
@@ -160,7 +162,7 @@ def adam_steps(adapters: nnx.State, grads: nnx.State, state: AdamState, hyper: d
     mapped over the adapter axis, the gradient clipped by the slot's own norm. Inactive slots keep
     their parameters, moments, count and gradient exactly. Returns (adapters, grads with the
     active slots' zeroed, state, every slot's gradient norm before clipping (N,))."""
-    axes = _axes_tree(adapters, axes)
+    axes = axes_tree(adapters, axes)
     params = jax.tree.map(lambda p: p.astype(jnp.float32), _slot_major(adapters, axes))
     grad = jax.tree.map(lambda g: g.astype(jnp.float32), _slot_major(grads, axes))
 
