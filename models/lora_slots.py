@@ -5,10 +5,11 @@ single-adapter references read), and one put back."""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from podtrain.models.lora import _STREAM, AdaptedWeight, Adapter, LoRAEmbedding, _adapter_values, adapters
@@ -26,26 +27,30 @@ def _slot_adapters(model: nnx.Module):
             yield key, adapter
 
 
-def init_slot(model: nnx.Module, slot: int, rank: int, targets: Sequence[str], seed: int) -> None:
+def init_slot(model: nnx.Module, slot, rank, targets: Sequence[str] | Mapping[str, object], seed) -> None:
     """Sets slot `slot` of `model`'s adapters (changed in place) to a new adapter of rank `rank` on
     `targets`, initialised as PEFT does (A kaiming-uniform, B zero; for embeddings A zero, B
-    normal) from `seed`, and to zero on the other targets and ranks (which then get no gradient)."""
+    normal) from `seed`, and to zero on the other targets and ranks (which then get no gradient).
+
+    The values are a new adapter's at the slots' maximum rank, cut to `rank`: every rank is drawn
+    alike, so this is PEFT's init at `rank`. `slot`, `rank`, `seed` and, given as a mapping of
+    target names to booleans, the choice of targets may be traced, so that one compiled program
+    makes any new adapter."""
+    chosen = dict(targets) if isinstance(targets, Mapping) else {target: True for target in targets}
     stream = jax.random.fold_in(jax.random.key(seed), _STREAM)
     for key, adapter in _slot_adapters(model):
         axis, a_all = _slot_axis(adapter), adapter.lora_a[...]
         max_rank = a_all.shape[-1]
-        if not 0 < rank <= max_rank:
+        if isinstance(rank, int | np.integer) and not 0 < rank <= max_rank:
             raise ValueError(f"rank: expected 1 to {max_rank}, found {rank}")
         in_shape = a_all.shape[axis + 1:-1]
         out_shape = adapter.lora_b.shape[axis + 2:]
-        if adapter.target in targets:
-            a, b = _adapter_values(jax.random.fold_in(stream, zlib.crc32(key.encode())), in_shape, out_shape,
-                                   a_all.shape[0] if axis else 0, a_all.dtype, rank,
-                                   embedding=isinstance(adapter, LoRAEmbedding))
-            a, b = _padded_rank(a, b, axis, max_rank)
-        else:
-            a = jnp.zeros(a_all.shape[:axis] + a_all.shape[axis + 1:], a_all.dtype)
-            b = jnp.zeros(adapter.lora_b.shape[:axis] + adapter.lora_b.shape[axis + 1:], a_all.dtype)
+        a, b = _adapter_values(jax.random.fold_in(stream, zlib.crc32(key.encode())), in_shape, out_shape,
+                               a_all.shape[0] if axis else 0, a_all.dtype, max_rank,
+                               embedding=isinstance(adapter, LoRAEmbedding))
+        keep = (jnp.arange(max_rank) < rank) & jnp.asarray(chosen.get(adapter.target, False))
+        a = jnp.where(keep, a, 0)
+        b = jnp.where(keep.reshape([1] * axis + [max_rank] + [1] * (b.ndim - axis - 1)), b, 0)
         set_slot_arrays(adapter, slot, a, b)
 
 

@@ -237,8 +237,9 @@ class Engine:
             raise ServeError(f"model_id: {work.model_id!r} already exists", status=409)
         index = self._free_slot()
         self._clear(index)
+        chosen = {target: jnp.asarray(target in work.targets) for target in self.config.lora.targets}
         self.adapters = new_slot(self.graphdef, self.adapters, self.rest, jnp.int32(index), jnp.int32(work.seed),
-                                 rank=work.rank, targets=tuple(work.targets))
+                                 jnp.int32(work.rank), chosen)
         self._pin()
         self.slots[work.model_id] = Slot(index, work.rank, tuple(work.targets))
 

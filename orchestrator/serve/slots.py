@@ -1,9 +1,8 @@
 """The engine's programs on one adapter slot, and a slot's saved form.
 
 A new adapter, an unloaded one, a loaded one and a saved one each touch one slot of arrays that
-hold every slot. Each is one jitted program with the slot index traced, so that adapters coming
-and going compile nothing after the first time (a new adapter's program is per rank and targets,
-as its initial values are PEFT's for that rank).
+hold every slot. Each is one jitted program with the slot index traced (and for a new adapter its
+rank, targets and seed), so that adapters coming and going compile nothing after the first time.
 
 A saved slot is a flat dict of host arrays named `adapter.<path>` (and `mu.<path>`, `nu.<path>`
 with the optimizer), each without the adapter axis and cut to the adapter's rank.
@@ -37,13 +36,13 @@ def clear_slot(adapters: nnx.State, grads: nnx.State, state: AdamState, index, *
             AdamState(jax.tree.map(moments, state.mu), jax.tree.map(moments, state.nu), state.count.at[index].set(0)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "rank", "targets"), donate_argnums=(1,))
-def new_slot(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, index, seed, *, rank: int,
-             targets: tuple[str, ...]) -> nnx.State:
-    """The adapters with slot `index` a new adapter of `rank` on `targets`, from `seed`
-    (`models.lora_slots.init_slot`)."""
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(1,))
+def new_slot(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, index, seed, rank,
+             chosen: dict[str, jax.Array]) -> nnx.State:
+    """The adapters with slot `index` a new adapter of `rank` on the targets `chosen` marks
+    ({target: bool} over every target the slots hold), from `seed` (`models.lora_slots.init_slot`)."""
     model = nnx.merge(graphdef, adapters, rest)
-    init_slot(model, index, rank, targets, seed)
+    init_slot(model, index, rank, chosen, seed)
     return nnx.state(model, LoRAParam)
 
 

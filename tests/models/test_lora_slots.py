@@ -110,17 +110,32 @@ def test_empty_slots_and_new_adapters_leave_the_base_unchanged():
         np.testing.assert_allclose(np.asarray(model(ids)[0]), want, rtol=0, atol=0)
 
 
-def test_a_new_slot_is_the_adapter_apply_lora_makes():
+def test_a_new_slot_is_the_adapter_apply_lora_makes_cut_to_its_rank():
+    """PEFT's init draws every rank alike: a rank-4 slot is the first 4 ranks of the adapter
+    `apply_lora` makes at the slots' rank 8, whether the rank and targets are traced or not."""
     config = config_of()
+    targets = ("q_proj", "down_proj", "embed_tokens")
     model = slotted(config, 3, 8)
-    init_slot(model, 2, 4, ("q_proj", "down_proj", "embed_tokens"), seed=7)
-    want = dict(adapters(alone(config, 4, ("q_proj", "down_proj", "embed_tokens"), 7)))
-    got = dict(adapters(slot_view(model, 2, 4, ALPHA, ("q_proj", "down_proj", "embed_tokens"))))
-    assert got.keys() == want.keys()
-    for key, adapter in want.items():
-        for name in ("lora_a", "lora_b"):
-            np.testing.assert_array_equal(np.asarray(getattr(got[key], name)[...]),
-                                          np.asarray(getattr(adapter, name)[...]), err_msg=key)
+    init_slot(model, 2, 4, targets, seed=7)
+    traced = slotted(config, 3, 8)
+    graphdef, params, rest = nnx.split(traced, LoRAParam, ...)
+
+    @jax.jit
+    def new(params, rank, chosen):
+        m = nnx.merge(graphdef, params, rest)
+        init_slot(m, 2, rank, chosen, 7)
+        return nnx.state(m, LoRAParam)
+
+    nnx.update(traced, new(params, jnp.int32(4), {t: jnp.asarray(t in targets) for t in SLOT_TARGETS}))
+    want = dict(adapters(alone(config, 8, targets, 7)))
+    for got in (dict(adapters(slot_view(m, 2, 4, ALPHA, targets))) for m in (model, traced)):
+        assert got.keys() == want.keys()
+        for key, adapter in want.items():
+            a, b = np.asarray(adapter.lora_a[...]), np.asarray(adapter.lora_b[...])
+            rank_axis = adapter.lora_b.get_metadata()["out_sharding"].index("lora_rank")
+            np.testing.assert_array_equal(np.asarray(got[key].lora_a[...]), a[..., :4], err_msg=key)
+            np.testing.assert_array_equal(np.asarray(got[key].lora_b[...]), np.take(b, range(4), axis=rank_axis),
+                                          err_msg=key)
     # The other slots stay empty.
     for _, adapter in adapters(slot_view(model, 0, 8, ALPHA, SLOT_TARGETS)):
         assert not np.asarray(adapter.lora_a[...]).any() and not np.asarray(adapter.lora_b[...]).any()

@@ -36,12 +36,32 @@ def sft_datum(rng, length: int, vocab: int) -> Datum:
     return Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights})
 
 
+def padded(data, rows: int = 8, length: int = 64):
+    """The data as right-padded (rows, length) arrays: tokens, targets and weights (0 on padding)."""
+    tokens, targets, weights = (np.zeros((rows, length), dtype) for dtype in (np.int32, np.int32, np.float32))
+    for r, datum in enumerate(data):
+        n = len(datum.tokens)
+        tokens[r, :n], targets[r, :n] = datum.tokens, datum.inputs["target_tokens"]
+        weights[r, :n] = datum.inputs["weights"]
+    return jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(weights)
+
+
+@jax.jit
+def target_logprobs(model: nnx.Module, tokens, targets):
+    """Each position's log-probability of its target (a causal model: right padding changes nothing
+    before it)."""
+    logits = model(tokens)[0].astype(jnp.float32)
+    return jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+
+
+def reference_loss(model: nnx.Module, tokens, targets, weights):
+    """The summed weighted cross-entropy of padded rows."""
+    return -jnp.sum(target_logprobs(model, tokens, targets) * weights)
+
+
 def reference_losses(model: nnx.Module, data) -> tuple[list[np.ndarray], float]:
-    """Per datum its target logprobs, and the summed weighted cross-entropy, one row at a time."""
-    lps, total = [], 0.0
-    for datum in data:
-        logits = model(jnp.asarray(datum.tokens)[None])[0][0].astype(jnp.float32)
-        lp = np.asarray(jax.nn.log_softmax(logits))[np.arange(len(datum.tokens)), datum.inputs["target_tokens"]]
-        lps.append(lp)
-        total += float(-(lp * datum.inputs["weights"]).sum())
-    return lps, total
+    """Per datum its target logprobs, and the summed weighted cross-entropy, on the model alone."""
+    tokens, targets, weights = padded(data)
+    lp = np.asarray(target_logprobs(model, tokens, targets))
+    lps = [lp[r, :len(datum.tokens)] for r, datum in enumerate(data)]
+    return lps, float(sum(-(row * datum.inputs["weights"]).sum() for row, datum in zip(lps, data, strict=True)))
