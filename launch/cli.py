@@ -34,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
             cmd.add_argument("--target", default=None,
                              help="compile for this TPU slice or these GPU nodes instead of this machine's devices "
                                   "(e.g. v5p-128, 2xv5p-64, v6e-256, h100x8, 4xh100x8; needs podtrain[aot])")
+            cmd.add_argument("--serve", action="store_true",
+                             help="plan `podtrain serve` of this config (-c as for serve) on --target: per-chip "
+                                  "memory of its programs and how many adapters of serve.max_rank fit")
         if name == "check":
             cmd.add_argument("--steps", type=int, default=2, help="train steps to run")
         if name == "submit":

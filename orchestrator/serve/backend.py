@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
 
 from podtrain.models import ARCHITECTURES
@@ -40,9 +39,8 @@ from podtrain.models.runner import only_layer
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.inference.load import load_base, load_checkpoint_tokenizer
 from podtrain.orchestrator.serve import losses
-from podtrain.orchestrator.serve.checks import check_work, serve_targets
+from podtrain.orchestrator.serve.checks import check_work, slot_targets
 from podtrain.orchestrator.serve.engine import (
-    AdamState,
     Batch,
     SampleBatch,
     adam_steps,
@@ -50,8 +48,8 @@ from podtrain.orchestrator.serve.engine import (
     forward_backward,
     init_adam,
     sample_rows,
-    slot_axes,
 )
+from podtrain.orchestrator.serve.layout import engine_layout
 from podtrain.orchestrator.serve.slots import (
     clear_slot,
     cut_rank,
@@ -78,8 +76,8 @@ from podtrain.orchestrator.serve.work import (
     Unload,
     Work,
 )
-from podtrain.orchestrator.train.build import PlacedModel, make_mesh, model_factory, resolve_kernels
-from podtrain.sharding.place import abstract_model, create_sharded_state
+from podtrain.orchestrator.train.build import PlacedModel
+from podtrain.sharding.place import create_sharded_state
 from podtrain.sharding.rules import use_rules
 
 STATE_FILE, ARRAYS_FILE = "adapter_state.json", "adapter.safetensors"
@@ -92,7 +90,7 @@ def serve_info(config) -> tuple[BaseInfo, tuple[str, ...]]:
     """(what clients see of the base model, every adapter target the service holds) of a serve
     config; the same in the driver and on every worker."""
     s, m = config.serve, config.model
-    targets = serve_targets(m.model_type, unembed=not m.tie_word_embeddings)
+    targets = slot_targets(m)
     info = BaseInfo(base_model=s.base_model, tokenizer_id=s.tokenizer or "", model_type=m.model_type,
                     vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
                     max_adapters=s.max_adapters, tied_embeddings=m.tie_word_embeddings, eos_token_ids=_eos_ids(config))
@@ -121,28 +119,23 @@ class Engine:
     """The Backend of one process: see the module docstring."""
 
     def __init__(self, config, devices=None):
-        s = config.serve
-        self._info, targets = serve_info(config)
-        lora = LoRAConfig(rank=s.max_rank, alpha=s.lora_alpha, targets=targets, base=s.base)
-        config = dataclasses.replace(config, lora=lora)
-        self.mesh = make_mesh(config, devices)
-        self.config = config = resolve_kernels(config, self.mesh.devices.flat[0].platform)
-        self.rules = config.sharding.rules
-        factory = model_factory(config.model, config.train.seed, lora, slots=s.max_adapters)
+        self._info, _ = serve_info(config)
+        layout = engine_layout(config, devices)
+        self.config, self.mesh, self.rules = layout.config, layout.mesh, layout.config.sharding.rules
         with use_rules(self.rules):
-            self.graphdef, abstract = abstract_model(factory, self.mesh, self.rules)
-            base = load_base(PlacedModel(config, self.mesh, self.graphdef, abstract)) if s.base else None
-            frozen = (create_sharded_state(factory, self.mesh, self.rules, layer_slice=only_layer,
-                                                  keep=nnx.Not(LoRAParam)) if base is None
-                      else with_base(nnx.merge(self.graphdef, abstract), base, nnx.Not(LoRAParam)))
-            adapters = create_sharded_state(factory, self.mesh, self.rules, layer_slice=only_layer, keep=LoRAParam)
-        self.model = nnx.merge(self.graphdef, adapters, frozen)
+            base = load_base(PlacedModel(self.config, self.mesh, layout.full_graphdef, layout.full))
+            frozen = (create_sharded_state(layout.factory, self.mesh, self.rules, layer_slice=only_layer,
+                                           keep=nnx.Not(LoRAParam)) if base is None
+                      else with_base(nnx.merge(layout.full_graphdef, layout.full), base, nnx.Not(LoRAParam)))
+            adapters = create_sharded_state(layout.factory, self.mesh, self.rules, layer_slice=only_layer,
+                                            keep=LoRAParam)
+        self.model = nnx.merge(layout.full_graphdef, adapters, frozen)
         self.graphdef, self.adapters, self.rest = nnx.split(self.model, LoRAParam, ...)
-        self.axes = slot_axes(self.adapters)
+        self.axes = layout.axes
         self.grads = jax.tree.map(jnp.zeros_like, self.adapters)
-        self.adam = init_adam(self.adapters, self.axes, s.max_adapters)
+        self.adam = init_adam(self.adapters, self.axes, self._info.max_adapters)
         self._layout = jax.tree.map(lambda x: x.sharding, self.adapters)
-        self._adam_layout = _adam_layout(self.adapters, self.axes, self.mesh)
+        self._adam_layout = layout.adam_shardings()
         self._pin()
         self.slots: dict[str, Slot] = {}
         self.sample_count = 0
@@ -190,6 +183,8 @@ class Engine:
                     self._guarded(self._single, works, [index], results)
                 for key in [k for k, q in queues.items() if not q]:
                     del queues[key]
+        # A step ends when its programs have run: the next step's programs never overlap them.
+        jax.block_until_ready((self.adapters, self.grads, self.adam))
         return results
 
     def _slot(self, model_id: str) -> Slot:
@@ -485,13 +480,3 @@ class Engine:
         self.slots[work.model_id] = slot
         return LoadResult(rank, targets)
 
-
-def _adam_layout(adapters: nnx.State, axes: tuple[int, ...], mesh):
-    """The moments' shardings: each adapter leaf's, its adapter axis first; the counts replicated."""
-    def moved(x, axis):
-        spec = [*x.sharding.spec, *([None] * (x.ndim - len(x.sharding.spec)))]
-        entry = spec.pop(axis)
-        return NamedSharding(mesh, PartitionSpec(entry, *spec))
-
-    moments = jax.tree.map(moved, adapters, jax.tree.unflatten(jax.tree.structure(adapters), axes))
-    return AdamState(moments, moments, NamedSharding(mesh, PartitionSpec()))

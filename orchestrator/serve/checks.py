@@ -49,6 +49,11 @@ def serve_targets(model_type: str, *, attn: bool = True, mlp: bool = True, unemb
     return targets
 
 
+def slot_targets(model) -> tuple[str, ...]:
+    """Every target the adapter slots of a service on `model` (a ModelConfig) hold."""
+    return serve_targets(model.model_type, unembed=not model.tie_word_embeddings)
+
+
 def _check_tokens(info: BaseInfo, what: str, tokens: np.ndarray) -> None:
     if tokens.ndim != 1 or len(tokens) == 0:
         raise ServeError(f"{what}: expected a non-empty list of token ids, found shape {tokens.shape}")

@@ -10,7 +10,8 @@ from flax import nnx
 
 from podtrain.models.lora_slots import slot_view
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.serve.backend import Engine, serve_targets
+from podtrain.orchestrator.serve.backend import Engine
+from podtrain.orchestrator.serve.checks import serve_targets
 from podtrain.orchestrator.serve.work import Datum
 
 OVERRIDES = ["serve.max_adapters=4", "serve.max_rank=8", "serve.max_seq_len=64", "serve.max_rows=8",

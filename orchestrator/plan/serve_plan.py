@@ -1,0 +1,190 @@
+"""`podtrain plan --serve`: the service's engine compiled for a target before anything is reserved.
+
+The engine's three programs (`serve.engine`) are compiled at their largest shapes on the engine's
+layout (`serve.layout`): a training step of `serve.max_rows` rows of `serve.max_seq_len` tokens,
+the Adam step of every slot, and sampling whose prompt and new tokens fill `serve.max_seq_len`.
+Each program also takes what the engine holds and it does not use (the Adam state during a pass,
+the base during an Adam step), so the compiler's per-chip peak (arguments + outputs - aliased +
+scratch) and, on TPUs, its own check against the chip's memory cover the whole engine. The
+service fits when every program does.
+
+How many adapters fit: the engine's memory grows by the same bytes with every slot (its adapters,
+gradient and moments), so two compiles give the per-slot bytes, and the largest count under the
+chip's memory is then checked by compiling it and one more.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from podtrain.orchestrator.config.compose import apply_overrides
+from podtrain.orchestrator.plan.on_target import _OOM, _UNITS, _shard_bytes
+from podtrain.orchestrator.plan.targets import Target, compile_devices
+from podtrain.orchestrator.serve.backend import ADAM_KEYS, MIN_TOKENS
+from podtrain.orchestrator.serve.engine import adam_steps, bucket, forward_backward, sample_rows
+from podtrain.orchestrator.serve.layout import EngineLayout, engine_layout
+from podtrain.sharding.rules import use_rules
+
+PROGRAMS = ("forward_backward", "adam_steps", "sample")
+
+
+def sample_shape(max_seq_len: int) -> tuple[int, int]:
+    """(padded prompt, padded new tokens) of the largest sampling program the engine can run: a
+    prompt and a token budget that together fit `max_seq_len`, each padded up to a power of two."""
+    splits = [(bucket(p, MIN_TOKENS), bucket(max_seq_len - p, MIN_TOKENS)) for p in range(1, max_seq_len)]
+    return max(splits, key=sum)
+
+
+def _lowered(layout: EngineLayout) -> tuple[dict, dict]:
+    """The engine's programs at their largest shapes, lowered, and the bytes per chip of what the
+    engine holds. Each program also takes (unused, kept) whatever the engine holds that it does
+    not, so that the compiler's memory figures and its HBM check cover the whole engine."""
+    s = layout.config.serve
+    n, graphdef, axes = s.max_adapters, layout.graphdef, layout.axes
+    replicated = layout.batch(1, 1).slot.sharding
+    adapters, rest, adam = layout.adapters, layout.rest, layout.adam()
+    bytes_of = {"adapters": _shard_bytes(jax.tree.leaves(adapters)), "rest": _shard_bytes(jax.tree.leaves(rest)),
+                "adam": _shard_bytes(jax.tree.leaves(adam))}
+    hyper = {key: jax.ShapeDtypeStruct((n,), jnp.float32, sharding=replicated) for key in ADAM_KEYS}
+    hyper["active"] = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=replicated)
+    prompt, new = sample_shape(s.max_seq_len)
+    rows = bucket(s.max_rows)
+
+    def passes(adam, adapters, rest, grads, batch):
+        return forward_backward(graphdef, adapters, rest, grads, batch)
+
+    def steps(rest, adapters, grads, adam, hyper):
+        return adam_steps(adapters, grads, adam, hyper, axes=axes)
+
+    def sample(grads, adam, adapters, rest, batch):
+        return sample_rows(graphdef, adapters, rest, batch, new_tokens=new, filtered=True, prompt_logprobs=True)
+
+    def lower(fn, *args, donate=()):
+        return jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*args)
+
+    with jax.set_mesh(layout.mesh), use_rules(layout.config.sharding.rules):
+        return {
+            "forward_backward": lower(passes, adam, adapters, rest, adapters,
+                                      layout.batch(rows, bucket(s.max_seq_len, MIN_TOKENS)), donate=(3,)),
+            "adam_steps": lower(steps, rest, adapters, adapters, adam, hyper, donate=(1, 2, 3)),
+            "sample": lower(sample, adapters, adam, adapters, rest, layout.sample_batch(rows, prompt)),
+        }, bytes_of
+
+
+def _compile(lowered):
+    """(compiled, None), or (None, (needed, capacity) bytes) when the TPU compiler ran out of memory."""
+    try:
+        return lowered.compile(), None
+    except Exception as error:  # XlaRuntimeError; its text is all it says
+        text = str(error)
+        m = next((found for pattern in _OOM if (found := pattern.search(text))), None)
+        if "RESOURCE_EXHAUSTED" not in text or not m:
+            raise
+        return None, (int(float(m[1]) * _UNITS[m[2]]), int(float(m[3]) * _UNITS[m[4]]))
+
+
+def plan_serve_on_target(config, target: Target, devices=None, *, programs=None) -> dict:
+    """Compiles `config`'s engine for `target`: each program's per-chip peak, the verdict (the TPU
+    compiler's own; on GPUs the peak against the GPU's memory), and the training pass's FLOPs per
+    token. `programs` (names) compiles only those, in that order, and stops at the first that does
+    not fit (enough to show that a config does not)."""
+    devices = compile_devices(target) if devices is None else devices
+    layout = engine_layout(config, devices)
+    start = time.perf_counter()
+    lowered, bytes_of = _lowered(layout)
+    s, chip = layout.config.serve, target.chip
+    hbm, report = chip.hbm_bytes, {}
+    for name in PROGRAMS if programs is None else programs:
+        compiled, oom = _compile(lowered[name])
+        if compiled is None:
+            needed, hbm = oom
+            report[name] = {"peak_bytes": needed, "fits": False}
+            break
+        mem = compiled.memory_analysis()
+        peak = int(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                   + mem.temp_size_in_bytes)
+        report[name] = {"peak_bytes": peak, "temp_bytes": int(mem.temp_size_in_bytes), "fits": peak <= chip.hbm_bytes}
+        if name == "forward_backward":
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list | tuple) else cost
+            tokens = bucket(s.max_rows) * bucket(s.max_seq_len, MIN_TOKENS)
+            report[name]["flops_per_token"] = float(cost.get("flops", 0.0)) * target.devices / tokens
+        if programs is not None and not report[name]["fits"]:
+            break
+    peak = max(p["peak_bytes"] for p in report.values())
+    return {"target": target.name, "chip": chip.name, "devices": target.devices, "hosts": target.hosts,
+            "mesh": dict(layout.mesh.shape), "max_adapters": s.max_adapters, "max_rank": s.max_rank,
+            "max_rows": s.max_rows, "max_seq_len": s.max_seq_len, "sample_shape": list(sample_shape(s.max_seq_len)),
+            "base_bytes": bytes_of["rest"], "adapters_bytes": bytes_of["adapters"], "adam_bytes": bytes_of["adam"],
+            "programs": report, "peak_bytes": peak, "hbm_bytes": hbm, "headroom_bytes": hbm - peak,
+            "fits": all(p["fits"] for p in report.values()),
+            "checked_by": "the TPU compiler" if chip.platform == "tpu" else "podtrain (peak vs the GPU's memory)",
+            "compile_s": time.perf_counter() - start}
+
+
+def adapters_that_fit(config, target: Target, devices=None, *, report: dict | None = None,
+                      max_compiles: int = 6) -> dict:
+    """The largest `serve.max_adapters` whose engine fits `target`, at the config's rank: from the
+    per-slot bytes of two compiles, then checked by compiling it (fits) and one more (does not).
+
+    Returns {"max_adapters" (0 when not even one fits), "per_adapter_bytes", "checked" (both sides
+    of the boundary compiled within `max_compiles`), "peak_bytes" (at that count), "compiles"}."""
+    devices = compile_devices(target) if devices is None else devices
+    plans: dict[int, dict] = {} if report is None else {report["max_adapters"]: report}
+    compiles = 0
+
+    def fits(n: int) -> bool:
+        nonlocal compiles
+        if n not in plans:
+            compiles += 1
+            # The programs largest at the nearest count compiled whole go first: where one does not
+            # fit, the rest are not compiled.
+            whole = [k for k in plans if len(plans[k]["programs"]) == len(PROGRAMS)]
+            nearest = plans[min(whole, key=lambda k: abs(k - n))]["programs"] if whole else {}
+            order = sorted(PROGRAMS, key=lambda p: -nearest.get(p, {}).get("peak_bytes", 0))
+            plans[n] = plan_serve_on_target(apply_overrides(config, [f"serve.max_adapters={n}"]), target, devices,
+                                            programs=order)
+        return plans[n]["fits"]
+
+    first = config.serve.max_adapters
+    second = first * 2 if first > 1 else 2
+    fits(first), fits(second)
+    per_adapter = max(1, (plans[second]["peak_bytes"] - plans[first]["peak_bytes"]) // (second - first))
+    count = max(0, first + (target.chip.hbm_bytes - plans[first]["peak_bytes"]) // per_adapter)
+    # From the estimate to the boundary: `count` fits and one more does not.
+    while compiles < max_compiles:
+        if count >= 1 and not fits(count):
+            count -= 1
+        elif fits(count + 1):
+            count += 1
+        else:
+            break
+    checked = (count == 0 or plans.get(count, {}).get("fits", False)) and count + 1 in plans \
+        and not plans[count + 1]["fits"]
+    return {"max_adapters": int(count), "per_adapter_bytes": int(per_adapter), "checked": checked,
+            "peak_bytes": plans[count]["peak_bytes"] if count in plans else None,
+            "fits_at": {str(k): plans[k]["fits"] for k in sorted(plans)}, "compiles": compiles}
+
+
+def format_serve(report: dict) -> str:
+    gib = 2**30
+    lines = [f"serve on {report['target']} ({report['devices']} x {report['chip']}, mesh "
+             + " ".join(f"{k}={v}" for k, v in report["mesh"].items() if v > 1) + ")",
+             f"  {report['max_adapters']} adapters of rank up to {report['max_rank']}, "
+             f"{report['max_rows']} rows of {report['max_seq_len']} tokens",
+             f"  per chip: base {report['base_bytes'] / gib:.2f} GiB, adapters "
+             f"{report['adapters_bytes'] / gib:.2f} GiB (and as much again for their gradients), Adam "
+             f"{report['adam_bytes'] / gib:.2f} GiB"]
+    for name, program in report["programs"].items():
+        lines.append(f"  {name:<16} peak {program['peak_bytes'] / gib:.2f} GiB"
+                     + ("" if program["fits"] else " (over the chip's memory)"))
+    verdict = "fits" if report["fits"] else "does not fit"
+    lines.append(f"  {verdict}: peak {report['peak_bytes'] / gib:.2f} GiB of {report['hbm_bytes'] / gib:.2f} GiB")
+    fit = report.get("adapters_that_fit")
+    if fit:
+        lines.append(f"  adapters that fit at rank {report['max_rank']}: {fit['max_adapters']} "
+                     f"({fit['per_adapter_bytes'] / 2**20:.1f} MiB per chip each)")
+    return "\n".join(lines)

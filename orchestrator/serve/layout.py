@@ -1,0 +1,93 @@
+"""What the engine holds, laid out but not allocated: the serve config's model with its adapter
+slots on the mesh, every array as a `jax.ShapeDtypeStruct` with its sharding.
+
+The engine allocates exactly this; `podtrain plan --serve` compiles the engine's programs on it for
+a target without allocating anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from podtrain.models.lora import LoRAConfig, LoRAParam
+from podtrain.orchestrator.serve.checks import slot_targets
+from podtrain.orchestrator.serve.engine import AdamState, Batch, SampleBatch, axes_tree, slot_axes
+from podtrain.orchestrator.train.build import make_mesh, model_factory, resolve_kernels
+from podtrain.sharding.place import abstract_model
+from podtrain.sharding.rules import use_rules
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLayout:
+    config: object  # the serve config, its `lora` the slots' and its kernels resolved for the mesh
+    mesh: Mesh
+    factory: Callable  # builds the model with its slots (traced, for params born sharded)
+    full_graphdef: nnx.GraphDef  # of the whole model's state
+    full: nnx.State  # the whole model's state, abstract
+    graphdef: nnx.GraphDef  # of (adapters, rest)
+    adapters: nnx.State  # every slot's adapters, abstract
+    rest: nnx.State  # the base weights, abstract
+    axes: tuple[int, ...]  # each adapter leaf's adapter axis
+
+    def adam_shardings(self) -> AdamState:
+        """The moments' shardings: each adapter leaf's, its adapter axis first; the counts replicated."""
+        def moved(x, axis):
+            spec = [*x.sharding.spec, *([None] * (x.ndim - len(x.sharding.spec)))]
+            entry = spec.pop(axis)
+            return NamedSharding(self.mesh, PartitionSpec(entry, *spec))
+
+        moments = jax.tree.map(moved, self.adapters, axes_tree(self.adapters, self.axes))
+        return AdamState(moments, moments, NamedSharding(self.mesh, PartitionSpec()))
+
+    def adam(self) -> AdamState:
+        """Every slot's Adam state, abstract (float32 moments, slot-major)."""
+        shardings = self.adam_shardings()
+
+        def moment(x, axis, sharding):
+            shape = (x.shape[axis], *x.shape[:axis], *x.shape[axis + 1:])
+            return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+
+        tree = axes_tree(self.adapters, self.axes)
+        mu = jax.tree.map(moment, self.adapters, tree, shardings.mu)
+        count = jax.ShapeDtypeStruct((self.config.serve.max_adapters,), jnp.int32, sharding=shardings.count)
+        return AdamState(mu, mu, count)
+
+    def _replicated(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, PartitionSpec()))
+
+    def batch(self, rows: int, tokens: int) -> Batch:
+        """A training batch of `rows` x `tokens`, abstract."""
+        fields = {f.name: f for f in dataclasses.fields(Batch)}
+        ints = {"tokens", "targets", "slot", "rank", "loss"}
+        per_token = {"tokens", "targets", "weights", "sampling_lp", "advantages", "real"}
+        return Batch(**{name: self._replicated((rows, tokens) if name in per_token else (rows,),
+                                               jnp.int32 if name in ints else jnp.float32) for name in fields})
+
+    def sample_batch(self, rows: int, prompt: int, stops: int = 8) -> SampleBatch:
+        """A sampling batch of `rows` prompts of up to `prompt` tokens, abstract."""
+        ints = {"prompt", "length", "slot", "rank", "top_k", "seed", "stop", "max_tokens"}
+        shapes = {"prompt": (rows, prompt), "stop": (rows, stops)}
+        return SampleBatch(**{f.name: self._replicated(shapes.get(f.name, (rows,)),
+                                                       jnp.int32 if f.name in ints else jnp.float32)
+                              for f in dataclasses.fields(SampleBatch)})
+
+
+def engine_layout(config, devices=None) -> EngineLayout:
+    """The engine of `config` (a serve config) on `devices` (default: all), laid out."""
+    s, m = config.serve, config.model
+    targets = slot_targets(m)
+    lora = LoRAConfig(rank=s.max_rank, alpha=s.lora_alpha, targets=targets, base=s.base)
+    config = dataclasses.replace(config, lora=lora)
+    mesh = make_mesh(config, devices)
+    config = resolve_kernels(config, mesh.devices.flat[0].platform)
+    factory = model_factory(config.model, config.train.seed, lora, slots=s.max_adapters)
+    with use_rules(config.sharding.rules):
+        full_graphdef, full = abstract_model(factory, mesh, config.sharding.rules)
+    graphdef, adapters, rest = nnx.split(nnx.merge(full_graphdef, full), LoRAParam, ...)
+    return EngineLayout(config, mesh, factory, full_graphdef, full, graphdef, adapters, rest, slot_axes(adapters))
