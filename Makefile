@@ -24,12 +24,12 @@ train: install
 # beside a decoy models/ package (it needs the package registry, so it runs outside the namespace).
 test: install
 	$(VENV)/bin/ruff check .
-	bash tests/netns.sh $(PY) -m pytest -q -n 2 --dist worksteal -m "not ray" --durations=25
+	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not ray" --durations=25
 	bash tests/netns.sh $(PY) -m pytest -q -m ray --durations=10
 	bash tests/wheel_check.sh
 
 test-quick: install
-	bash tests/netns.sh $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
+	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

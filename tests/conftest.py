@@ -21,9 +21,3 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-
-def pytest_collection_modifyitems(config, items):
-    """Test files with slow tests first, each file's tests kept together (module fixtures are built
-    once): on two workers the long tests then start early, and the short ones fill the end."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
