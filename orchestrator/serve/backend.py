@@ -183,8 +183,6 @@ class Engine:
                     self._guarded(self._single, works, [index], results)
                 for key in [k for k, q in queues.items() if not q]:
                     del queues[key]
-        # A step ends when its programs have run: the next step's programs never overlap them.
-        jax.block_until_ready((self.adapters, self.grads, self.adam))
         return results
 
     def _slot(self, model_id: str) -> Slot:
