@@ -134,7 +134,8 @@ class TrainConfig:
                              f"{prefix}.seq_len={self.seq_len}")
 
 
-DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "array_record", "tokens")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "array_record", "tokens", "chat")
+LOSS_ON = ("assistant", "all", "last_assistant")
 DOCUMENT_MODES = ("auto", "file", "paragraphs", "windows")
 
 
@@ -148,7 +149,9 @@ class DataConfig:
             "parquet" (one per row), "array_record" (one UTF-8 document per record) or "tokens"
             (`.npy` arrays of pre-tokenised ids, 1-D or one stream per row of a 2-D array, cut into
             rows of seq_len+1 ids; a document ends at each occurrence of the tokeniser's EOS id,
-            `eos_token`). A file that is not UTF-8 text is an error naming it (the "stdlib" source
+            `eos_token`) or "chat" (JSONL or Parquet rows of `messages`, or `prompt` and `completion`,
+            rendered with the chat template and packed whole: see `data.chat`). A file that is not UTF-8 text is
+            an error naming it (the "stdlib" source
             alone reads undecodable bytes as U+FFFD: a few of its test files use other encodings).
         path: a file, a directory (searched recursively for the source's suffix, hidden entries
             skipped; any file for "text") or a glob.
@@ -160,7 +163,10 @@ class DataConfig:
         window_bytes: the longest piece of `documents="windows"`, in bytes (at least 4, the longest
             UTF-8 character).
         text_field: the JSON key ("jsonl") or column ("parquet") holding the text.
-        tokenizer: "byte" (`ByteTokenizer`, vocabulary 259) or a `tokenizer.json` path.
+        tokenizer: "byte" (`ByteTokenizer`, vocabulary 259) or a `tokenizer.json` path (or its directory).
+        chat_template: a Jinja chat template file for "chat" rows, instead of the tokenizer's own.
+        loss_on: which tokens the loss trains on: "all", or for "chat" rows "assistant" (the default
+            there: every assistant turn) or "last_assistant"; None: the default of the source.
         eos_token: the EOS token of a `tokenizer.json` tokeniser (e.g. "<|end_of_text|>").
         bos_token: its BOS token; required with `add_bos`.
         add_bos: start every text document with BOS.
@@ -179,6 +185,8 @@ class DataConfig:
     window_bytes: int = 4096
     text_field: str = "text"
     tokenizer: str = "byte"
+    chat_template: str | None = None
+    loss_on: str | None = None
     eos_token: str | None = None
     bos_token: str | None = None
     add_bos: bool = False
@@ -215,6 +223,17 @@ class DataConfig:
                 raise ValueError(f"{prefix}.{name}: expected an integer >= 0, found {getattr(self, name)}")
         if self.tokenizer == "byte" and (self.eos_token or self.bos_token):
             raise ValueError(f"{prefix}.eos_token/bos_token: the byte tokenizer has fixed special tokens; unset them")
+        if self.loss_on is not None and self.loss_on not in LOSS_ON:
+            raise ValueError(f"{prefix}.loss_on: expected one of {list(LOSS_ON)}, found {self.loss_on!r}")
+        if self.source != "chat" and self.loss_on not in (None, "all"):
+            raise ValueError(f"{prefix}.loss_on={self.loss_on!r}: only {prefix}.source='chat' rows have turns to "
+                             f"choose; {prefix}.source={self.source!r} trains on all tokens: unset it")
+        if self.source != "chat" and self.chat_template is not None:
+            raise ValueError(f"{prefix}.chat_template: only {prefix}.source='chat' rows are rendered with a template, "
+                             f"found {prefix}.source={self.source!r}: unset it or set {prefix}.source=chat")
+        if self.add_bos and self.source == "chat":
+            raise ValueError(f"{prefix}.add_bos: chat rows get BOS from the chat template ({prefix}.source='chat'); "
+                             "unset it")
         if self.add_bos and self.source == "tokens":
             raise ValueError(f"{prefix}.add_bos: pre-tokenised data ({prefix}.source='tokens') is used as is; unset it")
         if self.add_bos and self.tokenizer != "byte" and self.bos_token is None:

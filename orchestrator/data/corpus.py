@@ -29,7 +29,8 @@ import numpy as np
 from podtrain.orchestrator.config.schema import DataConfig
 
 SPLITS = ("train", "eval")
-_SUFFIXES = {"text": "", "jsonl": ".jsonl", "parquet": ".parquet", "array_record": ".array_record", "tokens": ".npy"}
+_SUFFIXES = {"text": ("",), "jsonl": (".jsonl",), "parquet": (".parquet",), "array_record": (".array_record",),
+             "tokens": (".npy",), "chat": (".jsonl", ".parquet")}
 _HEAD_BYTES = 8192  # what opening a corpus checks of each text file
 _BLANK_LINES = re.compile(rb"\n(?:[^\S\n]*\n)+")  # a line's end, then lines that are empty or whitespace only
 _NON_BLANK = re.compile(rb"\S")
@@ -62,29 +63,31 @@ class _TextRanges:
             raise ValueError(_not_utf8(path, start + e.start, data[e.start])) from None
 
 
-class _JsonlTexts:
-    """One document per non-blank line of JSONL files, found through an index of line offsets."""
+class _JsonlRecords:
+    """One JSON object per non-blank line of JSONL files, found through an index of line offsets."""
 
-    def __init__(self, files: list[Path], field: str):
-        self.files, self.field = files, field
+    def __init__(self, files: list[Path]):
+        self.files = files
         self.offsets = [_line_offsets(f) for f in files]
         self.ends = np.cumsum([len(o) for o in self.offsets])
-        for f, offsets in enumerate(self.offsets):
-            if len(offsets):  # a wrong text_field fails here, not hours into training
-                self._read(f, 0)
 
     def __len__(self) -> int:
         return int(self.ends[-1])
 
-    def __getitem__(self, i: int) -> str:
-        return self._read(*_locate(self.ends, i))
+    def __getitem__(self, i: int) -> dict:
+        return self.read(*_locate(self.ends, i))
 
-    def _read(self, f: int, k: int) -> str:
+    def where(self, i: int) -> str:
+        return self.place(*_locate(self.ends, i))
+
+    def place(self, f: int, k: int) -> str:
+        return f"{self.files[f]}, line {_line_number(self.files[f], int(self.offsets[f][k]))}"
+
+    def read(self, f: int, k: int) -> dict:
         path, offset = self.files[f], int(self.offsets[f][k])
         with open(path, "rb") as fh:
             fh.seek(offset)
             line = fh.readline()
-        where = lambda: f"{path}, line {_line_number(path, offset)}"
         try:
             text = line.decode("utf-8").removeprefix("\ufeff" if offset == 0 else "")
         except UnicodeDecodeError as e:
@@ -92,7 +95,28 @@ class _JsonlTexts:
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where()}: expected a JSON object, found invalid JSON ({e.msg})") from None
+            raise ValueError(f"{self.place(f, k)}: expected a JSON object, found invalid JSON ({e.msg})") from None
+        return record
+
+
+class _JsonlTexts:
+    """One document per non-blank line of JSONL files: the string under `field`."""
+
+    def __init__(self, files: list[Path], field: str):
+        self.records, self.field = _JsonlRecords(files), field
+        for f, offsets in enumerate(self.records.offsets):
+            if len(offsets):  # a wrong text_field fails here, not hours into training
+                self._text(f, 0)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> str:
+        return self._text(*_locate(self.records.ends, i))
+
+    def _text(self, f: int, k: int) -> str:
+        record = self.records.read(f, k)
+        where = lambda: self.records.place(f, k)
         if not isinstance(record, dict) or self.field not in record:
             found = f"keys {sorted(record)}" if isinstance(record, dict) else type(record).__name__
             raise ValueError(f"{where()}: data.text_field={self.field!r} not found; the line has {found}")
@@ -100,6 +124,34 @@ class _JsonlTexts:
             kind = type(record[self.field]).__name__
             raise ValueError(f"{where()}: data.text_field={self.field!r} should hold a string, found {kind}")
         return record[self.field]
+
+
+class _ChatRows:
+    """Chat rows (JSON objects) of JSONL and Parquet files, in file order; `where(i)` names a row's place."""
+
+    def __init__(self, files: list[Path]):
+        self.parts = [_parquet_table(f) if f.suffix == ".parquet" else _JsonlRecords([f]) for f in files]
+        self.files = files
+        self.ends = np.cumsum([len(part) for part in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    def __getitem__(self, i: int):
+        f, k = _locate(self.ends, i)
+        part = self.parts[f]
+        return part[k] if isinstance(part, _JsonlRecords) else part.slice(k, 1).to_pylist()[0]
+
+    def where(self, i: int) -> str:
+        f, k = _locate(self.ends, i)
+        part = self.parts[f]
+        return part.where(k) if isinstance(part, _JsonlRecords) else f"{self.files[f]}, row {k}"
+
+
+def _parquet_table(path: Path):
+    import pyarrow.parquet as pq  # only Parquet files need pyarrow; it is slow to import
+
+    return pq.read_table(path)
 
 
 class _ArrowTexts:
@@ -278,8 +330,8 @@ def _load_tokens(path: Path) -> np.ndarray:
     return tokens.reshape(1, -1) if tokens.ndim == 1 else tokens
 
 
-def _walk(root: Path, suffix: str, skip_dirs: tuple[str, ...] = ()) -> list[Path]:
-    """Files under `root` ending in `suffix`, hidden entries skipped, in a deterministic order."""
+def _walk(root: Path, suffix: str | tuple[str, ...], skip_dirs: tuple[str, ...] = ()) -> list[Path]:
+    """Files under `root` ending in `suffix` (or one of them), hidden entries skipped, in a deterministic order."""
     found = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in skip_dirs)
@@ -296,7 +348,8 @@ def _resolve_files(source: str, path: str) -> list[Path]:
     elif Path(path).is_dir():
         files = _walk(Path(path), suffix)
         if not files:
-            raise ValueError(f"data.path={path!r}: expected {suffix or 'any'} files in this directory, found none")
+            raise ValueError(f"data.path={path!r}: expected {' or '.join(suffix) or 'any'} files in this directory, "
+                             "found none")
     elif Path(path).is_file():
         files = [Path(path)]
     else:
@@ -330,6 +383,7 @@ def open_corpus(config: DataConfig, *, seq_len: int) -> Sequence:
         "parquet": lambda: _ArrowTexts(files, config.text_field),
         "array_record": lambda: _RecordTexts(files),
         "tokens": lambda: _TokenWindows(files, seq_len + 1),
+        "chat": lambda: _ChatRows(files),
     }[config.source]()
     if not len(corpus):
         unit = f"windows of train.seq_len+1={seq_len + 1} ids" if config.source == "tokens" else "documents"

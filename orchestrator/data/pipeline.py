@@ -17,6 +17,12 @@ same ones. A background thread prefetches batches. A batch holds int32 `inputs`,
 - `weights` are 1 where a target belongs to the same document as its input, else 0 (across a
   document boundary and on padding); padding appears only at the end of a finite number of epochs.
 
+Chat rows (`data.source=chat`) are rendered with the chat template (`data.chat`) and carry a loss mask:
+a target weighs 1 only where its token is one the loss trains on (`data.loss_on`). They are packed
+whole, never split across rows (grain's first-fit packing; the rest of a row is padding): a
+conversation longer than a row is cut to `seq_len + 1` tokens, and one left with no token to train
+on is skipped, counted in `SkippedRows` and named in one warning.
+
 The iterator of the returned dataset is a grain `DatasetIterator`: `get_state()`/`set_state()`
 resume it exactly. `row_positions` / `set_row_positions` express that state per global row, which is
 what checkpoints keep, so a run resumes on any number of processes.
@@ -25,6 +31,8 @@ what checkpoints keep, so a run resumes on any number of processes.
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from collections.abc import Sequence
 
 import grain
@@ -33,8 +41,27 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from podtrain.orchestrator.config.schema import DataConfig
+from podtrain.orchestrator.data.chat import ChatTemplate, chat_row, load_chat_template
 from podtrain.orchestrator.data.corpus import document_indices, open_corpus
 from podtrain.orchestrator.data.tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
+_PACKING_BINS = 8  # rows a chat stream fills at once: more bins, less padding
+
+
+class SkippedRows:
+    """Counts the chat rows skipped for having no token to train on within a row; warns at the first."""
+
+    def __init__(self):
+        self.count, self._lock = 0, threading.Lock()
+
+    def add(self, where: str, seq_len: int, loss_on: str) -> None:
+        with self._lock:
+            self.count += 1
+            first = self.count == 1
+        if first:
+            logger.warning("data: %s has no token to train on (data.loss_on=%s) within train.seq_len=%d; "
+                           "it and rows like it are skipped and counted", where, loss_on, seq_len)
 
 
 def _encode(text: str, tokenizer: Tokenizer, add_bos: bool) -> dict[str, np.ndarray]:
@@ -66,6 +93,8 @@ def _training_batch(rows: dict[str, np.ndarray], pad_id: int) -> dict[str, np.nd
     segment_ids = rows["tokens_segment_ids"]
     tokens = np.where(segment_ids > 0, rows["tokens"], pad_id).astype(np.int32)
     same_document = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+    if "mask" in rows:  # chat rows: only the tokens the loss trains on are targets
+        same_document &= rows["mask"][:, 1:] > 0
     return {
         "inputs": tokens[:, :-1],
         "targets": tokens[:, 1:],
@@ -84,6 +113,7 @@ def make_dataset(
     rows: range | None = None,
     split: str = "train",
     corpus: Sequence | None = None,
+    skipped: SkippedRows | None = None,
 ) -> grain.IterDataset:
     """This process's batches of the train or eval split; `iter()` of it is a checkpointable iterator.
 
@@ -99,6 +129,7 @@ def make_dataset(
         rows: the global batch rows this process loads (`process_rows`); all of them if None.
         split: "train" or "eval".
         corpus: `open_corpus(config, seq_len=seq_len)` when the caller opened it already.
+        skipped: counts the chat rows skipped for having no token to train on.
 
     Returns:
         A grain IterDataset of batches (dicts of numpy arrays, `len(rows)` rows).
@@ -111,8 +142,11 @@ def make_dataset(
         raise ValueError(f"rows: expected consecutive rows of the {global_batch} of train.batch_size, found {rows}")
     corpus = open_corpus(config, seq_len=seq_len) if corpus is None else corpus
     threads = -(-config.read_threads // len(rows)) if config.read_threads else 0
+    chat = None
+    if config.source == "chat":
+        chat = (load_chat_template(config.tokenizer, config.chat_template), skipped or SkippedRows())
     streams = [_row_stream(corpus, config, tokenizer, seq_len=seq_len, split=split, row=row,
-                           rows=global_batch, read_threads=threads) for row in rows]
+                           rows=global_batch, read_threads=threads, chat=chat) for row in rows]
     batches = _ZipRows(streams, row_len=seq_len + 1).map(functools.partial(_training_batch, pad_id=tokenizer.pad_id))
     return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=config.prefetch)
 
@@ -146,7 +180,7 @@ class _ZipRowsIterator(grain.DatasetIterator):
             rows.append(row)
         if all(row is None for row in rows):
             raise StopIteration
-        pad = {k: np.zeros(self._row_len, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions")}
+        pad = {k: np.zeros(self._row_len, np.int32) for k in next(row for row in rows if row is not None)}
         rows = [pad if row is None else row for row in rows]
         return {k: np.stack([row[k] for row in rows]) for k in pad}
 
@@ -160,7 +194,7 @@ class _ZipRowsIterator(grain.DatasetIterator):
 
 
 def _row_stream(corpus: Sequence, config: DataConfig, tokenizer: Tokenizer, *, seq_len: int, split: str, row: int,
-                rows: int, read_threads: int) -> grain.IterDataset:
+                rows: int, read_threads: int, chat: tuple[ChatTemplate, SkippedRows] | None) -> grain.IterDataset:
     """The packed rows of global batch row `row` (of `rows`): its own documents, shuffled, tokenised, packed."""
     indices = document_indices(len(corpus), eval_fraction=config.eval_fraction, split=split,
                                process_index=row, process_count=rows, tail=config.source == "tokens",
@@ -173,8 +207,40 @@ def _row_stream(corpus: Sequence, config: DataConfig, tokenizer: Tokenizer, *, s
     read_options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=4 * read_threads)
     if config.source == "tokens":
         return docs.map(lambda i: _window_row(corpus[i], tokenizer)).to_iter_dataset(read_options)
+    if chat is not None:
+        return _chat_rows(docs, corpus, tokenizer, *chat, loss_on=config.loss_on or "assistant", row_len=seq_len + 1,
+                          share=len(indices), read_options=read_options)
     encoded = docs.map(lambda i: _encode(corpus[i], tokenizer, config.add_bos)).to_iter_dataset(read_options)
     return grain.experimental.ConcatThenSplitIterDataset(encoded, length_struct={"tokens": seq_len + 1})
+
+
+def _chat_rows(docs: grain.MapDataset, corpus: Sequence, tokenizer: Tokenizer, template: ChatTemplate,
+               skipped: SkippedRows, *, loss_on: str, row_len: int, share: int, read_options: grain.ReadOptions
+               ) -> grain.IterDataset:
+    """Chat rows rendered, cut to a row, and packed whole into rows of `row_len` tokens; `share` is the
+    number of distinct rows the stream reads (a whole pass of skipped ones is an error, not a hang)."""
+
+    in_a_row = [0]  # rows skipped since the last one kept: a whole pass of them would loop forever
+
+    def encode(i):
+        ids, mask = chat_row(corpus, i, template, tokenizer, loss_on)
+        ids, mask = ids[:row_len], mask[:row_len]
+        if mask[1:].any():  # the first token is never a target
+            in_a_row[0] = 0
+            return {"tokens": ids, "mask": mask.astype(np.int32)}
+        skipped.add(corpus.where(i), row_len - 1, loss_on)
+        in_a_row[0] += 1
+        if in_a_row[0] >= share:
+            raise ValueError(f"data: none of the {share} chat rows of a batch row's share has a token to train on "
+                             f"(data.loss_on={loss_on}) within train.seq_len={row_len - 1}, {corpus.where(i)} "
+                             "among them; raise train.seq_len or shorten the prompts")
+        return None
+
+    encoded = docs.map(encode).filter(lambda row: row is not None).to_iter_dataset(read_options)
+    packed = grain.experimental.FirstFitPackIterDataset(
+        encoded, length_struct={"tokens": row_len, "mask": row_len}, num_packing_bins=_PACKING_BINS,
+        shuffle_bins=False)
+    return packed.map(lambda r: {k: r[k] for k in ("tokens", "tokens_segment_ids", "tokens_positions", "mask")})
 
 
 def process_rows(sharding: NamedSharding, global_batch: int) -> range:

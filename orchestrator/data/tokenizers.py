@@ -1,7 +1,8 @@
 """Tokenisers for the data pipeline: a built-in byte-level one and any HF `tokenizer.json`.
 
 Both give `encode(text) -> int32 ids` without special tokens (the pipeline adds BOS and EOS itself),
-`decode(ids)`, the ids of their special tokens and `vocab_size`, one more than the largest id they
+`encode_with_offsets` (the characters each id comes from, for chat loss masks), `decode(ids)`,
+the ids of their special tokens and `vocab_size`, one more than the largest id they
 can produce. `check_vocab` compares that with the model's embedding table.
 """
 
@@ -28,6 +29,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> np.ndarray: ...
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]: ...
+
     def decode(self, ids) -> str: ...
 
 
@@ -41,6 +44,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and, for each, the (start, end) characters of `text` it comes from."""
+        lengths = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
+        chars = np.repeat(np.arange(len(text)), lengths)
+        return self.encode(text), np.stack([chars, chars + 1], axis=-1).reshape(-1, 2)
 
     def decode(self, ids) -> str:
         """The text of the byte ids; special ids are dropped and broken UTF-8 becomes U+FFFD."""
@@ -71,6 +80,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and, for each, the (start, end) characters of `text` it comes from."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, np.int32), np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
 
     def adds_bos(self) -> bool:
         """Whether the file's post-processor starts an encoding with the BOS token (Llama 3's

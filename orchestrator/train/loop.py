@@ -33,6 +33,7 @@ from podtrain.orchestrator.config.compose import to_yaml
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.data.pipeline import (
+    SkippedRows,
     make_dataset,
     process_rows,
     row_positions,
@@ -69,6 +70,7 @@ class RunResult:
     last_checkpoint: int | None
     preempted: bool
     data_ended: bool = False
+    skipped_rows: int = 0
 
     def summary(self) -> str:
         """What a user reads at the end of a run: steps, first and last loss, tokens/s, where things went."""
@@ -84,6 +86,9 @@ class RunResult:
                          f"{self.last_checkpoint}; run the same command to resume")
         if self.data_ended:
             lines.append(f"stopped at step {self.end_step}: the training data ended (data.epochs)")
+        if self.skipped_rows:
+            lines.append(f"{self.skipped_rows} chat rows skipped by this process: no token to train on within "
+                         "train.seq_len (a warning named the first)")
         return "\n".join(lines)
 
 
@@ -121,10 +126,10 @@ class PreemptionNotice:
         return self.received
 
 
-def _datasets(config: Config, inputs: Inputs, rows: range):
+def _datasets(config: Config, inputs: Inputs, rows: range, skipped: SkippedRows):
     """This process's train and (when evals are on) eval batches, from the corpus the checks opened."""
     kwargs = dict(seq_len=config.train.seq_len, global_batch=config.train.batch_size, rows=rows,
-                  corpus=inputs.corpus)
+                  corpus=inputs.corpus, skipped=skipped)
     try:
         train = make_dataset(config.data, inputs.tokenizer, **kwargs)
         evals = make_dataset(config.data, inputs.tokenizer, split="eval", **kwargs) if evals_enabled(config) else None
@@ -158,13 +163,22 @@ def compile_then_meet(step_fn, *args, timeout_s: float) -> None:
     multihost.get_barrier_sync_fn()(key="podtrain_train_step_compiled", timeout_ms=int(timeout_s * 1000))
 
 
+def next_batch(iterator) -> dict | None:
+    """The next local batch, None at the end of the data; a document the pipeline cannot use (a
+    ValueError naming its file and place) is the user's input, a ConfigError."""
+    try:
+        return next(iterator, None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def evaluate(training: Training, eval_step, eval_dataset, params, num_batches: int, frozen=None) -> float:
     """Mean loss over the first `num_batches` eval batches (the same ones every time); `frozen`
     is a LoRA run's frozen base."""
     total = count = 0.0
     iterator = iter(eval_dataset)
     for _ in range(num_batches):
-        batch = to_global_batch(next(iterator), training.batch_sharding, training.config.train.batch_size)
+        batch = to_global_batch(next_batch(iterator), training.batch_sharding, training.config.train.batch_size)
         with jax.set_mesh(training.mesh), use_rules(training.config.sharding.rules):  # as the train step
             loss_sum, (tokens, _) = eval_step(params, batch, frozen)
         total, count = total + float(loss_sum), count + float(tokens)
@@ -233,6 +247,7 @@ class _Setup:
     state: Any  # the TrainState, restored or initialised
     start: int
     frozen: Any  # the frozen base of a LoRA run (None without)
+    skipped: SkippedRows  # chat rows with no token to train on, train and eval
 
     def data_position(self) -> dict:
         return row_positions(self.train_iter, self.rows)
@@ -246,7 +261,8 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
         rows = process_rows(training.batch_sharding, config.train.batch_size)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
-    train_data, eval_data = _datasets(config, inputs, rows)
+    skipped = SkippedRows()
+    train_data, eval_data = _datasets(config, inputs, rows, skipped)
     prompt_ids = sample_prompt_ids(config, inputs.tokenizer) if config.train.sample_prompt else None
     if config.train.eval_every and not evals_enabled(config) and is_main:
         logger.warning("data.eval_fraction=0 holds out no documents: no eval losses every train.eval_every=%d steps%s",
@@ -277,7 +293,7 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
                 f"resumed from step {resumed[2]}" if resumed else "fresh",
                 describe_mesh(training.mesh, config.cluster.num_slices), run_dir)
     return _Setup(training, checkpointer, train_iter, eval_data, rows, inputs.tokenizer, prompt_ids, state, start,
-                  frozen)
+                  frozen, skipped)
 
 
 class StepRecords:
@@ -315,7 +331,8 @@ class StepRecords:
         if self.pending is None:
             return
         (record, metrics, timed), self.pending = self.pending, None
-        record.update(loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]))
+        record.update(loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]),
+                      loss_tokens=int(metrics["tokens"]))
         if "expert_load" in metrics:
             record.update(expert_metrics(np.asarray(metrics["expert_load"]), float(metrics["dropped_tokens"])))
         now = time.perf_counter()
@@ -378,7 +395,7 @@ def _train(config: Config, run: _Setup, records: StepRecords, notice: Preemption
                         in_shardings=(training.state_shardings.params, training.batch_sharding,
                                       training.frozen_shardings))
     for step in range(run.start, config.train.steps):
-        local_batch = next(run.train_iter, None)
+        local_batch = next_batch(run.train_iter)
         if _data_ended(local_batch is None, finite=config.data.epochs is not None):
             logger.warning("the training data ended after data.epochs=%s at step %d of train.steps=%d: stopping",
                            config.data.epochs, step, config.train.steps)
@@ -419,4 +436,5 @@ def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Calla
     writer.close()
     losses = records.losses
     return RunResult(run_dir, run.start, int(state.step), losses[0] if losses else None,
-                     losses[-1] if losses else None, records.tokens_per_s(), last_checkpoint, preempted, data_ended)
+                     losses[-1] if losses else None, records.tokens_per_s(), last_checkpoint, preempted, data_ended,
+                     run.skipped.count)

@@ -21,6 +21,7 @@ from podtrain.orchestrator.checkpoint.resume import check_resume_matches, commit
 from podtrain.orchestrator.checkpoint.rundir import checkpoint_directory
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.data.chat import chat_row, load_chat_template
 from podtrain.orchestrator.data.corpus import document_indices, open_corpus
 from podtrain.orchestrator.data.tokenizers import Tokenizer, check_vocab, load_tokenizer
 
@@ -74,7 +75,8 @@ def _check_creatable(directory: str) -> None:
 
 def check_data(config: Config) -> Inputs:
     """Opens the corpus and tokenizer and checks that every split the run reads has documents for
-    each batch row, and that the sample prompt tokenises."""
+    each batch row, that chat rows have a template that renders the first, and that the sample
+    prompt tokenises."""
     try:
         tokenizer = load_tokenizer(config.data.tokenizer, eos_token=config.data.eos_token,
                                    bos_token=config.data.bos_token)
@@ -84,6 +86,9 @@ def check_data(config: Config) -> Inputs:
             document_indices(len(corpus), eval_fraction=config.data.eval_fraction, split=split,
                              process_count=config.train.batch_size, tail=config.data.source == "tokens",
                              source=config.data.source)
+        if config.data.source == "chat":  # a missing template or a row it cannot render fails here
+            template = load_chat_template(config.data.tokenizer, config.data.chat_template)
+            chat_row(corpus, 0, template, tokenizer, config.data.loss_on or "assistant")
     except ValueError as e:  # bad paths, empty corpora, vocab sizes: the user's input
         raise ConfigError(str(e)) from None
     if config.train.sample_prompt:

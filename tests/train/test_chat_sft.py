@@ -1,0 +1,72 @@
+"""Chat SFT through `podtrain train`: the loss trains on the assistant tokens only, evals use the same
+mask, and a tokenizer without a chat template is one line naming the key."""
+
+import json
+import subprocess
+
+import numpy as np
+from chat_fixtures import write_chat_tokenizer
+from train_fixtures import ROOT, command, env
+
+from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.data.pipeline import make_dataset
+from podtrain.orchestrator.data.tokenizers import ByteTokenizer
+
+TEMPLATE = ("{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] + '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_chat_data(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"what is {i} + {i}?"},
+                          {"role": "assistant", "content": f"{i} + {i} = {2 * i}"}]} for i in range(40)]
+    rows += [{"prompt": f"count to {i}", "completion": " ".join(map(str, range(1, i + 1)))} for i in range(1, 9)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    return ["data.source=chat", f"data.path={path}", f"data.chat_template={tmp_path / 'chat.jinja'}",
+            "data.eval_fraction=0.1", "train.eval_every=2", "train.eval_batches=1", "train.seq_len=64"]
+
+
+def chat_command(run_dir, steps, *extra):
+    """`podtrain train` of the tiny model with `extra` overrides replacing its own of the same keys."""
+    keys = {arg.partition("=")[0] for arg in extra}
+    return [arg for arg in command(run_dir, steps) if arg.partition("=")[0] not in keys] + list(extra)
+
+
+def run_chat(run_dir, steps, *extra):
+    return subprocess.run(chat_command(run_dir, steps, *extra), cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_sft_trains_on_assistant_tokens_only_and_evals_with_the_same_mask(tmp_path):
+    data = write_chat_data(tmp_path)
+    run_dir = tmp_path / "sft"
+    out = run_chat(run_dir, 4, *data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    config = load_config("llama3-tiny", [a for a in chat_command(run_dir, 4, *data) if "=" in a])
+    batches = iter(make_dataset(config.data, ByteTokenizer(), seq_len=config.train.seq_len,
+                                global_batch=config.train.batch_size))
+    trained = [int(next(batches)["weights"].sum()) for _ in records]
+    assert [r["loss_tokens"] for r in records] == trained
+    assert 0 < max(trained) < config.train.batch_size * config.train.seq_len / 2  # prompts are not trained
+    assert all(np.isfinite(r["eval_loss"]) for r in records if r["step"] % 2 == 0)
+    assert "loss first" in out.stdout
+
+
+def test_rows_that_never_reach_an_assistant_token_are_one_line_not_a_hang(tmp_path):
+    data = [arg for arg in write_chat_data(tmp_path) if not arg.startswith("train.seq_len=")] + ["train.seq_len=16"]
+    done = run_chat(tmp_path / "r", 2, *data)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("podtrain: error: data: none of the ") \
+        and "within train.seq_len=16" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_tokenizer_without_a_chat_template_is_one_line_naming_the_key(tmp_path):
+    directory = write_chat_tokenizer(tmp_path / "tok", None)
+    data = [arg for arg in write_chat_data(tmp_path) if not arg.startswith("data.chat_template=")]
+    data += [f"data.tokenizer={directory}", "data.eos_token=<|eot_id|>", "model.vocab_size=512"]
+    done = run_chat(tmp_path / "r", 2, *data)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.chat_template: data.source='chat' needs a chat template" in lines[0]
