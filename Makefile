@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,aot]"
+	$(PY) -m pip install -q -e ".[test,aot,trackers]"
 	touch $(STAMP)
 
 install: $(STAMP)

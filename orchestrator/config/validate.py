@@ -33,6 +33,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
         check_targets(config.lora, config.model)
         config.data.validate()
         config.checkpoint.validate()
+        config.metrics.validate()
         config.cluster.validate()
         config.plan.validate()
         config.generate.validate()

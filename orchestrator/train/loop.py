@@ -420,7 +420,7 @@ def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Calla
          inputs: Inputs | None) -> RunResult:
     run = _set_up(config, run_dir, inputs or check_inputs(config, run_dir))
     writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0, total_steps=config.train.steps,
-                           start_step=run.start)
+                           start_step=run.start, metrics=config.metrics, run_config=dataclasses.asdict(config))
     records = StepRecords(config, writer, on_step)
     try:
         state, preempted, data_ended = _train(config, run, records, notice)

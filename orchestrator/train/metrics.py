@@ -1,4 +1,5 @@
-"""Per-step metrics: `metrics.jsonl`, TensorBoard events and console lines (process 0 writes)."""
+"""Per-step metrics: console lines, and the trackers of `metrics.trackers` (`metrics.jsonl`, TensorBoard
+events, W&B, MLflow); process 0 writes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.config.schema import MetricsConfig
 from podtrain.orchestrator.plan.chips import chip_of_device_kind
+from podtrain.orchestrator.train.trackers import remote_trackers
 
 
 def measure_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
@@ -86,40 +89,53 @@ class _TensorBoard:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to `metrics.jsonl`, mirrors scalars to TensorBoard, prints.
+    """Prints each step's record and sends it to the trackers of `metrics.trackers`: one JSON object
+    per step appended to `metrics.jsonl`, scalars to TensorBoard, W&B and MLflow (which also get the
+    resolved config, `run_config`).
 
     A run that resumes at `start_step` first drops what an earlier attempt wrote after that step
     (records of steps it trained but never checkpointed, which this run trains again), from
     metrics.jsonl and (a purge event) from TensorBoard: one record per step.
     """
 
-    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int = 0):
+    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int = 0,
+                 metrics: MetricsConfig | None = None, run_config: dict | None = None):
+        metrics = metrics or MetricsConfig()
         self.enabled = enabled
         self.total_steps = total_steps
         self.start = time.perf_counter()
         self.interactive = sys.stdout.isatty()
         self._jsonl = self._tb = None
+        self._remote = []
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            _drop_records_after(run_dir / "metrics.jsonl", start_step)
-            self._jsonl = (run_dir / "metrics.jsonl").open("a")
-            self._tb = _TensorBoard(run_dir / "tensorboard", purge_step=start_step + 1)
+            if "jsonl" in metrics.trackers:
+                _drop_records_after(run_dir / "metrics.jsonl", start_step)
+                self._jsonl = (run_dir / "metrics.jsonl").open("a")
+            if "tensorboard" in metrics.trackers:
+                self._tb = _TensorBoard(run_dir / "tensorboard", purge_step=start_step + 1)
+            self._remote = remote_trackers(metrics.trackers, metrics.wandb, metrics.mlflow, run_dir, run_config or {})
 
     def flush(self) -> None:
         """Puts every record written so far on disk."""
-        if self.enabled:
+        if self._jsonl is not None:
             self._jsonl.flush()
+        if self._tb is not None:
             self._tb.flush()
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
         step = record["step"]
-        for key, value in record.items():
-            if key != "step" and isinstance(value, int | float):
-                self._tb.add_scalar(key, value, step)
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, step)
+        for tracker in self._remote:
+            tracker.log(record)
         print(self._line(record), end="\r" if self.interactive else "\n", flush=True)
 
     def _line(self, r: dict) -> str:
@@ -135,8 +151,11 @@ class MetricsWriter:
         if self.enabled:
             if self.interactive:
                 print()
-            self._jsonl.close()
-            self._tb.close()
+            for closable in (self._jsonl, self._tb):
+                if closable is not None:
+                    closable.close()
+            for tracker in self._remote:
+                tracker.close()
 
 
 def _drop_records_after(path: Path, step: int) -> None:
