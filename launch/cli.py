@@ -16,6 +16,7 @@ COMMANDS = {
                 "[max_new_tokens=N] [temperature=T] [top_k=K] [top_p=P])",
     "check": "build the model sharded over the devices and run train steps on random tokens",
     "serve": "serve the Tinker training API: many LoRA adapters on one base model (serve.port=8000 ...)",
+    "goodput": "where a run's wall-clock time went, per attempt and in total (podtrain goodput <run dir>)",
 }
 
 
@@ -24,6 +25,10 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
     for name, help_text in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if name == "goodput":
+            cmd.add_argument("run_dir", help="a run directory (<run.dir>/<run.name>)")
+            cmd.add_argument("--json", action="store_true", help="print one JSON object")
+            continue
         cmd.add_argument("-c", "--config", default="llama3-tiny", help="preset name in configs/ or a YAML path")
         cmd.add_argument("--cpu-devices", type=int, default=None,
                          help="simulate this many CPU devices (sets jax_num_cpu_devices before JAX starts)")
@@ -54,7 +59,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [arg for arg in extra if arg.startswith("-") or "=" not in arg]
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = [*args.overrides, *extra]
+    args.overrides = [*getattr(args, "overrides", []), *extra]
     return args
 
 
@@ -65,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     from podtrain.orchestrator.config.errors import ConfigError
     from podtrain.orchestrator.plan.platforms import start_jax
 
+    if args.command == "goodput":  # reads a file: no JAX
+        from podtrain.launch.goodput import run_command
+
+        return run_command(args)
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"podtrain: error: --cpu-devices: expected a positive number of devices, found {args.cpu_devices}",
               file=sys.stderr)

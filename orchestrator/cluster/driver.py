@@ -62,6 +62,7 @@ from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.config.validate import validate
 from podtrain.orchestrator.plan.launch_check import check_before_launch
+from podtrain.orchestrator.train.goodput import driver_line
 from podtrain.orchestrator.train.preflight import check_inputs
 
 MAX_PORT_RETRIES = 5
@@ -259,7 +260,7 @@ class Driver:
 
     def _one_attempt(self, attempt: int, port_retries: int, config: Config) -> Outcome:
         """Reserves the gang, runs `config` on it and watches it; how it ended (never raises for a lost host)."""
-        started = time.time()
+        started = self._attempt_started = time.time()
         try:
             gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}")
         except ReservationError as error:
@@ -298,10 +299,13 @@ class Driver:
                 p.ENV_PROCESS_ID: str(rank),
                 p.ENV_INIT_TIMEOUT: str(self.cluster.init_timeout_s),
                 p.ENV_HEARTBEAT_TIMEOUT: str(self.cluster.heartbeat_timeout_s),
+                p.ENV_ATTEMPT: str(attempt),
                 **(self.service.env() if self.service is not None else {}),
             }
             starts.append(actor.start.remote(env, config_yaml, str(attempt_dir), rank))
         pids = ray.get(starts, timeout=60)
+        if self.service is None:
+            driver_line(self.run_dir, attempt, self._attempt_started, time.time())
         self.say(f"attempt {attempt}: started {len(pids)} worker processes, coordinator {coordinator_ip}:{port}, "
                  f"logs in {attempt_dir}")
 

@@ -31,6 +31,7 @@ ENV_HEARTBEAT_FILE = "PODTRAIN_HEARTBEAT_FILE"  # the worker writes its last com
 ENV_ERROR_FILE = "PODTRAIN_ERROR_FILE"  # what ended the worker: `write_error`'s JSON
 ENV_STACKS_FILE = "PODTRAIN_STACKS_FILE"  # faulthandler writes every thread's stack here on SIGUSR1
 ENV_PARENT_PID = "PODTRAIN_PARENT_PID"  # the worker exits when this process (its host actor) is gone
+ENV_ATTEMPT = "PODTRAIN_ATTEMPT"  # the driver's attempt number, for the goodput ledger
 ENV_ROLE = "PODTRAIN_ROLE"  # "serve" for `podtrain serve`'s engine; unset: training
 ENV_SERVE_ADDRESS = "PODTRAIN_SERVE_ADDRESS"  # host:port of the driver's step channel (serve)
 ENV_SERVE_AUTHKEY = "PODTRAIN_SERVE_AUTHKEY"  # the channel's key, hex

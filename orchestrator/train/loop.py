@@ -44,6 +44,7 @@ from podtrain.orchestrator.data.tokenizers import Tokenizer
 from podtrain.orchestrator.inference.load import base_record, check_base, load_base
 from podtrain.orchestrator.train.adapters import init_adapters
 from podtrain.orchestrator.train.build import Training, build_training
+from podtrain.orchestrator.train.goodput import Ledger
 from podtrain.orchestrator.train.metrics import MetricsWriter, expert_metrics, peak_flops_per_device
 from podtrain.orchestrator.train.preflight import Inputs, check_inputs, evals_enabled, sample_prompt_ids
 from podtrain.orchestrator.train.step import make_eval_step
@@ -248,6 +249,7 @@ class _Setup:
     start: int
     frozen: Any  # the frozen base of a LoRA run (None without)
     skipped: SkippedRows  # chat rows with no token to train on, train and eval
+    ledger: Ledger  # where the attempt's time goes (process 0 writes it)
 
     def data_position(self) -> dict:
         return row_positions(self.train_iter, self.rows)
@@ -276,11 +278,13 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
     checkpointer = Checkpointer(checkpoint_directory(config.checkpoint.dir, run_dir), config.checkpoint,
                                 run_meta=run_meta)
     train_iter = iter(train_data)
+    restore_started = time.time()
     resumed = checkpointer.resume(training.abstract_state())
     if resumed:
         check_base(resumed[1], run_meta.get("lora_base"), f"checkpoint step {resumed[2]} in {checkpointer.directory}")
         _restore_data_position(train_iter, rows, config.train.batch_size, resumed[1],
                                f"step {resumed[2]} in {checkpointer.directory}")
+    restoring_s = time.time() - restore_started
     state = resumed[0] if resumed else training.init_state(base)
     if not resumed and config.lora.rank and config.lora.init:
         state = init_adapters(training, state, frozen)
@@ -289,11 +293,14 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(config))
+    attempt = os.environ.get(protocol.ENV_ATTEMPT)
+    ledger = Ledger(run_dir, enabled=is_main, attempt=int(attempt) if attempt else None)
+    ledger.setup_done(start, restoring_s)
     logger.info("starting at step %d (%s) on mesh %s; run directory %s", start,
                 f"resumed from step {resumed[2]}" if resumed else "fresh",
                 describe_mesh(training.mesh, config.cluster.num_slices), run_dir)
     return _Setup(training, checkpointer, train_iter, eval_data, rows, inputs.tokenizer, prompt_ids, state, start,
-                  frozen, skipped)
+                  frozen, skipped, ledger)
 
 
 class StepRecords:
@@ -382,6 +389,7 @@ def _checkpoint(config: Config, run: _Setup, records: StepRecords, state, record
     if run.checkpointer.save(record["step"], state, data_position=run.data_position, force=final):
         record["save_block_s"] = time.perf_counter() - started  # the loop's share of an async save
         records.exclude(record["save_block_s"])
+        run.ledger.add("checkpointing", record["save_block_s"])
     if save_due:
         records.emit(record)
         records.writer.flush()
@@ -394,23 +402,33 @@ def _train(config: Config, run: _Setup, records: StepRecords, notice: Preemption
     eval_step = jax.jit(make_eval_step(training.graphdef, loss_chunk=config.train.loss_chunk),
                         in_shardings=(training.state_shardings.params, training.batch_sharding,
                                       training.frozen_shardings))
+    ledger = run.ledger
     for step in range(run.start, config.train.steps):
+        waited = time.perf_counter()
         local_batch = next_batch(run.train_iter)
+        ledger.add("data", time.perf_counter() - waited)
         if _data_ended(local_batch is None, finite=config.data.epochs is not None):
             logger.warning("the training data ended after data.epochs=%s at step %d of train.steps=%d: stopping",
                            config.data.epochs, step, config.train.steps)
             run.checkpointer.save(step, state, data_position=run.data_position, force=True)
             return state, False, True
         batch = to_global_batch(local_batch, training.batch_sharding, config.train.batch_size)
+        dispatched = time.perf_counter()
         if step == run.start:
             compile_then_meet(training.step, state, batch, run.frozen, timeout_s=config.cluster.startup_timeout_s)
         state, metrics = training.step(state, batch, run.frozen)
+        if step == run.start:  # the first call compiles (or loads from the cache) before it dispatches
+            ledger.add("compiling", time.perf_counter() - dispatched)
         record = {"step": step + 1}
         records.step_done(record, metrics, timed=step > run.start)
         if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
-            records.exclude(_eval_and_sample(config, run, eval_step, state, record))
+            evaluated = _eval_and_sample(config, run, eval_step, state, record)
+            records.exclude(evaluated)
+            ledger.add("evaluating", evaluated)
+        record["goodput"] = ledger.goodput()
         preempted = notice.reached(step + 1)
         _checkpoint(config, run, records, state, record, final=preempted or step + 1 == config.train.steps)
+        ledger.step_done(step + 1)
         if preempted:
             return state, True, False
     return state, False, False
@@ -430,10 +448,13 @@ def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Calla
             writer.close()
         raise
     records.finish()
+    waited = time.perf_counter()
     run.checkpointer.wait()
+    run.ledger.add("checkpointing", time.perf_counter() - waited)
     last_checkpoint = run.checkpointer.latest_step()
     run.checkpointer.close()
     writer.close()
+    run.ledger.step_done(int(state.step))
     losses = records.losses
     return RunResult(run_dir, run.start, int(state.step), losses[0] if losses else None,
                      losses[-1] if losses else None, records.tokens_per_s(), last_checkpoint, preempted, data_ended,

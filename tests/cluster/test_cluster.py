@@ -20,6 +20,8 @@ from cluster_fixtures import TWO_HOSTS, env, finish, run_train, start, train_com
 from train_fixtures import ROOT, TINY, losses
 from xla_flags import xla_flags
 
+from podtrain.orchestrator.train.goodput import read_ledger, summarize
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
@@ -94,6 +96,13 @@ def test_two_hosts_match_one_process_and_survive_a_kill_and_a_preemption(tmp_pat
     signal_rank_1(killed, steps, signal.SIGKILL, at_step=3, every=2, ended="crash (rank 1): killed by SIGKILL",
                   restart="crash", extra=("checkpoint.resume=none",))
     assert "resumed from step" in (killed / "logs" / "attempt-2" / "rank0.log").read_text()
+    # The goodput ledger: the driver's reservations and the workers' lines of both attempts cover
+    # the wall clock; the steps past the checkpoint the restart resumed from are lost.
+    ledger = summarize(read_ledger(killed))
+    assert sorted(ledger.attempts) == [1, 2]
+    seconds = ledger.total.seconds
+    assert min(seconds[k] for k in ("starting", "distributed", "compiling", "training", "lost", "between")) > 0
+    assert sum(v for k, v in seconds.items() if k != "unaccounted") == pytest.approx(ledger.total.wall, rel=0.02)
 
     # A preemption notice (SIGTERM) to one host: every process stops at the same step through JAX's
     # preemption sync point, checkpoints it, exits 75; the gang restarts on the preemption budget.
