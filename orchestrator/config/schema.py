@@ -167,6 +167,8 @@ class DataConfig:
         chat_template: a Jinja chat template file for "chat" rows, instead of the tokenizer's own.
         loss_on: which tokens the loss trains on: "all", or for "chat" rows "assistant" (the default
             there: every assistant turn) or "last_assistant"; None: the default of the source.
+        packing: pack several "chat" rows into one row of seq_len tokens (false: one conversation a
+            row, the rest padding).
         eos_token: the EOS token of a `tokenizer.json` tokeniser (e.g. "<|end_of_text|>").
         bos_token: its BOS token; required with `add_bos`.
         add_bos: start every text document with BOS.
@@ -187,6 +189,7 @@ class DataConfig:
     tokenizer: str = "byte"
     chat_template: str | None = None
     loss_on: str | None = None
+    packing: bool = True
     eos_token: str | None = None
     bos_token: str | None = None
     add_bos: bool = False
@@ -231,6 +234,9 @@ class DataConfig:
         if self.source != "chat" and self.chat_template is not None:
             raise ValueError(f"{prefix}.chat_template: only {prefix}.source='chat' rows are rendered with a template, "
                              f"found {prefix}.source={self.source!r}: unset it or set {prefix}.source=chat")
+        if not self.packing and self.source != "chat":
+            raise ValueError(f"{prefix}.packing=false: only {prefix}.source='chat' rows can go one to a row; "
+                             f"{prefix}.source={self.source!r} is packed: unset it")
         if self.add_bos and self.source == "chat":
             raise ValueError(f"{prefix}.add_bos: chat rows get BOS from the chat template ({prefix}.source='chat'); "
                              "unset it")

@@ -30,6 +30,7 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _spans: contextvars.ContextVar[tuple[list, list] | None] = contextvars.ContextVar("generation_spans", default=None)
 
@@ -196,6 +197,12 @@ def _messages(value, key: str, role: str | None = None) -> list[dict]:
     for k, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"'{key}'[{k}] should be an object with a string 'role', found {message!r:.80}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"'{key}'[{k}]: expected a role among {list(ROLES)}, found {message['role']!r}")
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise ValueError(f"'{key}'[{k}] ({message['role']}): expected string 'content', "
+                             f"found {type(content).__name__}")
     return [{name: item for name, item in message.items() if item is not None} for message in value]
 
 

@@ -209,16 +209,17 @@ def _row_stream(corpus: Sequence, config: DataConfig, tokenizer: Tokenizer, *, s
         return docs.map(lambda i: _window_row(corpus[i], tokenizer)).to_iter_dataset(read_options)
     if chat is not None:
         return _chat_rows(docs, corpus, tokenizer, *chat, loss_on=config.loss_on or "assistant", row_len=seq_len + 1,
-                          share=len(indices), read_options=read_options)
+                          share=len(indices), packing=config.packing, read_options=read_options)
     encoded = docs.map(lambda i: _encode(corpus[i], tokenizer, config.add_bos)).to_iter_dataset(read_options)
     return grain.experimental.ConcatThenSplitIterDataset(encoded, length_struct={"tokens": seq_len + 1})
 
 
 def _chat_rows(docs: grain.MapDataset, corpus: Sequence, tokenizer: Tokenizer, template: ChatTemplate,
-               skipped: SkippedRows, *, loss_on: str, row_len: int, share: int, read_options: grain.ReadOptions
-               ) -> grain.IterDataset:
-    """Chat rows rendered, cut to a row, and packed whole into rows of `row_len` tokens; `share` is the
-    number of distinct rows the stream reads (a whole pass of skipped ones is an error, not a hang)."""
+               skipped: SkippedRows, *, loss_on: str, row_len: int, share: int, packing: bool,
+               read_options: grain.ReadOptions) -> grain.IterDataset:
+    """Chat rows rendered, cut to a row, and packed whole into rows of `row_len` tokens (one a row
+    without `packing`); `share` is the number of distinct rows the stream reads (a whole pass of
+    skipped ones is an error, not a hang)."""
 
     in_a_row = [0]  # rows skipped since the last one kept: a whole pass of them would loop forever
 
@@ -238,8 +239,8 @@ def _chat_rows(docs: grain.MapDataset, corpus: Sequence, tokenizer: Tokenizer, t
 
     encoded = docs.map(encode).filter(lambda row: row is not None).to_iter_dataset(read_options)
     packed = grain.experimental.FirstFitPackIterDataset(
-        encoded, length_struct={"tokens": row_len, "mask": row_len}, num_packing_bins=_PACKING_BINS,
-        shuffle_bins=False)
+        encoded, length_struct={"tokens": row_len, "mask": row_len}, num_packing_bins=_PACKING_BINS if packing else 1,
+        shuffle_bins=False, max_sequences_per_bin=None if packing else 1)
     return packed.map(lambda r: {k: r[k] for k in ("tokens", "tokens_segment_ids", "tokens_positions", "mask")})
 
 

@@ -71,6 +71,8 @@ def test_prompt_and_completion_rows_are_a_user_and_an_assistant_turn():
     ({"messages": "hi"}, "'messages' should be a list of messages, found str"),
     ({"messages": [{"content": "no role"}]}, r"'messages'\[0\] should be an object with a string 'role'"),
     ({"messages": []}, "expected at least one message"),
+    ({"messages": [{"role": "narrator", "content": "x"}]}, r"'messages'\[0\]: expected a role among \['system'"),
+    ({"messages": [{"role": "user", "content": 3}]}, r"'messages'\[0\] \(user\): expected string 'content', found int"),
     ([1, 2], "expected a JSON object"),
 ])
 def test_bad_rows_say_what_was_expected(row, needle):
@@ -131,6 +133,15 @@ def test_packed_conversations_keep_their_masks_and_segments(tmp_path):
     # whole conversations, never split; only the assistant's content and ";" are targets
     assert sorted(seen) == sorted([("u:ab;a:cd;", "cd;"), ("u:efg;a:h;", "h;"), ("u:i;a:jklm;", "jklm;")])
     assert all(b["weights"][0][b["segment_ids"][0] == 0].sum() == 0 for b in batches)
+
+
+def test_without_packing_each_conversation_has_a_row_of_its_own(tmp_path):
+    rows = [turn("q" * i, "a") for i in range(1, 9)]
+    config = chat_config(tmp_path, rows, packing=False)
+    batches = take_batches(make_dataset(config, ByteTokenizer(), seq_len=31, global_batch=1))
+    assert len(batches) == 8 and all(b["segment_ids"].max() == 1 for b in batches)
+    packed = take_batches(make_dataset(chat_config(tmp_path, rows), ByteTokenizer(), seq_len=31, global_batch=1))
+    assert len(packed) < 4
 
 
 def test_rows_without_a_trained_token_within_seq_len_are_skipped_counted_and_named_once(tmp_path, caplog):
