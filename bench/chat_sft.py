@@ -42,7 +42,7 @@ def write_corpus(directory: Path, conversations: int = 4000) -> list[str]:
     def text(low, high):
         return " ".join(rng.choices(words, k=rng.randint(low, high)))
 
-    rows = [{"messages": [{"role": "user", "content": text(3, 40)}, {"role": "assistant", "content": text(2, 30)}]}
+    rows = [{"messages": [{"role": "user", "content": text(2, 16)}, {"role": "assistant", "content": text(1, 12)}]}
             for _ in range(conversations)]
     (directory / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (directory / "chat.jinja").write_text(TEMPLATE)
@@ -95,7 +95,8 @@ def main() -> None:
                               ("trained_per_step", "trained tokens/step", ",.0f"),
                               ("trained_tokens_per_s", "trained tokens/s", ",.0f")]))
     print(f"packing trains {result['speedup_trained_tokens']:.2f}x the assistant tokens per second "
-          f"({args.steps} steps, {' '.join(BENCH_SHAPE)}, {result['machine']})")
+          f"({args.steps} steps, {' '.join(BENCH_SHAPE)}, {result['machine']['cpus']} CPUs, "
+          f"load {result['machine']['load_average_1m']:.1f})")
 
 
 if __name__ == "__main__":
