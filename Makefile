@@ -42,6 +42,7 @@ bench: install
 	$(PY) bench/generate.py
 	$(PY) bench/generate_tp.py
 	$(PY) bench/plan_targets.py
+	$(PY) bench/chat_sft.py
 	bash tests/netns.sh $(PY) bench/serve.py --no-skyrl
 	bash tests/netns.sh $(PY) bench/cluster.py
 

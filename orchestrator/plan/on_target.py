@@ -38,7 +38,8 @@ _OOM = (re.compile(r"Used ([0-9.]+)([KMGT]?) of ([0-9.]+)([KMGT]?) hbm"),
         re.compile(r"required for [^(]*\(([0-9.]+)([KMGT]?)\) exceeds available HBM \(([0-9.]+)([KMGT]?)\)"))
 
 
-def _shard_bytes(leaves) -> int:
+def shard_bytes(leaves) -> int:
+    """Bytes per device of arrays (or abstract arrays) as their shardings place them."""
     total = 0
     for leaf in leaves:
         shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
@@ -46,17 +47,14 @@ def _shard_bytes(leaves) -> int:
     return int(total)
 
 
-def _compile(training: Training):
-    """(compiled, None) or (None, (needed, capacity) bytes) when the TPU compiler ran out of HBM."""
+def compile_or_oom(lowered):
+    """(compiled, None), or (None, (needed, capacity) bytes) when the TPU compiler ran out of HBM."""
     try:
-        lowered = training.step.lower(training.abstract_state(), training.abstract_batch(), training.abstract_frozen())
         return lowered.compile(), None
     except Exception as error:  # XlaRuntimeError; its text is all it says
         text = str(error)
-        if "RESOURCE_EXHAUSTED" not in text:
-            raise
         m = next((found for pattern in _OOM if (found := pattern.search(text))), None)
-        if not m:
+        if "RESOURCE_EXHAUSTED" not in text or not m:
             raise
         return None, (int(float(m[1]) * _UNITS[m[2]]), int(float(m[3]) * _UNITS[m[4]]))
 
@@ -195,10 +193,11 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
     training = build_training(config, devices)
     state = training.abstract_state()
     # Resident parameters: the trained ones and a LoRA run's frozen base (no gradient, no optimizer state).
-    params = _shard_bytes(jax.tree.leaves(state.params)) + _shard_bytes(jax.tree.leaves(training.abstract_frozen()))
-    optimizer = _shard_bytes(jax.tree.leaves(state.opt_state))
+    params = shard_bytes(jax.tree.leaves(state.params)) + shard_bytes(jax.tree.leaves(training.abstract_frozen()))
+    optimizer = shard_bytes(jax.tree.leaves(state.opt_state))
     start = time.perf_counter()
-    compiled, oom = _compile(training)
+    compiled, oom = compile_or_oom(
+        training.step.lower(training.abstract_state(), training.abstract_batch(), training.abstract_frozen()))
     seconds = time.perf_counter() - start
     chip = target.chip
     report = {"target": target.name, "chip": chip.name, "devices": target.devices, "hosts": target.hosts,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from podtrain.orchestrator.config.compose import apply_overrides
-from podtrain.orchestrator.plan.on_target import _OOM, _UNITS, _shard_bytes
+from podtrain.orchestrator.plan.on_target import compile_or_oom, shard_bytes
 from podtrain.orchestrator.plan.targets import Target, compile_devices
 from podtrain.orchestrator.serve.backend import ADAM_KEYS, MIN_TOKENS
 from podtrain.orchestrator.serve.engine import adam_steps, bucket, forward_backward, sample_rows
@@ -46,8 +46,8 @@ def _lowered(layout: EngineLayout) -> tuple[dict, dict]:
     n, graphdef, axes = s.max_adapters, layout.graphdef, layout.axes
     replicated = layout.batch(1, 1).slot.sharding
     adapters, rest, adam = layout.adapters, layout.rest, layout.adam()
-    bytes_of = {"adapters": _shard_bytes(jax.tree.leaves(adapters)), "rest": _shard_bytes(jax.tree.leaves(rest)),
-                "adam": _shard_bytes(jax.tree.leaves(adam))}
+    bytes_of = {"adapters": shard_bytes(jax.tree.leaves(adapters)), "rest": shard_bytes(jax.tree.leaves(rest)),
+                "adam": shard_bytes(jax.tree.leaves(adam))}
     hyper = {key: jax.ShapeDtypeStruct((n,), jnp.float32, sharding=replicated) for key in ADAM_KEYS}
     hyper["active"] = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=replicated)
     prompt, new = sample_shape(s.max_seq_len)
@@ -74,18 +74,6 @@ def _lowered(layout: EngineLayout) -> tuple[dict, dict]:
         }, bytes_of
 
 
-def _compile(lowered):
-    """(compiled, None), or (None, (needed, capacity) bytes) when the TPU compiler ran out of memory."""
-    try:
-        return lowered.compile(), None
-    except Exception as error:  # XlaRuntimeError; its text is all it says
-        text = str(error)
-        m = next((found for pattern in _OOM if (found := pattern.search(text))), None)
-        if "RESOURCE_EXHAUSTED" not in text or not m:
-            raise
-        return None, (int(float(m[1]) * _UNITS[m[2]]), int(float(m[3]) * _UNITS[m[4]]))
-
-
 def plan_serve_on_target(config, target: Target, devices=None, *, programs=None) -> dict:
     """Compiles `config`'s engine for `target`: each program's per-chip peak, the verdict (the TPU
     compiler's own; on GPUs the peak against the GPU's memory), and the training pass's FLOPs per
@@ -98,7 +86,7 @@ def plan_serve_on_target(config, target: Target, devices=None, *, programs=None)
     s, chip = layout.config.serve, target.chip
     hbm, report = chip.hbm_bytes, {}
     for name in PROGRAMS if programs is None else programs:
-        compiled, oom = _compile(lowered[name])
+        compiled, oom = compile_or_oom(lowered[name])
         if compiled is None:
             needed, hbm = oom
             report[name] = {"peak_bytes": needed, "fits": False}
