@@ -30,6 +30,8 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from podtrain.models.hf_read import read_json_object
+
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _spans: contextvars.ContextVar[tuple[list, list] | None] = contextvars.ContextVar("generation_spans", default=None)
@@ -63,31 +65,11 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-class _Namespace(jinja2.utils.Namespace):
-    """`namespace(...)` that refuses underscore names, as transformers' sandbox does."""
-
-    def __init__(*args, **kwargs):
-        self, values = args[0], dict(*args[1:], **kwargs)
-        for name in values:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, values)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a chat template may not set {name!r} on a namespace")
-
-
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals |= {"raise_exception": _raise, "strftime_now": lambda fmt: datetime.now().strftime(fmt),
-                    "namespace": _Namespace}
+    env.globals |= {"raise_exception": _raise, "strftime_now": lambda fmt: datetime.now().strftime(fmt)}
     return env
 
 
@@ -156,15 +138,7 @@ def load_chat_template(tokenizer: str, template_file: str | None) -> ChatTemplat
 
 def _tokenizer_settings(directory: Path | None) -> dict:
     path = None if directory is None else directory / "tokenizer_config.json"
-    if path is None or not path.is_file():
-        return {}
-    try:
-        settings = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: expected a JSON object, found invalid JSON ({e})") from None
-    if not isinstance(settings, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(settings).__name__}")
-    return settings
+    return read_json_object(path) if path is not None and path.is_file() else {}
 
 
 def _token_text(token) -> str | None:

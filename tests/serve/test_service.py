@@ -36,8 +36,23 @@ def service(tmp_path_factory, base):
     assert running.stop() == 0, running.output()
 
 
+_OPEN: list[tuple] = []  # (service, client) of the running test
+
+
 def _client(service) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=service.url, api_key=KEY)
+    client = tinker.ServiceClient(base_url=service.url, api_key=KEY)
+    _OPEN.append((service, client))
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    """Ends each test's sessions, as a user's `close()` does, on the services still running."""
+    yield
+    while _OPEN:
+        service, client = _OPEN.pop()
+        if service.proc.poll() is None:
+            client.close("success").result(timeout=30)
 
 
 def _chat_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
