@@ -2,7 +2,8 @@
 
 The engine's three programs (`serve.engine`) are compiled at their largest shapes on the engine's
 layout (`serve.layout`): a training step of `serve.max_rows` rows of `serve.max_seq_len` tokens,
-the Adam step of every slot, and sampling whose prompt and new tokens fill `serve.max_seq_len`.
+the Adam step of every slot, and sampling whose prompt and new tokens fill `serve.max_sample_tokens`
+(by default `serve.max_seq_len`).
 Each program also takes what the engine holds and it does not use (the Adam state during a pass,
 the base during an Adam step), so the compiler's per-chip peak (arguments + outputs - aliased +
 scratch) and, on TPUs, its own check against the chip's memory cover the whole engine. The
@@ -50,7 +51,7 @@ def _lowered(layout: EngineLayout) -> tuple[dict, dict]:
                 "adam": shard_bytes(jax.tree.leaves(adam))}
     hyper = {key: jax.ShapeDtypeStruct((n,), jnp.float32, sharding=replicated) for key in ADAM_KEYS}
     hyper["active"] = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=replicated)
-    prompt, new = sample_shape(s.max_seq_len)
+    prompt, new = sample_shape(s.sample_tokens())
     rows = bucket(s.max_rows)
 
     def passes(adam, adapters, rest, grads, batch):
@@ -105,7 +106,7 @@ def plan_serve_on_target(config, target: Target, devices=None, *, programs=None)
     peak = max(p["peak_bytes"] for p in report.values())
     return {"target": target.name, "chip": chip.name, "devices": target.devices, "hosts": target.hosts,
             "mesh": dict(layout.mesh.shape), "max_adapters": s.max_adapters, "max_rank": s.max_rank,
-            "max_rows": s.max_rows, "max_seq_len": s.max_seq_len, "sample_shape": list(sample_shape(s.max_seq_len)),
+            "max_rows": s.max_rows, "max_seq_len": s.max_seq_len, "sample_shape": list(sample_shape(s.sample_tokens())),
             "base_bytes": bytes_of["rest"], "adapters_bytes": bytes_of["adapters"], "adam_bytes": bytes_of["adam"],
             "programs": report, "peak_bytes": peak, "hbm_bytes": hbm, "headroom_bytes": hbm - peak,
             "fits": all(p["fits"] for p in report.values()),

@@ -93,7 +93,8 @@ def serve_info(config) -> tuple[BaseInfo, tuple[str, ...]]:
     targets = slot_targets(m)
     info = BaseInfo(base_model=s.base_model, tokenizer_id=s.tokenizer or "", model_type=m.model_type,
                     vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
-                    max_adapters=s.max_adapters, tied_embeddings=m.tie_word_embeddings, eos_token_ids=_eos_ids(config))
+                    max_adapters=s.max_adapters, tied_embeddings=m.tie_word_embeddings, eos_token_ids=_eos_ids(config),
+                    max_sample_tokens=s.sample_tokens())
     return info, targets
 
 

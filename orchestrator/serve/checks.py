@@ -54,11 +54,12 @@ def slot_targets(model) -> tuple[str, ...]:
     return serve_targets(model.model_type, unembed=not model.tie_word_embeddings)
 
 
-def _check_tokens(info: BaseInfo, what: str, tokens: np.ndarray) -> None:
+def _check_tokens(info: BaseInfo, what: str, tokens: np.ndarray, *, sampled: bool = False) -> None:
     if tokens.ndim != 1 or len(tokens) == 0:
         raise ServeError(f"{what}: expected a non-empty list of token ids, found shape {tokens.shape}")
-    if len(tokens) > info.max_seq_len:
-        raise ServeError(f"{what}: {len(tokens)} tokens exceed serve.max_seq_len ({info.max_seq_len})")
+    limit, key = (info.sample_tokens(), "max_sample_tokens") if sampled else (info.max_seq_len, "max_seq_len")
+    if len(tokens) > limit:
+        raise ServeError(f"{what}: {len(tokens)} tokens exceed serve.{key} ({limit})")
     bad = tokens[(tokens < 0) | (tokens >= info.vocab_size)]
     if bad.size:
         raise ServeError(f"{what}: token ids must be in [0, {info.vocab_size}), found {bad[:5].tolist()}")
@@ -84,14 +85,14 @@ def _check_datum(info: BaseInfo, i: int, datum: Datum, loss_fn: str) -> None:
 
 
 def _check_sample(info: BaseInfo, work: Sample) -> None:
-    _check_tokens(info, "prompt", work.prompt)
+    _check_tokens(info, "prompt", work.prompt, sampled=True)
     if work.num_samples < 1:
         raise ServeError(f"num_samples: expected a positive integer, found {work.num_samples}")
     if work.max_tokens < 1:
         raise ServeError(f"sampling_params.max_tokens: expected a positive integer, found {work.max_tokens}")
-    if len(work.prompt) + work.max_tokens > info.max_seq_len:
+    if len(work.prompt) + work.max_tokens > info.sample_tokens():
         raise ServeError(f"sampling_params.max_tokens: the prompt's {len(work.prompt)} tokens and "
-                         f"{work.max_tokens} new ones exceed serve.max_seq_len ({info.max_seq_len})")
+                         f"{work.max_tokens} new ones exceed serve.max_sample_tokens ({info.sample_tokens()})")
     if not work.temperature >= 0:
         raise ServeError(f"sampling_params.temperature: expected a number >= 0, found {work.temperature}")
     if not 0 < work.top_p <= 1:

@@ -133,9 +133,9 @@ def sample(body: SampleBody, info: BaseInfo) -> Sample:
     max_tokens = _number(params, "max_tokens", Sample.max_tokens, int)
     if max_tokens < 1:
         raise ServeError(f"sampling_params.max_tokens: expected a positive integer, found {max_tokens}")
-    if len(prompt) + max_tokens > info.max_seq_len:
+    if len(prompt) + max_tokens > info.sample_tokens():
         raise ServeError(f"prompt ({len(prompt)} tokens) plus sampling_params.max_tokens ({max_tokens}) exceeds "
-                         f"the {info.max_seq_len} tokens a sequence may hold")
+                         f"the {info.sample_tokens()} tokens a sampled sequence may hold (serve.max_sample_tokens)")
     if body.num_samples < 1:
         raise ServeError(f"num_samples: expected at least 1, found {body.num_samples}")
     temperature, top_p = _number(params, "temperature", 1.0, float), _number(params, "top_p", 1.0, float)

@@ -31,11 +31,15 @@ class BaseInfo:
     tokenizer_id: str  # what `transformers.AutoTokenizer.from_pretrained` loads (an HF id or a directory)
     model_type: str  # "llama", "qwen3", "deepseek_v3"
     vocab_size: int
-    max_seq_len: int  # the longest token sequence (prompt plus sampled tokens) one row may hold
+    max_seq_len: int  # the longest training row
     max_rank: int
     max_adapters: int
     tied_embeddings: bool = False  # the LM head is the embedding (no train_unembed)
     eos_token_ids: tuple[int, ...] = ()  # where sampling stops when the client names no stop tokens
+    max_sample_tokens: int = 0  # the longest sampled sequence, prompt plus new tokens (0: max_seq_len)
+
+    def sample_tokens(self) -> int:
+        return self.max_sample_tokens or self.max_seq_len
 
 
 @dataclass(frozen=True)

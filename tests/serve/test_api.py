@@ -55,7 +55,7 @@ def info(tmp_path_factory) -> BaseInfo:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "</s>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return BaseInfo(base_model=BASE, tokenizer_id=str(directory), model_type="llama", vocab_size=len(WORDS),
-                    max_seq_len=256, max_rank=8, max_adapters=6, eos_token_ids=(1,))
+                    max_seq_len=256, max_rank=8, max_adapters=6, eos_token_ids=(1,), max_sample_tokens=128)
 
 
 @contextmanager
@@ -423,6 +423,10 @@ def _sample_until_string(client, trainer, sampler):
     return sampler.sample(types.ModelInput.from_ints([2]), 1, params).result()
 
 
+def _sample_too_long(client, trainer, sampler):
+    return sampler.sample(types.ModelInput.from_ints([2] * 100), 1, types.SamplingParams(max_tokens=29)).result()
+
+
 def _resume_unknown(client, trainer, sampler):
     return client.create_training_client_from_state("tinker://x:train:0/weights/y").result()
 
@@ -436,6 +440,8 @@ BAD_REQUESTS: dict[str, tuple[Callable, str]] = {
     "unknown loss": (_train(DATA, "nope"), "loss_fn: expected one of"),
     "unsupported loss": (_train(DATA, "gspo"), "loss_fn: 'gspo' is not supported by podtrain serve"),
     "sequence too long": (_train([datum([2] * 257, [3] * 257)]), "257 tokens exceed serve.max_seq_len (256)"),
+    "sampled sequence too long": (_sample_too_long, "exceeds the 128 tokens a sampled sequence may hold "
+                                                    "(serve.max_sample_tokens)"),
     "body over the limit": (_train([datum([2] * 800, [3] * 800)]), f"request body: expected at most {MAX_BYTES} bytes"),
     "image input": (_train([_image_datum()]), "image chunks (only encoded text) is not supported"),
     "stop strings": (_sample_until_string, "stop strings are not supported by podtrain serve, pass token ids"),

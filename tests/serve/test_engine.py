@@ -156,7 +156,7 @@ def test_bad_items_are_refused_alone(engine):
                         (ForwardBackward("q", (good,), "nope"), "loss_fn: expected one of"),
                         (ForwardBackward("q", (good,), "ppo"), "missing"),
                         (ForwardBackward("q", (sft_datum(rng, 70, vocab),), "cross_entropy"), "serve.max_seq_len"),
-                        (Sample(None, good.tokens, max_tokens=60), "serve.max_seq_len")]:
+                        (Sample(None, good.tokens, max_tokens=60), "serve.max_sample_tokens")]:
         with pytest.raises(ServeError, match=match):
             engine.check(work)
     engine.run([Create("q", 2, TARGETS)])
