@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,aot,trackers]"
+	$(PY) -m pip install -q --no-compile -e ".[test,aot,trackers]"  # modules compile on first import instead
 	touch $(STAMP)
 
 install: $(STAMP)
