@@ -27,6 +27,7 @@ from podtrain.models.peft import to_peft
 from podtrain.orchestrator.config.compose import load_config
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config, ExportConfig
+from podtrain.orchestrator.data.chat import load_chat_template
 from podtrain.orchestrator.data.tokenizers import HFTokenizer, load_tokenizer
 from podtrain.orchestrator.inference.load import checkpoint_step, restore_model
 
@@ -66,7 +67,8 @@ def check_out(raw: str) -> Path:
 
 def tokenizer_export(config: Config) -> tuple[dict, dict[str, bytes]]:
     """(config.json keys, files) for the training tokenizer `data.*` names: its BOS / EOS ids,
-    and for a tokenizer.json its files, set to put BOS first when `data.add_bos` is on."""
+    and for a tokenizer.json its files, set to put BOS first when `data.add_bos` is on and, for
+    chat data, to carry the chat template the rows were rendered with."""
     data = config.data
     try:
         tokenizer = load_tokenizer(data.tokenizer, eos_token=data.eos_token, bos_token=data.bos_token)
@@ -76,7 +78,11 @@ def tokenizer_export(config: Config) -> tuple[dict, dict[str, bytes]]:
     if tokenizer.bos_id is not None:
         ids["bos_token_id"] = tokenizer.bos_id
     if isinstance(tokenizer, HFTokenizer):
-        return ids, tokenizer.hf_files(add_bos=data.add_bos)
+        try:  # the template chat rows were rendered with goes along
+            template = load_chat_template(data.tokenizer, data.chat_template).source if data.source == "chat" else None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return ids, tokenizer.hf_files(add_bos=data.add_bos, chat_template=template)
     return ids, {}
 
 

@@ -77,7 +77,7 @@ class ChatTemplate:
     """A compiled chat template and the special tokens it sees as variables."""
 
     def __init__(self, source: str, special_tokens: dict[str, str], *, origin: str):
-        self.origin = origin
+        self.source, self.origin = source, origin
         self.special_tokens = special_tokens
         self.tracks_generation = re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
         try:

@@ -92,11 +92,12 @@ class HFTokenizer:
         ids = self._tokenizer.encode("a", add_special_tokens=True).ids
         return self.bos_id is not None and bool(ids) and ids[0] == self.bos_id
 
-    def hf_files(self, *, add_bos: bool) -> dict[str, bytes]:
+    def hf_files(self, *, add_bos: bool, chat_template: str | None = None) -> dict[str, bytes]:
         """tokenizer.json and tokenizer_config.json for an HF export, so that transformers'
         tokenizer encodes as training did: with `add_bos`, a post-processor that puts BOS first
         (unless the file's own does); the special tokens named; a tokenizer_config.json beside the
-        file kept for its other keys (a chat template, say)."""
+        file kept for its other keys (a chat template, say); `chat_template`, the template chat
+        rows were rendered with, as its chat template."""
         tokenizer = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
         if add_bos and not self.adds_bos():
             bos = processors.TemplateProcessing(single=f"{self.bos_token} $A", pair=f"{self.bos_token} $A $B:1",
@@ -107,6 +108,8 @@ class HFTokenizer:
         special = {k: v for k, v in _read_json(self.path.parent / "tokenizer_config.json").items() if k not in dropped}
         special |= {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token}
         special.setdefault("pad_token", self.eos_token)  # what the data pipeline pads with
+        if chat_template is not None:
+            special["chat_template"] = chat_template
         if self.bos_token is not None:
             special["bos_token"] = self.bos_token
         return {"tokenizer.json": tokenizer.to_str().encode(),

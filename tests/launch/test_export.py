@@ -99,6 +99,32 @@ def test_export_takes_the_training_tokenizer_along(tmp_path, add_bos):
     assert theirs.chat_template == "{{ messages }}"
 
 
+def test_a_chat_run_exports_the_template_its_rows_were_rendered_with(tmp_path):
+    from chat_fixtures import CONVERSATIONS, TEMPLATES, write_chat_tokenizer
+    from transformers import AutoTokenizer
+
+    from podtrain.launch.export import tokenizer_export
+    from podtrain.orchestrator.config.compose import load_config
+    from podtrain.orchestrator.data.chat import load_chat_template, render
+    from podtrain.orchestrator.data.tokenizers import load_tokenizer
+
+    directory = write_chat_tokenizer(tmp_path / "tok", TEMPLATES["llama3"])
+    (tmp_path / "chatml.jinja").write_text(TEMPLATES["chatml"])
+    (tmp_path / "chat.jsonl").write_text("")
+    config = load_config("llama3-tiny", ["data.source=chat", f"data.path={tmp_path / 'chat.jsonl'}",
+                                         f"data.tokenizer={directory}", "data.eos_token=<|eot_id|>",
+                                         f"data.chat_template={tmp_path / 'chatml.jinja'}"])
+    _, files = tokenizer_export(config)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    theirs = AutoTokenizer.from_pretrained(out)
+    ids, _ = render(CONVERSATIONS[1], load_chat_template(str(directory), str(tmp_path / "chatml.jinja")),
+                    load_tokenizer(str(directory), eos_token="<|eot_id|>"), "assistant")
+    assert theirs.apply_chat_template(CONVERSATIONS[1], tokenize=True, return_dict=True)["input_ids"] == ids.tolist()
+
+
 def test_export_errors_name_the_problem(tmp_path):
     done = export(tmp_path / "missing", tmp_path / "hf")
     assert done.returncode == 2 and "no such directory" in done.stderr and "Traceback" not in done.stderr
