@@ -33,6 +33,7 @@ def service(tmp_path_factory, base):
     tmp = tmp_path_factory.mktemp("service")
     running = Service(tmp, base, tmp / "runs" / "svc", "cluster.kind=none")
     yield running
+    _close_sessions(running)
     assert running.stop() == 0, running.output()
 
 
@@ -45,14 +46,19 @@ def _client(service) -> tinker.ServiceClient:
     return client
 
 
+def _close_sessions(service=None) -> None:
+    """Ends the sessions of `service`'s clients (of every running service's when None), as a
+    user's `close()` does: a session left open goes on heartbeating at a service that is gone."""
+    for entry in [e for e in _OPEN if service is None or e[0] is service]:
+        _OPEN.remove(entry)
+        if entry[0].proc.poll() is None:
+            entry[1].close("success").result(timeout=30)
+
+
 @pytest.fixture(autouse=True)
 def _close_clients():
-    """Ends each test's sessions, as a user's `close()` does, on the services still running."""
     yield
-    while _OPEN:
-        service, client = _OPEN.pop()
-        if service.proc.poll() is None:
-            client.close("success").result(timeout=30)
+    _close_sessions()
 
 
 def _chat_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
@@ -193,6 +199,7 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
     want = _logprobs(trainer, data)
     trainer.forward_backward(data, "cross_entropy").result()
     next_step = trainer.optim_step(ADAM).result()
+    _close_sessions(first)
     assert first.stop() == 0, first.output()
     second = Service(tmp_path, base, run_dir, "cluster.kind=none", name="second")
     try:
@@ -206,6 +213,7 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
         resumed.forward_backward(data, "cross_entropy").result()
         assert resumed.optim_step(ADAM).result().metrics == next_step.metrics
     finally:
+        _close_sessions(second)
         assert second.stop() == 0, second.output()
 
 
@@ -228,6 +236,7 @@ def test_the_engine_runs_in_the_jobs_worker_on_a_local_ray_cluster(tmp_path, bas
                 trainer.optim_step(ADAM).result()
             results[kind] = losses
         finally:
+            _close_sessions(service)
             code = service.stop()
         assert code == 0, service.output()
     if kind == "local":
