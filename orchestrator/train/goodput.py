@@ -237,7 +237,3 @@ def format_summary(summary: Summary) -> str:
 def summary_json(summary: Summary) -> str:
     return json.dumps({"total": summary.total.as_dict(),
                        "attempts": {str(a): b.as_dict() for a, b in summary.attempts.items()}}, indent=2)
-
-
-def ledger_exists(run_dir: str | os.PathLike) -> bool:
-    return (Path(run_dir) / LEDGER).is_file()

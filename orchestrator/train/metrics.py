@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from podtrain.orchestrator.config.errors import ConfigError
-from podtrain.orchestrator.config.schema import MetricsConfig
+from podtrain.orchestrator.config.trackers import MetricsConfig
 from podtrain.orchestrator.plan.chips import chip_of_device_kind
 from podtrain.orchestrator.train.trackers import remote_trackers
 

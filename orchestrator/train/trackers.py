@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from podtrain.orchestrator.config.schema import MlflowConfig, WandbConfig
+from podtrain.orchestrator.config.trackers import MlflowConfig, WandbConfig
 
 logger = logging.getLogger(__name__)
 _IDS = "trackers.json"
