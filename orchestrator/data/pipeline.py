@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grain
 import jax
@@ -55,13 +55,14 @@ class SkippedRows:
     def __init__(self):
         self.count, self._lock = 0, threading.Lock()
 
-    def add(self, where: str, seq_len: int, loss_on: str) -> None:
+    def add(self, where: Callable[[], str], seq_len: int, loss_on: str) -> None:
+        """Counts a skipped row; `where()` names it (found only for the first: it may read the file)."""
         with self._lock:
             self.count += 1
             first = self.count == 1
         if first:
             logger.warning("data: %s has no token to train on (data.loss_on=%s) within train.seq_len=%d; "
-                           "it and rows like it are skipped and counted", where, loss_on, seq_len)
+                           "it and rows like it are skipped and counted", where(), loss_on, seq_len)
 
 
 def _encode(text: str, tokenizer: Tokenizer, add_bos: bool) -> dict[str, np.ndarray]:
@@ -229,7 +230,7 @@ def _chat_rows(docs: grain.MapDataset, corpus: Sequence, tokenizer: Tokenizer, t
         if mask[1:].any():  # the first token is never a target
             in_a_row[0] = 0
             return {"tokens": ids, "mask": mask.astype(np.int32)}
-        skipped.add(corpus.where(i), row_len - 1, loss_on)
+        skipped.add(lambda: corpus.where(i), row_len - 1, loss_on)
         in_a_row[0] += 1
         if in_a_row[0] >= share:
             raise ValueError(f"data: none of the {share} chat rows of a batch row's share has a token to train on "
