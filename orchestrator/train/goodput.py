@@ -80,6 +80,7 @@ class Ledger:
         self.pending: dict[str, float] = {}
         self.before = Breakdown()  # the run up to this attempt's setup
         self.training = 0.0  # this attempt's training seconds
+        self._file = None
 
     def setup_done(self, start_step: int, restoring_s: float) -> None:
         """The attempt's first line: the process start, its phases before the run (`process_phase`),
@@ -118,7 +119,9 @@ class Ledger:
         line = {"source": "worker", "attempt": self.attempt, "t0": t0, "t1": t1, **fields,
                 "seconds": {k: round(v, 6) for k, v in seconds.items() if v}}
         if self.enabled:
-            _append(self.run_dir, line)
+            if self._file is None:  # opened once: a line per step is one short append, line-buffered
+                self._file = open(self.run_dir / LEDGER, "a", buffering=1)  # noqa: SIM115 (open for the attempt)
+            self._file.write(json.dumps(line) + "\n")
         return line
 
 
