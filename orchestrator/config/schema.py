@@ -13,6 +13,7 @@ from typing import Any
 from podtrain.models.config import ModelConfig
 from podtrain.models.generate import Sampling
 from podtrain.models.lora import LoRAConfig
+from podtrain.orchestrator.config.serve import ServeConfig
 from podtrain.orchestrator.config.trackers import MetricsConfig, MlflowConfig, WandbConfig  # noqa: F401 (the schema's)
 from podtrain.orchestrator.plan.chips import CHIPS
 from podtrain.sharding.rules import DEFAULT_RULES, check_rules
@@ -443,59 +444,6 @@ class ExportConfig:
         """Raises ValueError naming the key when a field is out of range."""
         if self.step is not None and self.step < 0:
             raise ValueError(f"{prefix}.step: expects a step number >= 0 or null (the newest), found {self.step}")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """`podtrain serve`: a Tinker-API training service holding the base model once and up to
-    `max_adapters` LoRA adapters, each batch row on its own adapter.
-
-    Attributes:
-        host, port: where the HTTP service listens (port 0: any free port, written to the run
-            directory's `serve.json`). Any host but loopback needs an API key.
-        api_key: the key clients send (`X-API-Key`); empty: the environment variable
-            PODTRAIN_SERVE_API_KEY, else none (loopback only).
-        base: the base model's HF directory (None: the preset's model made from `train.seed`).
-        base_model: the name clients ask for (empty: the HF directory's name, else the preset's).
-        tokenizer: what clients load as the tokenizer (`get_info`): an HF id or directory (None:
-            `base`).
-        max_adapters: adapter slots on the base model.
-        max_rank: the largest LoRA rank; smaller ranks are masked within it.
-        lora_alpha: every adapter's `alpha` (its update is scaled by `lora_alpha / rank`).
-        max_seq_len: the longest training row (and the context length clients are told).
-        max_sample_tokens: the longest sampled sequence, prompt plus new tokens: the length of the
-            sampling KV cache (None: `max_seq_len`).
-        max_rows: the most rows in one engine step (longer requests run in several).
-        max_request_bytes: the largest request body accepted.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str = ""
-    base: str | None = None
-    base_model: str = ""
-    tokenizer: str | None = None
-    max_adapters: int = 8
-    max_rank: int = 32
-    lora_alpha: float = 32.0
-    max_seq_len: int = 1024
-    max_sample_tokens: int | None = None
-    max_rows: int = 16
-    max_request_bytes: int = 64 * 2**20
-
-    def sample_tokens(self) -> int:
-        """The longest sampled sequence (prompt plus new tokens)."""
-        return self.max_seq_len if self.max_sample_tokens is None else self.max_sample_tokens
-
-    def validate(self, prefix: str = "serve") -> None:
-        """Raises ValueError naming the key when a field is out of range."""
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"{prefix}.port: expected 0 (any free port) to 65535, found {self.port}")
-        for key in ("max_adapters", "max_rank", "max_seq_len", "max_rows", "max_request_bytes", "max_sample_tokens"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ValueError(f"{prefix}.{key}: expected a positive integer, found {getattr(self, key)}")
-        if not self.lora_alpha > 0:
-            raise ValueError(f"{prefix}.lora_alpha: expected a number > 0, found {self.lora_alpha}")
 
 
 @dataclass(frozen=True)
