@@ -194,23 +194,48 @@ def test_a_hung_rank_and_then_a_lost_host_each_restart_the_gang(tmp_path):
     assert_no_worker_left(run_dir)
 
 
+# A user's chat template with a bug: it divides by zero on one conversation (Python's error, not Jinja's).
+BUGGY_TEMPLATE = ("{% for m in messages %}{% if 'boom' in m['content'] %}{{ 1 // 0 }}{% endif %}"
+                  "{{ m['role'][0] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+
+
+def conversation_read_at(step: int, overrides: list[str]) -> int:
+    """The index of a conversation that the run with `overrides` reads for `step` (one a batch row)."""
+    from podtrain.orchestrator.config.compose import load_config
+    from podtrain.orchestrator.data.pipeline import make_dataset
+    from podtrain.orchestrator.data.tokenizers import ByteTokenizer
+
+    config = load_config("llama3-tiny", overrides)
+    batches = iter(make_dataset(config.data, ByteTokenizer(), seq_len=config.train.seq_len,
+                                global_batch=config.train.batch_size))
+    for _ in range(step):
+        batch = next(batches)
+    text = bytes(int(t) for t in batch["inputs"][0] if 0 < t < 256).decode()
+    return int(re.search(r"question (\d+)", text).group(1))
+
+
 def test_an_exception_in_user_code_fails_the_job_with_its_traceback_without_retrying_forever(tmp_path):
-    corpus = tmp_path / "d.jsonl"
-    lines = [json.dumps({"text": f"document {i} " * 2}) for i in range(40)]
-    lines[24] = json.dumps({"body": "no text field"})  # its row reads it at about step 7 (data.seed 0)
-    corpus.write_text("\n".join(lines) + "\n")
-    run_dir = tmp_path / "bad-data"
+    rows = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+            for i in range(40)]
+    corpus, template = tmp_path / "chat.jsonl", tmp_path / "buggy.jinja"
+    template.write_text(BUGGY_TEMPLATE)
+    data = ["data.source=chat", f"data.path={corpus}", f"data.chat_template={template}", "data.packing=false",
+            "data.eval_fraction=0.0", "train.eval_every=0"]
+    corpus.write_text("".join(json.dumps({"messages": row}) + "\n" for row in rows))
+    bad = conversation_read_at(9, [*TINY, *data])  # after the checkpoints of steps 2 to 8
+    rows[bad][0]["content"] += " boom"
+    corpus.write_text("".join(json.dumps({"messages": row}) + "\n" for row in rows))
+    run_dir = tmp_path / "bad-template"
     with socket.socket() as taken:  # the configured coordinator port is taken: another one is used
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = run_train(tmp_path, run_dir, 50, *TWO_HOSTS, "data.source=jsonl", f"data.path={corpus}",
-                         "data.eval_fraction=0.0", "train.eval_every=0", "cluster.max_failures=5",
+        done = run_train(tmp_path, run_dir, 50, *TWO_HOSTS, *data, "cluster.max_failures=5",
                          f"cluster.coordinator_port={port}")
     assert done.returncode == 1, done.stdout[-4000:]
     assert f"coordinator port {port} is in use" in done.stdout
-    assert "data.text_field='text' not found" in done.stdout and "Traceback" in done.stdout
-    assert "the same exception twice in a row" in done.stdout and "[rank 1] Traceback" in done.stdout
+    assert "ZeroDivisionError" in done.stdout and "Traceback" in done.stdout
+    assert "the same exception twice in a row" in done.stdout
     result = job(run_dir)
     assert result["status"] == "failed" and result["restarts"] == {"exception": 2} and result["attempts"] == 2
     assert result["last_checkpoint"] is not None  # it failed mid-training, not at start-up

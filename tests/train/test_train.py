@@ -109,6 +109,23 @@ def test_finite_data_stops_the_run_with_a_checkpoint_and_resume_mistakes_are_one
         assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+def test_a_bad_document_found_mid_run_is_one_line_exit_2_and_keeps_the_checkpoints(tmp_path):
+    lines = [json.dumps({"text": f"document {i} " * 2}) for i in range(40)]
+    lines[24] = json.dumps({"body": "no text field"})  # its row reads it after the first checkpoints
+    corpus = tmp_path / "d.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "bad-doc"
+    done = subprocess.run(command(run_dir, 50, "data.source=jsonl", f"data.path={corpus}", "data.eval_fraction=0.0",
+                                  "train.eval_every=0"), cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (f"podtrain: error: {corpus}, line 25: data.text_field='text' not found; "
+                                            "the line has keys ['body']")
+    assert "Traceback" not in done.stderr
+    trained = max(losses(run_dir))
+    assert 2 <= trained < 50 and max(int(p) for p in os.listdir(run_dir / "checkpoints")) >= 2
+
+
 def test_tokenizer_larger_than_model_vocab_is_a_clear_error(tmp_path):
     cmd = [arg for arg in command(tmp_path / "r", 2) if not arg.startswith("model.vocab_size=")]
     done = subprocess.run(cmd + ["model.vocab_size=200"], cwd=ROOT, env=env(),
