@@ -104,6 +104,7 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
     import uvicorn
 
     from podtrain.orchestrator.serve.api import create_app
+    from podtrain.orchestrator.serve.backend import service_tokenizer
     from podtrain.orchestrator.serve.store import Store
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +121,9 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
         # the job's key. Local hosts share this machine's loopback.
         host = "127.0.0.1" if config.cluster.kind == "local" else "0.0.0.0"
         backend = gang = GangBackend(info, targets, host=host, ready_timeout_s=config.cluster.startup_timeout_s)
-    app = create_app(backend, Store(run_dir), api_key=key, max_request_bytes=config.serve.max_request_bytes)
+    tokenizer, _ = service_tokenizer(config)
+    app = create_app(backend, Store(run_dir), api_key=key, max_request_bytes=config.serve.max_request_bytes,
+                     decode=tokenizer.decode if tokenizer else None)
     server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level="warning",
                                            timeout_keep_alive=60))
     thread = threading.Thread(target=server.run, name="serve-http", daemon=True)

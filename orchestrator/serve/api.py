@@ -33,14 +33,15 @@ from podtrain.orchestrator.serve.work import Backend, BaseInfo, Load, OptimStep,
 
 
 def create_app(backend: Backend, store: Store, *, api_key: str | None, max_request_bytes: int,
-               long_poll_s: float = 25.0, sampler_slots: int = 2) -> FastAPI:
+               long_poll_s: float = 25.0, sampler_slots: int = 2, decode: translate.Decode | None = None) -> FastAPI:
     """The service's app. A new app means a new engine: models the store lists are marked unloaded
-    (clients continue from their checkpoints) and futures left pending are failed."""
+    (clients continue from their checkpoints) and futures left pending are failed. `decode` is the
+    service's tokenizer (token ids to text), which stop strings need."""
     store.fail_pending_futures("the service restarted before this request ran")
     store.unload_all_models()
     waiters = _Waiters()
     scheduler = Scheduler(backend, store, waiters.notify, sampler_slots)
-    service = _Service(backend, store, scheduler, backend.info(), waiters, long_poll_s, max_request_bytes)
+    service = _Service(backend, store, scheduler, backend.info(), waiters, long_poll_s, max_request_bytes, decode)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -75,6 +76,7 @@ class _Service:
     waiters: _Waiters
     long_poll_s: float
     max_request_bytes: int
+    decode: translate.Decode | None
 
     def submit(self, kind: str, key: str, seq: int | None, work: Work, on_done: Callable[[object], tuple[bytes, str]],
                sampler_dir: str | None = None) -> str:
@@ -360,9 +362,10 @@ def _sampling_routes(app: FastAPI, service: _Service) -> None:
         sampler = store.sampler(body.sampling_session_id)
         if sampler is None:
             raise ServeError(f"sampling_session_id: unknown sampling session {body.sampling_session_id!r}", 404)
-        work = translate.sample(body, info)
+        work = translate.sample(body, info, service.decode)
 
         def on_done(result: Any) -> tuple[bytes, str]:
+            result = translate.cut_at_stop_strings(result, work.stop_strings, service.decode)
             logprobs = result.prompt_logprobs if work.prompt_logprobs else None
             logprobs = translate.masked_prompt_logprobs(logprobs, body.prompt_logprobs_last_n)
             return wire.encode_sample(result, logprobs), PROTOBUF

@@ -37,6 +37,7 @@ from podtrain.models.lora_slots import slot_view
 from podtrain.models.peft import to_peft
 from podtrain.models.runner import only_layer
 from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.data.tokenizers import Tokenizer
 from podtrain.orchestrator.inference.load import load_base, load_checkpoint_tokenizer
 from podtrain.orchestrator.serve import losses
 from podtrain.orchestrator.serve.checks import check_work, slot_targets
@@ -98,14 +99,19 @@ def serve_info(config) -> tuple[BaseInfo, tuple[str, ...]]:
     return info, targets
 
 
-def _eos_ids(config) -> tuple[int, ...]:
-    """Where sampling stops when a client names no stop tokens: the EOS ids of the tokenizer
-    clients load (an HF directory's), else of `data.tokenizer`; none if neither can be read."""
+def service_tokenizer(config) -> tuple[Tokenizer | None, tuple[int, ...]]:
+    """(tokenizer, its EOS ids): the one clients load (an HF directory's), else `data.tokenizer`;
+    (None, ()) if neither can be read."""
     try:
-        _, stop, _ = load_checkpoint_tokenizer(config, config.serve.tokenizer or "")
+        tokenizer, stop, _ = load_checkpoint_tokenizer(config, config.serve.tokenizer or "")
     except ConfigError:
-        return ()
-    return tuple(int(i) for i in stop if i is not None)
+        return None, ()
+    return tokenizer, tuple(int(i) for i in stop if i is not None)
+
+
+def _eos_ids(config) -> tuple[int, ...]:
+    """Where sampling stops when a client names no stop tokens: the EOS ids of `service_tokenizer`."""
+    return service_tokenizer(config)[1]
 
 
 @dataclasses.dataclass

@@ -7,16 +7,28 @@ message naming the field; what needs the engine's state it leaves to `Backend.ch
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from podtrain.orchestrator.serve.checks import serve_targets
 from podtrain.orchestrator.serve.wire import LoraBody, SampleBody, WireDatum, WireForwardBackward
-from podtrain.orchestrator.serve.work import BaseInfo, Create, Datum, ForwardBackward, Sample, ServeError
+from podtrain.orchestrator.serve.work import (
+    BaseInfo,
+    Create,
+    Datum,
+    ForwardBackward,
+    Sample,
+    SampledSequence,
+    SampleResult,
+    ServeError,
+)
+
+Decode = Callable[[Sequence[int]], str]  # token ids to text, special tokens kept
 
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
@@ -124,7 +136,7 @@ def prompt_tokens(chunks: list[dict[str, Any]], info: BaseInfo) -> np.ndarray:
     return array.astype(np.int32)
 
 
-def sample(body: SampleBody, info: BaseInfo) -> Sample:
+def sample(body: SampleBody, info: BaseInfo, decode: Decode | None = None) -> Sample:
     """The sample request as a work item of the base model (the scheduler puts in the adapter slot
     of the sampler's weights)."""
     _refuse_unsupported_sampling(body)
@@ -151,9 +163,10 @@ def sample(body: SampleBody, info: BaseInfo) -> Sample:
         raise ServeError(f"prompt_logprobs_last_n: expected 1 to {len(prompt) - 1} with prompt_logprobs, "
                          f"found {last_n}")
     seed = _number(params, "seed", None, int)
+    stop_tokens, stop_strings = stops(params.get("stop"), info, decode)
     return Sample(model_id=None, prompt=prompt, num_samples=body.num_samples, max_tokens=max_tokens,
-                  temperature=temperature, top_p=top_p, top_k=top_k, stop_tokens=stop_tokens(params.get("stop"), info),
-                  seed=seed, prompt_logprobs=bool(body.prompt_logprobs))
+                  temperature=temperature, top_p=top_p, top_k=top_k, stop_tokens=stop_tokens,
+                  stop_strings=stop_strings, seed=seed, prompt_logprobs=bool(body.prompt_logprobs))
 
 
 def _number(params: Mapping[str, Any], key: str, default: float | None, kind: type) -> Any:
@@ -179,15 +192,47 @@ def _refuse_unsupported_sampling(body: SampleBody) -> None:
         raise not_supported("record_stability_info")
 
 
-def stop_tokens(stop: Any, info: BaseInfo) -> tuple[int, ...]:
-    """The SDK's `stop`: None stops at end of sequence, a list of token ids at those."""
+def stops(stop: Any, info: BaseInfo, decode: Decode | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(stop token ids, stop strings) of the SDK's `stop`: None stops at end of sequence, token ids
+    at those, strings (one or a list) where the sampled text first holds one, or at end of sequence."""
     if stop is None:
-        return tuple(info.eos_token_ids)
-    if isinstance(stop, str) or any(isinstance(item, str) for item in stop):
-        raise ServeError("sampling_params.stop: stop strings are not supported by podtrain serve, pass token ids")
-    ids = np.asarray(list(stop), np.int64)
-    check_tokens("sampling_params.stop", ids, info)
-    return tuple(int(token) for token in ids)
+        return tuple(info.eos_token_ids), ()
+    items = [stop] if isinstance(stop, str) else list(stop)
+    strings = [item for item in items if isinstance(item, str)]
+    if not strings:
+        ids = np.asarray(items, np.int64)
+        check_tokens("sampling_params.stop", ids, info)
+        return tuple(int(token) for token in ids), ()
+    if len(strings) < len(items):
+        raise ServeError(f"sampling_params.stop: expected token ids or strings, found both: {items!r}")
+    if not all(strings):
+        raise ServeError("sampling_params.stop: a stop string must not be empty")
+    if decode is None:
+        raise not_supported("sampling_params.stop as strings without a tokenizer on the service (serve.tokenizer)")
+    return tuple(info.eos_token_ids), tuple(strings)
+
+
+def cut_at_stop_strings(result: SampleResult, strings: tuple[str, ...], decode: Decode) -> SampleResult:
+    """Each sequence up to the token whose text completes its first stop string (kept, as a stop
+    token is), with stop reason "stop"; sequences whose text holds none as they are."""
+    if not strings:
+        return result
+
+    def holds(tokens: np.ndarray) -> bool:
+        text = decode(tokens)
+        return any(s in text for s in strings)
+
+    cut = []
+    for seq in result.sequences:
+        if not holds(seq.tokens):
+            cut.append(seq)
+            continue
+        shortest, longest = 1, len(seq.tokens)  # the text of a longer prefix holds what a shorter one does
+        while shortest < longest:
+            middle = (shortest + longest) // 2
+            shortest, longest = (shortest, middle) if holds(seq.tokens[:middle]) else (middle + 1, longest)
+        cut.append(SampledSequence(seq.tokens[:longest], seq.logprobs[:longest], "stop"))
+    return dataclasses.replace(result, sequences=tuple(cut))
 
 
 def masked_prompt_logprobs(logprobs: np.ndarray | None, last_n: int | None) -> np.ndarray | None:

@@ -94,6 +94,7 @@ class Sample:
     top_p: float = 1.0
     top_k: int = -1
     stop_tokens: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()  # cut by the front end from the sampled tokens' text
     seed: int | None = None
     prompt_logprobs: bool = False
 

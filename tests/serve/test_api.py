@@ -24,7 +24,7 @@ from tinker import types
 from podtrain.orchestrator.serve.api import create_app
 from podtrain.orchestrator.serve.scheduler import Job, Scheduler
 from podtrain.orchestrator.serve.store import Store
-from podtrain.orchestrator.serve.translate import lora_targets
+from podtrain.orchestrator.serve.translate import lora_targets, stops
 from podtrain.orchestrator.serve.wire import LoraBody
 from podtrain.orchestrator.serve.work import (
     BaseInfo,
@@ -82,8 +82,11 @@ def running(backend: FakeBackend, store: Store, port: int = 0, **options) -> Ite
 
 @pytest.fixture(scope="module")
 def service(info, tmp_path_factory) -> Iterator[tuple[str, FakeBackend, Store]]:
+    from tokenizers import Tokenizer
+
     backend, store = FakeBackend(info), Store(tmp_path_factory.mktemp("run"))
-    with running(backend, store, long_poll_s=0.5) as url:
+    tokenizer = Tokenizer.from_file(str(Path(info.tokenizer_id) / "tokenizer.json"))
+    with running(backend, store, long_poll_s=0.5, decode=lambda ids: tokenizer.decode(list(ids))) as url:
         yield url, backend, store
 
 
@@ -233,6 +236,31 @@ def test_sampling_from_saved_weights_and_the_base_model(client):
     assert (stopped.tokens, stopped.stop_reason) == ([first], "stop")
     last_only = base.sample(prompt, 1, greedy, include_prompt_logprobs=True, prompt_logprobs_last_n=1).result()
     assert last_only.prompt_logprobs[:2] == [None, None] and last_only.prompt_logprobs[2] is not None
+
+
+def test_stop_strings_cut_each_sequence_after_the_token_that_completes_one(client):
+    sampler = client.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints([2, 3, 4])
+    params = types.SamplingParams(max_tokens=8, seed=11, stop=[1])  # end of sequence, as with stop strings
+    free = [(s.tokens, s.stop_reason) for s in sampler.sample(prompt, 3, params).result().sequences]
+    stop = " ".join(WORDS[t] for t in free[0][0][2:4])  # spans two tokens: no single token is it
+    cut = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=8, seed=11, stop=[stop, "none of these"]))
+    for (tokens, reason), got in zip(free, cut.result().sequences, strict=True):
+        text = [" ".join(WORDS[t] for t in tokens[:end]) for end in range(len(tokens) + 1)]
+        end = next((e for e in range(len(tokens) + 1) if stop in text[e]), None)
+        assert (got.tokens, got.stop_reason) == ((tokens, reason) if end is None else (tokens[:end], "stop"))
+    one = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, seed=11, stop=stop)).result().sequences[0]
+    assert one.tokens == cut.result().sequences[0].tokens == free[0][0][:4]
+
+
+def test_stop_lists_of_ids_and_strings_together_or_strings_without_a_tokenizer_are_refused(info):
+    assert stops(None, info, None) == (info.eos_token_ids, ())
+    assert stops([4, 5], info, None) == ((4, 5), ())
+    assert stops("w1", info, str) == (info.eos_token_ids, ("w1",))
+    with pytest.raises(ServeError, match="expected token ids or strings, found both"):
+        stops(["w1", 3], info, str)
+    with pytest.raises(ServeError, match="stop as strings without a tokenizer on the service"):
+        stops(["w1"], info, None)
 
 
 def test_closing_a_session_frees_its_adapters(url, service):
@@ -418,8 +446,8 @@ def _with_wrong_key(client, trainer, sampler):
     return other.create_lora_training_client(base_model=BASE).result()
 
 
-def _sample_until_string(client, trainer, sampler):
-    params = types.SamplingParams(max_tokens=2, stop=["w1"])
+def _sample_until_nothing(client, trainer, sampler):
+    params = types.SamplingParams(max_tokens=2, stop=["w1", ""])
     return sampler.sample(types.ModelInput.from_ints([2]), 1, params).result()
 
 
@@ -444,7 +472,7 @@ BAD_REQUESTS: dict[str, tuple[Callable, str]] = {
                                                     "(serve.max_sample_tokens)"),
     "body over the limit": (_train([datum([2] * 800, [3] * 800)]), f"request body: expected at most {MAX_BYTES} bytes"),
     "image input": (_train([_image_datum()]), "image chunks (only encoded text) is not supported"),
-    "stop strings": (_sample_until_string, "stop strings are not supported by podtrain serve, pass token ids"),
+    "empty stop string": (_sample_until_nothing, "sampling_params.stop: a stop string must not be empty"),
     "unknown checkpoint": (_resume_unknown, "unknown checkpoint 'tinker://x:train:0/weights/y'"),
     "bad API key": (_with_wrong_key, "X-API-Key"),
 }

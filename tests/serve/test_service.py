@@ -138,6 +138,12 @@ def test_sampler_weights_are_a_peft_adapter_with_the_services_logits_and_tokens(
     lines = generated.stdout.splitlines()
     completion = lines[next(i for i, line in enumerate(lines) if line.startswith("--- completion 1")) + 1]
     assert tokenizer.decode(sampled).split() == completion.split(), generated.stdout
+    # A stop string spanning two tokens ends the sequence after the token that completes it.
+    stop = tokenizer.decode(sampled[1:3])
+    cut = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
+        max_tokens=6, temperature=0.0, stop=stop)).result().sequences[0]
+    end = next(e for e in range(len(sampled) + 1) if stop in tokenizer.decode(sampled[:e]))
+    assert (cut.tokens, cut.stop_reason) == (sampled[:end], "stop")
 
 
 def test_a_custom_loss_on_the_client_trains_as_the_same_built_in_loss(service, base):
