@@ -61,19 +61,19 @@ def make_mask(backend: str, q_positions_BT, kv_positions_BS, segment_ids_BT=None
     return Mask(segments_BT=segment_ids_BT, backend=backend, interpret=interpret)
 
 
-def _kernel_axes(batch: int, heads: int, kv_heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The mesh axes that split a flash kernel's batch rows and heads under the active mesh."""
+def _kernel_axes(heads: int, kv_heads: int) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    """(mesh axes that split a flash kernel's batch rows, those that split its heads, the number of
+    row shards) under the active mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh is None or mesh.empty else dict(mesh.shape)
     if not any(size > 1 for size in sizes.values()):
-        return (), ()
+        return (), (), 1
     batch_axes = axes_of(logical_to_spec(("batch",), sizes)[0])
-    batch_axes = batch_axes if batch % math.prod(sizes[a] for a in batch_axes) == 0 else ()
     head_axes = tuple(a for a in axes_of(logical_to_spec(("act_heads",), sizes)[0]) if a not in batch_axes)
     split = math.prod(sizes[a] for a in head_axes)
     # Each head shard must hold its own kv heads (mesh.tp divides both counts unless the rules differ).
     head_axes = head_axes if heads % split == 0 and kv_heads % split == 0 else ()
-    return batch_axes, head_axes
+    return batch_axes, head_axes, math.prod(sizes[a] for a in batch_axes)
 
 
 def self_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, scale: float) -> jax.Array:
@@ -88,9 +88,16 @@ def self_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, scale: float) -> jax.A
         local = lambda q, k, v, s: splash_attention(q, k, v, s, interpret=mask.interpret)  # noqa: E731
     else:
         local = cudnn_attention
-    batch_axes, head_axes = _kernel_axes(q_BTHD.shape[0], q_BTHD.shape[2], k_BSKD.shape[2])
-    return sharded(local, q_BTHD, k_BSKD, v_BSKE, mask.segments_BT, batch_axes=batch_axes,
-                   head_axes=head_axes).astype(dtype)
+    batch_axes, head_axes, row_shards = _kernel_axes(q_BTHD.shape[2], k_BSKD.shape[2])
+    # The kernel runs on each device's rows (the partitioner cannot split it): rows the batch axes
+    # do not divide (a serve step's few rows on a large mesh) get padding rows, cut off after.
+    b = q_BTHD.shape[0]
+    pad = -b % row_shards
+    args = (q_BTHD, k_BSKD, v_BSKE, mask.segments_BT)
+    if pad:
+        args = tuple(None if x is None else jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in args)
+    out = sharded(local, *args, batch_axes=batch_axes, head_axes=head_axes)
+    return out[:b].astype(dtype)
 
 
 def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from podtrain.models.attention import make_mask, self_attention
 from podtrain.models.kernels.attention import resolve_backend
@@ -14,6 +15,7 @@ from podtrain.orchestrator.config.compose import load_config
 from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.train.build import build_training, resolve_kernels
 from podtrain.orchestrator.train.step import TrainState
+from podtrain.sharding.rules import use_rules
 
 pytestmark = pytest.mark.slow
 
@@ -140,3 +142,26 @@ def test_splash_compiles_for_tpu_as_a_kernel_that_never_builds_the_score_matrix(
     assert scores.search(texts["xla"]) and not scores.search(texts["splash"])
     assert "tpu_custom_call" in texts["splash"] and "splash" in texts["splash"]
     assert temps["splash"] < temps["xla"]
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("libtpu"), reason="needs podtrain[aot]")
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
+def test_splash_compiles_for_rows_the_batch_axes_do_not_divide():
+    """A few rows on a larger mesh (a serve step on a pod): the kernel gets padding rows."""
+    from podtrain.orchestrator.plan.targets import compile_devices, parse_target
+
+    devices = compile_devices(parse_target("v5p-8"))  # 4 chips
+    overrides = ["model.num_layers=1", "train.seq_len=256", "train.batch_size=4", "mesh.fsdp=4",
+                 "model.dtype=bfloat16", "model.attention=splash"]
+    training = build_training(load_config("llama3-tiny", overrides), devices)
+    rules = training.config.sharding.rules
+
+    def logits(params, tokens):
+        with use_rules(rules):
+            return training.model(params, None)(tokens)[0]
+
+    params = training.abstract_state().params
+    tokens = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=NamedSharding(training.mesh, PartitionSpec()))
+    with jax.set_mesh(training.mesh):
+        text = jax.jit(logits).lower(params, tokens).compile().as_text()
+    assert "tpu_custom_call" in text and "splash" in text
