@@ -12,6 +12,7 @@ from podtrain.models.embedding import embedding
 from podtrain.models.kv_cache import KVCache, write_tokens
 from podtrain.models.layers import MLP, DecoderLayer, RMSNorm
 from podtrain.models.linear import dense, dtype_of, gathered, linear
+from podtrain.models.loss import sliced_target_logprobs
 from podtrain.models.runner import run_layers, stack_layers
 from podtrain.sharding.rules import constrain
 
@@ -119,6 +120,17 @@ class Llama(nnx.Module):
         """The logits (batch, ..., vocab) of final hidden states `h` (batch, ..., hidden)."""
         # A head whose adapter each batch row picks cannot be merged into one matrix.
         return self.lm_head(h) if getattr(self.lm_head, "per_row", False) else dense(h, self.head())
+
+    def target_logprobs(self, h: jax.Array, targets: jax.Array, *, slices: int) -> jax.Array:
+        """log p(target) (B, T) in float32 of final hidden states `h` (B, T, hidden), the head
+        applied `slices` vocabulary slices at a time (`sliced_target_logprobs`), each row with its
+        own head adapter where the head has slots. The head's weight is taken as frozen."""
+        if getattr(self.lm_head, "per_row", False):
+            low, b = self.lm_head.row_factors(h, h.dtype)
+            head = self.lm_head.base[...]
+            return sliced_target_logprobs(h, head, targets, slices=slices, low_BTR=low,
+                                          b_BRV=b.reshape(*b.shape[:2], -1))
+        return sliced_target_logprobs(h, self.head(stored=True), targets, slices=slices)
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None, cache: KVCache | None = None,

@@ -198,9 +198,9 @@ class Adapter(nnx.Module):
         b = gathered(self.lora_b[...].astype(dtype), self.lora_b.get_metadata().get("out_sharding"))
         return dense(dense(self.dropped(x), a, self.n_in), b) * jnp.asarray(self.scale, dtype)
 
-    def _row_update(self, x_B: jax.Array, dtype) -> jax.Array:
-        """Row b's `scale[b] * (x[b] @ A[index[b]]) @ B[index[b]]`, ranks from `rank[b]` on masked:
-        one gathered einsum, so the work is one adapter's whatever the number of adapters."""
+    def row_factors(self, x_B: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+        """(low (B, N, r), B (B, r, *out)): row b's `scale[b] * x[b] @ A[index[b]]` over its N
+        inputs, ranks from `rank[b]` on masked, and `B[index[b]]`; the update is `low @ B`."""
         current = _current_rows()
         a = gathered(self.lora_a[...].astype(dtype), self.lora_a.get_metadata().get("out_sharding"))[current.index]
         b = gathered(self.lora_b[...].astype(dtype), self.lora_b.get_metadata().get("out_sharding"))[current.index]
@@ -208,7 +208,14 @@ class Adapter(nnx.Module):
         low = jnp.einsum("bti,bir->btr", self.dropped(x_B).reshape(batch, -1, math.prod(a.shape[1:-1])),
                          a.reshape(batch, -1, rank))
         keep = (jnp.arange(rank) < current.rank[:, None]) * current.scale[:, None]
-        out = jnp.einsum("btr,bro->bto", low * keep[:, None, :].astype(dtype), b.reshape(batch, rank, -1))
+        return low * keep[:, None, :].astype(dtype), b
+
+    def _row_update(self, x_B: jax.Array, dtype) -> jax.Array:
+        """Row b's `scale[b] * (x[b] @ A[index[b]]) @ B[index[b]]`, ranks from `rank[b]` on masked:
+        one gathered einsum, so the work is one adapter's whatever the number of adapters."""
+        low, b = self.row_factors(x_B, dtype)
+        batch, rank = low.shape[0], low.shape[-1]
+        out = jnp.einsum("btr,bro->bto", low, b.reshape(batch, rank, -1))
         return out.reshape(*x_B.shape[: x_B.ndim - self.n_in], *b.shape[2:])
 
     def delta(self) -> jax.Array:

@@ -145,3 +145,89 @@ def _sliced_bwd(n, residuals, d_total):
 
 
 _sliced_nll_sum.defvjp(_sliced_fwd, _sliced_bwd)
+
+
+def sliced_target_logprobs(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, slices: int,
+                           low_BTR: jax.Array | None = None, b_BRV: jax.Array | None = None) -> jax.Array:
+    """log p(target) (B, T) in float32 of the logits `h @ head` (plus each row's low-rank term
+    `low[b] @ B[b]`, an adapter on the head that each batch row picks), `slices` vocabulary slices
+    at a time (slice j: columns j, j + n, ...), so no (B, T, vocab) array is ever made; the
+    backward pass recomputes one slice's logits at a time, as `chunked_causal_lm_loss` does.
+
+    `head_DV` is frozen: it gets a zero gradient (a caller that trains the head uses
+    `chunked_causal_lm_loss`); `h`, `low` and `B` get theirs.
+    """
+    extra = None if low_BTR is None else (low_BTR, b_BRV)
+    return _sliced_logprobs(h_BTD, head_DV, targets_BT, extra, slices)
+
+
+def _row_slice(b_BRV, n, j):
+    """Slice j of each row's head update `B` (B, r, V/n), zero columns appended up to a multiple of n."""
+    pad = -b_BRV.shape[-1] % n
+    if pad:
+        b_BRV = jnp.pad(b_BRV, ((0, 0), (0, 0), (0, pad)))
+    rows, rank, v = b_BRV.shape
+    return jax.lax.dynamic_index_in_dim(b_BRV.reshape(rows, rank, v // n, n), j, axis=3, keepdims=False)
+
+
+def _logits_with_rows(h_BTD, head_DSN, extra, j, vocab):
+    logits, w = _slice_logits(h_BTD, head_DSN, j, vocab)
+    if extra is None:
+        return logits, w, None
+    low, b = extra
+    b_j = _row_slice(b, head_DSN.shape[-1], j).astype(h_BTD.dtype)
+    return logits + jnp.einsum("btr,brv->btv", low.astype(h_BTD.dtype), b_j).astype(jnp.float32), w, b_j
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sliced_logprobs(h_BTD, head_DV, targets_BT, extra, n):
+    return _sliced_logprobs_fwd(h_BTD, head_DV, targets_BT, extra, n)[0]
+
+
+def _sliced_logprobs_fwd(h_BTD, head_DV, targets_BT, extra, n):
+    head = _slices(head_DV, n)
+    b, t, _ = h_BTD.shape
+
+    def one_slice(carry, j):
+        row_max, row_sum, target_logit = carry
+        logits, _, _ = _logits_with_rows(h_BTD, head, extra, j, head_DV.shape[1])
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))
+        row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.sum(jnp.exp(logits - new_max[..., None]), axis=-1)
+        hits = _target_hits(targets_BT, j, n, logits.shape[-1])
+        return (new_max, row_sum, target_logit + jnp.sum(jnp.where(hits, logits, 0.0), axis=-1)), None
+
+    init = (jnp.full((b, t), NEG_INF, jnp.float32), jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.float32))
+    (row_max, row_sum, target_logit), _ = jax.lax.scan(one_slice, init, jnp.arange(n))
+    log_z = row_max + jnp.log(row_sum)
+    return target_logit - log_z, (h_BTD, head_DV, targets_BT, extra, log_z)
+
+
+def _sliced_logprobs_bwd(n, residuals, d_lp):
+    h_BTD, head_DV, targets_BT, extra, log_z = residuals
+    head = _slices(head_DV, n)
+    coef = d_lp.astype(jnp.float32)[..., None]
+
+    def one_slice(carry, j):
+        d_h, d_low = carry
+        logits, w, b_j = _logits_with_rows(h_BTD, head, extra, j, head_DV.shape[1])
+        hits = _target_hits(targets_BT, j, n, logits.shape[-1])
+        d_logits = ((hits - jnp.exp(logits - log_z[..., None])) * coef).astype(h_BTD.dtype)
+        d_h = d_h + jnp.einsum("btv,dv->btd", d_logits, w, preferred_element_type=jnp.float32)
+        if extra is None:
+            return (d_h, d_low), None
+        d_low = d_low + jnp.einsum("btv,brv->btr", d_logits, b_j, preferred_element_type=jnp.float32)
+        d_b = jnp.einsum("btr,btv->brv", extra[0].astype(h_BTD.dtype), d_logits, preferred_element_type=jnp.float32)
+        return (d_h, d_low), d_b
+
+    d_low0 = None if extra is None else jnp.zeros(extra[0].shape, jnp.float32)
+    (d_h, d_low), d_b = jax.lax.scan(one_slice, (jnp.zeros(h_BTD.shape, jnp.float32), d_low0), jnp.arange(n))
+    d_extra = None
+    if extra is not None:
+        low, b = extra
+        rows, rank, v = b.shape
+        d_b = d_b.transpose(1, 2, 3, 0).reshape(rows, rank, -1)[..., :v]
+        d_extra = (d_low.astype(low.dtype), d_b.astype(b.dtype))
+    return d_h.astype(h_BTD.dtype), jnp.zeros_like(head_DV), None, d_extra
+
+
+_sliced_logprobs.defvjp(_sliced_logprobs_fwd, _sliced_logprobs_bwd)

@@ -26,6 +26,9 @@ class ServeConfig:
         max_sample_tokens: the longest sampled sequence, prompt plus new tokens: the length of the
             sampling KV cache (None: `max_seq_len`).
         max_rows: the most rows in one engine step (longer requests run in several).
+        loss_chunk: the head is applied to a step's rows a vocabulary slice at a time (losses,
+            logprobs, prompt logprobs), each slice's logits as large as those of `loss_chunk`
+            positions, so no (rows, tokens, vocab) logits are made (0: the whole logits at once).
         max_request_bytes: the largest request body accepted.
     """
 
@@ -41,6 +44,7 @@ class ServeConfig:
     max_seq_len: int = 1024
     max_sample_tokens: int | None = None
     max_rows: int = 16
+    loss_chunk: int = 256
     max_request_bytes: int = 64 * 2**20
 
     def sample_tokens(self) -> int:
@@ -54,5 +58,8 @@ class ServeConfig:
         for key in ("max_adapters", "max_rank", "max_seq_len", "max_rows", "max_request_bytes", "max_sample_tokens"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"{prefix}.{key}: expected a positive integer, found {getattr(self, key)}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"{prefix}.loss_chunk: expected 0 (the whole logits) or a positive number of positions, "
+                             f"found {self.loss_chunk}")
         if not self.lora_alpha > 0:
             raise ValueError(f"{prefix}.lora_alpha: expected a number > 0, found {self.lora_alpha}")

@@ -55,13 +55,14 @@ def _lowered(layout: EngineLayout) -> tuple[dict, dict]:
     rows = bucket(s.max_rows)
 
     def passes(adam, adapters, rest, grads, batch):
-        return forward_backward(graphdef, adapters, rest, grads, batch)
+        return forward_backward(graphdef, adapters, rest, grads, batch, loss_chunk=s.loss_chunk)
 
     def steps(rest, adapters, grads, adam, hyper):
         return adam_steps(adapters, grads, adam, hyper, axes=axes)
 
     def sample(grads, adam, adapters, rest, batch):
-        return sample_rows(graphdef, adapters, rest, batch, new_tokens=new, filtered=True, prompt_logprobs=True)
+        return sample_rows(graphdef, adapters, rest, batch, new_tokens=new, filtered=True, prompt_logprobs=True,
+                           loss_chunk=s.loss_chunk)
 
     def lower(fn, *args, donate=()):
         return jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*args)

@@ -326,7 +326,8 @@ class Engine:
             per_row["train"][r] = 1.0 if work.backward else 0.0
         batch = Batch(tokens=tokens, targets=targets, slot=slot_ix, rank=rank, loss=loss_ix, **arrays, **per_row)
         batch = jax.tree.map(jnp.asarray, batch)
-        self.grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, self.grads, batch)
+        self.grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, self.grads, batch,
+                                                 loss_chunk=self.config.serve.loss_chunk)
         self._pin()
         return np.asarray(lp), np.asarray(loss)
 
@@ -383,7 +384,8 @@ class Engine:
                             max_tokens=max_tokens)
         tokens, logprobs, _, prompt_lp = sample_rows(self.graphdef, self.adapters, self.rest,
                                                      jax.tree.map(jnp.asarray, batch), new_tokens=new,
-                                                     filtered=filtered, prompt_logprobs=want_prompt_lp)
+                                                     filtered=filtered, prompt_logprobs=want_prompt_lp,
+                                                     loss_chunk=self.config.serve.loss_chunk)
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         stop_sets = {}
         for r, (index, k) in enumerate(chunk):

@@ -84,31 +84,32 @@ class Batch:
     train: jax.Array
 
 
-def target_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """log p(target) (B, T) in float32."""
-    logits = logits_BTV.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+def vocab_slices(tokens: int, loss_chunk: int) -> int:
+    """How many vocabulary slices the head is applied in for `tokens` positions per row, each
+    slice's logits as large as those of `loss_chunk` positions (0: one slice, the whole logits)."""
+    return max(1, -(-tokens // loss_chunk)) if loss_chunk else 1
 
 
-def batch_losses(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def batch_losses(model: nnx.Module, batch: Batch, loss_chunk: int) -> tuple[jax.Array, jax.Array]:
     """(target logprobs, elementwise losses), each (B, T) float32 and zero on padding."""
     with lora.rows(batch.slot, batch.scale, batch.rank):
-        logits = model(batch.tokens)[0]
-    lp = target_logprobs(logits, batch.targets)
+        hidden = model.hidden_states(batch.tokens)[0]
+        lp = model.target_logprobs(hidden, batch.targets, slices=vocab_slices(batch.tokens.shape[1], loss_chunk))
     losses = token_losses(lp, batch.weights, batch.sampling_lp, batch.advantages, batch.loss, batch.low, batch.high,
                           batch.beta)
     real = batch.real > 0
     return jnp.where(real, lp, 0.0), jnp.where(real, losses, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,))
-def forward_backward(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, grads: nnx.State, batch: Batch):
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss_chunk"), donate_argnums=(3,))
+def forward_backward(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, grads: nnx.State, batch: Batch,
+                     *, loss_chunk: int):
     """(`grads` plus the gradient of the trained rows' summed loss for every slot, logprobs (B, T),
-    losses (B, T)). A batch of forward passes only leaves `grads` exactly as they were."""
+    losses (B, T)). A batch of forward passes only leaves `grads` exactly as they were. The head
+    is applied a vocabulary slice at a time (`vocab_slices`), so no (B, T, vocab) logits are made."""
 
     def objective(adapters):
-        lp, losses = batch_losses(nnx.merge(graphdef, adapters, rest), batch)
+        lp, losses = batch_losses(nnx.merge(graphdef, adapters, rest), batch, loss_chunk)
         return jnp.sum(losses * batch.train[:, None]), (lp, losses)
 
     new, (lp, losses) = jax.grad(objective, has_aux=True)(adapters)
@@ -231,12 +232,13 @@ def pick_tokens(logits_BV: jax.Array, keys: jax.Array, batch: SampleBatch, *, fi
     return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "new_tokens", "filtered", "prompt_logprobs"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "new_tokens", "filtered", "prompt_logprobs", "loss_chunk"))
 def sample_rows(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, batch: SampleBatch, *,
-                new_tokens: int, filtered: bool, prompt_logprobs: bool):
+                new_tokens: int, filtered: bool, prompt_logprobs: bool, loss_chunk: int = 0):
     """Prefill then decode up to `new_tokens` tokens per row, as one program. Returns (tokens
     (B, new_tokens), their logprobs, steps made, prompt logprobs (B, P) or None); a row's tokens
-    end at its stop token (included) or its budget, the rest is padding."""
+    end at its stop token (included) or its budget, the rest is padding. Prompt logprobs apply the
+    head a vocabulary slice at a time, as the loss does."""
     model = nnx.merge(graphdef, adapters, rest)
     model.config = dataclasses.replace(model.config, scan_layers=True)
     rows_b, prompt_len = batch.prompt.shape
@@ -256,7 +258,8 @@ def sample_rows(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, ba
         hidden, cache, _ = model.hidden_states(batch.prompt, cache=cache, attention_mask=real)
         prompt_lp = None
         if prompt_logprobs:
-            lp = target_logprobs(model.logits(hidden[:, :-1]), batch.prompt[:, 1:])
+            lp = model.target_logprobs(hidden[:, :-1], batch.prompt[:, 1:],
+                                       slices=vocab_slices(prompt_len - 1, loss_chunk))
             prompt_lp = jnp.concatenate([jnp.full((rows_b, 1), jnp.nan), lp], axis=1)
         token, logprob, done = choose(hidden[jnp.arange(rows_b), batch.length - 1], 0, jnp.zeros((rows_b,), bool))
         tokens = jnp.zeros((rows_b, new_tokens), jnp.int32).at[:, 0].set(token)

@@ -8,7 +8,7 @@ from flax import nnx
 from model_fixtures import TINY, tokens
 
 from podtrain.models import Llama, causal_lm_loss
-from podtrain.models.loss import chunked_causal_lm_loss
+from podtrain.models.loss import chunked_causal_lm_loss, sliced_target_logprobs
 
 
 def test_loss_ignores_masked_positions():
@@ -49,3 +49,31 @@ def test_chunked_loss_equals_full_loss_and_gradients():
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="must divide the sequence length 16"):
         chunked_causal_lm_loss(jnp.zeros((1, 16, 64)), jnp.zeros((64, 97)), ids[:1, 1:], chunk=5)
+
+
+@pytest.mark.parametrize("slices", [1, 3, 8])
+def test_sliced_target_logprobs_with_row_adapters_equal_the_whole_logits_and_their_gradients(slices):
+    """Each row's low-rank head term `low[b] @ B[b]` included; a vocabulary of 29 that 3 and 8 do not divide."""
+    rng = np.random.default_rng(3)
+    h, head = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((2, 5, 6), (6, 29)))
+    low, b = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((2, 5, 4), (2, 4, 29)))
+    targets = jnp.asarray(rng.integers(0, 29, (2, 5)))
+    d_lp = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)  # any upstream gradient
+
+    def whole(h, low, b):
+        logits = h @ head + jnp.einsum("btr,brv->btv", low, b)
+        return jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+
+    def sliced(h, low, b):
+        return sliced_target_logprobs(h, head, targets, slices=slices, low_BTR=low, b_BRV=b)
+
+    np.testing.assert_allclose(sliced(h, low, b), whole(h, low, b), rtol=1e-5, atol=1e-6)
+    want = jax.grad(lambda *x: jnp.sum(whole(*x) * d_lp), argnums=(0, 1, 2))(h, low, b)
+    got = jax.grad(lambda *x: jnp.sum(sliced(*x) * d_lp), argnums=(0, 1, 2))(h, low, b)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    # Without row adapters, and with the head frozen (its gradient is zero, by contract).
+    plain = jax.grad(lambda h, w: jnp.sum(sliced_target_logprobs(h, w, targets, slices=slices) * d_lp), (0, 1))
+    d_h, d_head = plain(h, head)
+    np.testing.assert_allclose(d_h, jax.grad(lambda h: jnp.sum(whole(h, low * 0, b) * d_lp))(h), rtol=1e-5, atol=1e-6)
+    assert not np.any(d_head)

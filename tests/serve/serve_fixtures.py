@@ -14,8 +14,10 @@ from podtrain.orchestrator.serve.backend import Engine
 from podtrain.orchestrator.serve.checks import serve_targets
 from podtrain.orchestrator.serve.work import Datum
 
+# A loss chunk of 8 positions: rows of 16 to 64 tokens apply the head in 2 to 8 vocabulary slices,
+# which the references (the whole logits of one adapter) check.
 OVERRIDES = ["serve.max_adapters=4", "serve.max_rank=8", "serve.max_seq_len=64", "serve.max_rows=8",
-             "model.max_position_embeddings=128"]
+             "model.max_position_embeddings=128", "serve.loss_chunk=8"]
 TARGETS = serve_targets("llama")
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01, "grad_clip_norm": 0.5}
 
