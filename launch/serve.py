@@ -34,8 +34,12 @@ def _is_hf_directory(path: str) -> bool:
 
 def serve_config(source: str, overrides: list[str]) -> tuple[Config, str]:
     """(the service's config, its run name) from `-c` and the overrides. Its rows are
-    `serve.max_seq_len` long, which the kernels are chosen for (as `train.seq_len`)."""
+    `serve.max_seq_len` long, which the kernels are chosen for (as `train.seq_len`). The base is
+    frozen, so it is stored in the compute dtype (`model.dtype`) unless `model.param_dtype` is
+    given; the adapters and their Adam states are float32 either way."""
     config, name = _compose(source, overrides)
+    if not any(o.split("=", 1)[0].strip() == "model.param_dtype" for o in overrides):
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, param_dtype=config.model.dtype))
     limit = config.model.max_position_embeddings
     if config.serve.max_seq_len > limit:
         raise ConfigError(f"serve.max_seq_len: expected at most model.max_position_embeddings={limit}, the positions "

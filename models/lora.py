@@ -336,6 +336,11 @@ def _stacked(variable: nnx.Variable) -> bool:
     return bool(names) and names[0] == "layers"
 
 
+# Adapters are stored in float32 whatever the base's dtype (a bfloat16 base included), as PEFT's
+# `autocast_adapter_dtype` keeps them: bfloat16 would round away updates much smaller than the values.
+ADAPTER_DTYPE = jnp.float32
+
+
 def _adapter_values(key, in_shape, out_shape, lead: int, dtype, rank: int, *, embedding: bool, batch=(),
                     empty: bool = False):
     """Initial `(A, B)` of adapters on `lead` created layers (0: unstacked) of a weight: PEFT's init,
@@ -364,7 +369,7 @@ def _wrap_linear(weight: Linear | Embedding, target: str, lora: LoRAConfig, key,
     n_in = 1 if embedding else weight.n_in
     in_shape, out_shape = weight.shape[lead:lead + n_in], weight.shape[lead + n_in:]
     batch, batch_names = ((slots,), ("lora_adapters",)) if slots else ((), ())
-    a, b = _adapter_values(key, in_shape, out_shape, weight.shape[0] if lead else 0, weight.dtype, lora.rank,
+    a, b = _adapter_values(key, in_shape, out_shape, weight.shape[0] if lead else 0, ADAPTER_DTYPE, lora.rank,
                            embedding=embedding, batch=batch, empty=bool(slots))
     lead_names = (*names[:lead], *batch_names)
     in_names, out_names = names[lead:lead + n_in], names[lead + n_in:]
@@ -376,7 +381,7 @@ def _wrap_linear(weight: Linear | Embedding, target: str, lora: LoRAConfig, key,
 def _wrap_experts(moe: MoE, lora: LoRAConfig, key, stack: int | None) -> LoRAExperts:
     stacked = _stacked(moe.w_gate)
     *layers, experts, d, f = moe.w_gate.shape
-    dtype, kwargs = moe.w_gate.dtype, dict(scale=lora.scale, target="experts", rate=0.0, stack=stack)
+    dtype, kwargs = ADAPTER_DTYPE, dict(scale=lora.scale, target="experts", rate=0.0, stack=stack)
     key_gate_up, key_down = jax.random.split(key)
     lead, count = ("layers", "experts") if stacked else ("experts",), layers[0] if stacked else 0
     a, b = _adapter_values(key_gate_up, (d,), (2, f), count, dtype, lora.rank, embedding=False, batch=(experts,))
