@@ -107,21 +107,8 @@ def _sliced_nll_sum(h_BTD, head_DV, targets_BT, weights_BT, n):
 
 
 def _sliced_fwd(h_BTD, head_DV, targets_BT, weights_BT, n):
-    head = _slices(head_DV, n)
-    b, t, _ = h_BTD.shape
-
-    def one_slice(carry, j):
-        row_max, row_sum, target_logit = carry
-        logits, _ = _slice_logits(h_BTD, head, j, head_DV.shape[1])
-        new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))
-        row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.sum(jnp.exp(logits - new_max[..., None]), axis=-1)
-        hits = _target_hits(targets_BT, j, n, logits.shape[-1])
-        return (new_max, row_sum, target_logit + jnp.sum(jnp.where(hits, logits, 0.0), axis=-1)), None
-
-    init = (jnp.full((b, t), NEG_INF, jnp.float32), jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.float32))
-    (row_max, row_sum, target_logit), _ = jax.lax.scan(one_slice, init, jnp.arange(n))
-    log_z = row_max + jnp.log(row_sum)
-    return _weighted_sum(log_z - target_logit, weights_BT), (h_BTD, head_DV, targets_BT, weights_BT, log_z)
+    lp, (*_, log_z) = _sliced_logprobs_fwd(h_BTD, head_DV, targets_BT, None, n)
+    return _weighted_sum(-lp, weights_BT), (h_BTD, head_DV, targets_BT, weights_BT, log_z)
 
 
 def _sliced_bwd(n, residuals, d_total):
