@@ -336,8 +336,7 @@ def _stacked(variable: nnx.Variable) -> bool:
     return bool(names) and names[0] == "layers"
 
 
-# Adapters are stored in float32 whatever the base's dtype (a bfloat16 base included), as PEFT's
-# `autocast_adapter_dtype` keeps them: bfloat16 would round away updates much smaller than the values.
+# Adapters are float32 whatever the base's dtype, as PEFT's `autocast_adapter_dtype` keeps them.
 ADAPTER_DTYPE = jnp.float32
 
 
