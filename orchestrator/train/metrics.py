@@ -114,7 +114,8 @@ class MetricsWriter:
                 self._jsonl = (run_dir / "metrics.jsonl").open("a")
             if "tensorboard" in metrics.trackers:
                 self._tb = _TensorBoard(run_dir / "tensorboard", purge_step=start_step + 1)
-            self._remote = remote_trackers(metrics.trackers, metrics.wandb, metrics.mlflow, run_dir, run_config or {})
+            self._remote = remote_trackers(metrics.trackers, metrics.wandb, metrics.mlflow, run_dir, run_config or {},
+                                           start_step=start_step)
 
     def flush(self) -> None:
         """Puts every record written so far on disk."""

@@ -11,6 +11,7 @@ yet sent when its process was killed (kill -9) is lost to it; `metrics.jsonl` ke
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import secrets
 import string
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from podtrain.orchestrator.config.trackers import MlflowConfig, WandbConfig
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 _IDS = "trackers.json"
 _CLOSE_TIMEOUT_S = 60.0  # what a run's end waits for a tracker to send what it holds
 _WANDB_FLUSH_S = 1.0  # W&B's run file is written this often: a kill -9 loses at most this much of it
+_SAVE_LOCK = threading.Lock()  # the trackers' threads share trackers.json
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -44,11 +46,44 @@ def _run_ids(run_dir: Path) -> dict:
     return ids if isinstance(ids, dict) else {}
 
 
+def _update_ids(run_dir: Path, change: Callable[[dict], None]) -> None:
+    with _SAVE_LOCK:
+        ids = _run_ids(run_dir)
+        change(ids)
+        tmp = run_dir / (_IDS + ".tmp")
+        tmp.write_text(json.dumps(ids, indent=2) + "\n")
+        os.replace(tmp, run_dir / _IDS)
+
+
 def _save_run_id(run_dir: Path, name: str, run_id: str) -> None:
-    ids = _run_ids(run_dir) | {name: run_id}
-    tmp = run_dir / (_IDS + ".tmp")
-    tmp.write_text(json.dumps(ids, indent=2) + "\n")
-    os.replace(tmp, run_dir / _IDS)
+    _update_ids(run_dir, lambda ids: ids.update({name: run_id}))
+
+
+def _sent(run_dir: Path, name: str) -> int:
+    sent = _run_ids(run_dir).get("sent")
+    step = sent.get(name, 0) if isinstance(sent, dict) else 0
+    return step if isinstance(step, int) else 0
+
+
+def _save_sent(run_dir: Path, name: str, step: int) -> None:
+    def change(ids: dict) -> None:
+        sent = ids.get("sent") if isinstance(ids.get("sent"), dict) else {}
+        ids["sent"] = sent | {name: step}
+    _update_ids(run_dir, change)
+
+
+class _SentMark:
+    """The last step through which a tracker holds every record, kept in trackers.json. Steps are
+    logged in order and an attempt first sends what the mark lacks, so each step up to it is held."""
+
+    def __init__(self, run_dir: Path, name: str):
+        self.run_dir, self.name = run_dir, name
+        self.step = _sent(run_dir, name)
+
+    def advance(self, step: int) -> None:
+        if step > self.step:
+            self.step = step
+            _save_sent(self.run_dir, self.name, step)
 
 
 class _Wandb:
@@ -70,12 +105,21 @@ class _Wandb:
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
+        self.sent = _SentMark(run_dir, "wandb")
+        self._unflushed: collections.deque[tuple[float, int]] = collections.deque()
 
     def log(self, record: dict) -> None:
         self.run.log(scalars(record))
+        # W&B writes its run file on its own thread: a step counts as held once that has surely run
+        now = time.monotonic()
+        self._unflushed.append((now, int(record["step"])))
+        while self._unflushed and now - self._unflushed[0][0] > 2 * _WANDB_FLUSH_S:
+            self.sent.advance(self._unflushed.popleft()[1])
 
     def close(self) -> None:
         self.run.finish()
+        if self._unflushed:
+            self.sent.advance(max(step for _, step in self._unflushed))
 
 
 class _Mlflow:
@@ -86,6 +130,7 @@ class _Mlflow:
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=settings.tracking_uri)
+        self.sent = _SentMark(run_dir, "mlflow")
         self.run_id = _run_ids(run_dir).get("mlflow")
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
@@ -106,6 +151,7 @@ class _Mlflow:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, int(record["step"]))
                                                     for k, v in scalars(record).items() if k != "step"])
+        self.sent.advance(int(record["step"]))
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -121,14 +167,34 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-class BackgroundTracker:
-    """Starts a tracker and logs records to it on a daemon thread; its failures warn once and end it."""
+def earlier_records(path: Path, through: int):
+    """The records of `path` (metrics.jsonl) up to step `through`, read a line at a time: the
+    file's end, which this run appends to meanwhile, is never reached for them."""
+    if not path.is_file():
+        return
+    with path.open() as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                continue
+            if record["step"] > through:
+                return
+            yield record
 
-    def __init__(self, name: str, start: Callable[[], object]):
+
+class BackgroundTracker:
+    """Starts a tracker and logs records to it on a daemon thread; its failures warn once and end it.
+    Before this run's records it sends those of `backlog` after the tracker's sent mark."""
+
+    def __init__(self, name: str, start: Callable[[], object], backlog: Callable[[], Iterable[dict]] = tuple):
         self.name = name
         self._queue: queue.Queue = queue.Queue()
         self._failed = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(start,), name=f"tracker-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._work, args=(start, backlog), name=f"tracker-{name}",
+                                        daemon=True)
         self._thread.start()
 
     def log(self, record: dict) -> None:
@@ -142,13 +208,20 @@ class BackgroundTracker:
             logger.warning("metrics.trackers: %s did not finish sending within %.0f s; the run ends without it",
                            self.name, timeout_s)
 
-    def _work(self, start: Callable[[], object]) -> None:
+    def _work(self, start: Callable[[], object], backlog: Callable[[], Iterable[dict]]) -> None:
         try:
             tracker = start()
         except Exception as e:  # a tracker is never worth a run
             self._fail("could not start", e)
             return
         try:
+            missed = 0
+            for record in backlog():
+                if record["step"] > tracker.sent.step:
+                    tracker.log(record)
+                    missed += 1
+            if missed:
+                logger.info("metrics.trackers: %s got %d steps an earlier attempt had not sent", self.name, missed)
             while (record := self._queue.get()) is not None:
                 tracker.log(record)
         except Exception as e:
@@ -169,9 +242,11 @@ def _reason(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
 
 
-def remote_trackers(names: list[str], wandb: WandbConfig, mlflow: MlflowConfig, run_dir: Path, run_config: dict
-                    ) -> list[BackgroundTracker]:
-    """The W&B and MLflow trackers among `names`, each starting on its own thread."""
+def remote_trackers(names: list[str], wandb: WandbConfig, mlflow: MlflowConfig, run_dir: Path, run_config: dict,
+                    *, start_step: int = 0) -> list[BackgroundTracker]:
+    """The W&B and MLflow trackers among `names`, each starting on its own thread. With `jsonl`
+    among them, each first sends the records through `start_step` that it does not yet hold."""
     makers = {"wandb": lambda: _Wandb(wandb, run_dir, run_config),
               "mlflow": lambda: _Mlflow(mlflow, run_dir, run_config)}
-    return [BackgroundTracker(name, makers[name]) for name in names if name in makers]
+    backlog = ((lambda: earlier_records(run_dir / "metrics.jsonl", start_step)) if "jsonl" in names else tuple)
+    return [BackgroundTracker(name, makers[name], backlog) for name in names if name in makers]

@@ -106,7 +106,36 @@ def test_wandb_and_mlflow_log_one_run_across_a_kill_and_resume(tmp_path, monkeyp
     for metric in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.timestamp):
         last[metric.step] = metric.value
     assert set(final) <= set(last) and {s: last[s] for s in final} == pytest.approx(final)
-    assert json.loads((run_dir / "trackers.json").read_text()) == {"wandb": ids.pop(), "mlflow": run.info.run_id}
+    assert set(final) <= set(logged)  # what the killed attempt had not sent came with the resume
+    assert json.loads((run_dir / "trackers.json").read_text()) == {
+        "wandb": ids.pop(), "mlflow": run.info.run_id, "sent": {"wandb": committed + 3, "mlflow": committed + 3}}
+
+
+def test_a_resume_sends_the_trackers_the_steps_a_killed_attempt_had_not_sent(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    store = f"file://{tmp_path / 'mlruns'}"
+    metrics = MetricsConfig(trackers=["jsonl", "wandb", "mlflow"], wandb=WandbConfig(mode="offline"),
+                            mlflow=MlflowConfig(tracking_uri=store))
+    writer = MetricsWriter(tmp_path, enabled=True, total_steps=7, metrics=metrics, run_config={})
+    for step in (1, 2):
+        writer.write({"step": step, "loss": 1.0 / step})
+    writer.close()
+    with (tmp_path / "metrics.jsonl").open("a") as jsonl:  # steps the killed attempt wrote but had not sent
+        jsonl.writelines(json.dumps({"step": step, "loss": 1.0 / step}) + "\n" for step in (3, 4, 5, 6))
+    writer = MetricsWriter(tmp_path, enabled=True, total_steps=7, start_step=5, metrics=metrics, run_config={})
+    for step in (6, 7):
+        writer.write({"step": step, "loss": 1.0 / step})
+    writer.close()
+
+    expected = {step: 1.0 / step for step in range(1, 8)}
+    client = MlflowClient(tracking_uri=store)
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    assert {m.step: m.value for m in client.get_metric_history(run_id, "loss")} == pytest.approx(expected)
+    assert wandb_run(tmp_path)[1] == pytest.approx(expected)
+    assert json.loads((tmp_path / "trackers.json").read_text())["sent"] == {"wandb": 7, "mlflow": 7}
 
 
 def test_a_tracker_that_cannot_reach_its_server_warns_once_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
