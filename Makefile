@@ -19,20 +19,14 @@ install: $(STAMP)
 train: install
 	$(VENV)/bin/podtrain train
 
-# The tests without Ray run on two pytest workers. Beside them, in a network namespace of their
-# own, the Ray tests run one at a time (each starts a cluster and several JAX processes, and their
-# hang and heartbeat checks assume no second one), and the wheel is built and run from a fresh
-# virtualenv beside a decoy models/ package (outside any namespace: it needs the package registry).
-# Their output follows the first run's.
+# Tests without Ray run on two pytest workers; the Ray tests (timing-sensitive: hang detection,
+# heartbeats) run one at a time after them; last, the wheel is built and run from a fresh virtualenv
+# beside a decoy models/ package (it needs the package registry, so it runs outside the namespace).
 test: install
 	$(VENV)/bin/ruff check .
-	@ray=$$(mktemp); wheel=$$(mktemp); \
-	bash tests/netns.sh $(PY) -m pytest -q -m ray --durations=10 > $$ray 2>&1 & ray_pid=$$!; \
-	bash tests/wheel_check.sh > $$wheel 2>&1 & wheel_pid=$$!; \
-	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not ray" --durations=25; rest=$$?; \
-	wait $$ray_pid; ray_rc=$$?; wait $$wheel_pid; wheel_rc=$$?; \
-	echo "--- the Ray tests"; cat $$ray; echo "--- the wheel check"; cat $$wheel; rm -f $$ray $$wheel; \
-	[ $$rest = 0 ] && [ $$ray_rc = 0 ] && [ $$wheel_rc = 0 ]
+	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not ray" --durations=25
+	bash tests/netns.sh $(PY) -m pytest -q -m ray --durations=10
+	bash tests/wheel_check.sh
 
 test-quick: install
 	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not slow"
