@@ -127,7 +127,7 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
         backend = gang = GangBackend(info, targets, host=host, ready_timeout_s=config.cluster.startup_timeout_s)
     tokenizer, _ = service_tokenizer(config)
     app = create_app(backend, Store(run_dir), api_key=key, max_request_bytes=config.serve.max_request_bytes,
-                     decode=tokenizer.decode if tokenizer else None)
+                     decode=tokenizer.decode if tokenizer else None, autosave_every=config.serve.autosave_every)
     server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level="warning",
                                            timeout_keep_alive=60))
     thread = threading.Thread(target=server.run, name="serve-http", daemon=True)
@@ -140,10 +140,13 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
     url = f"http://{config.serve.host}:{port}"
     (run_dir / "serve.json").write_text(json.dumps({"url": url, "pid": os.getpid()}) + "\n")
     print(f"podtrain: serving {config.serve.base_model} at {url} (run directory {run_dir})", flush=True)
+    save = _saver(app.state.scheduler)
     try:
         if gang is None:
             _wait_for_stop()
+            save(config.cluster.stop_grace_s)
             return 0
+        gang.before_stop = save
         from podtrain.orchestrator.cluster.driver import Driver
         from podtrain.orchestrator.cluster.outcomes import JobStatus
 
@@ -155,6 +158,16 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
             gang.stop()
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def _saver(scheduler):
+    """Before the service stops: every adapter with steps since its last save saved, so that the
+    next start brings it back as it is."""
+    def save(timeout_s: float) -> None:
+        saved, left = scheduler.save_unsaved(timeout_s)
+        print(f"podtrain: saved {saved} adapters before stopping" + (f"; not saved within {timeout_s:g}s: "
+                                                                     f"{', '.join(left)}" if left else ""), flush=True)
+    return save
 
 
 def _wait_for_stop() -> None:

@@ -347,6 +347,8 @@ class Driver:
                     return Outcome(Ending.STOPPED, outcome.rank, "checkpointed and exited on request")
                 return outcome
             if self.stop_requested and stop_deadline is None:
+                if self.service is not None and self.service.before_stop is not None:
+                    self.service.before_stop(self.cluster.stop_grace_s)
                 ray.get([actor.send_signal.remote(signal.SIGTERM) for actor in gang.actors])
                 stop_deadline = time.monotonic() + self.cluster.stop_grace_s
             if stop_deadline is not None and time.monotonic() > stop_deadline:

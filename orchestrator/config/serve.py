@@ -30,6 +30,9 @@ class ServeConfig:
             logprobs, prompt logprobs), each slice's logits as large as those of `loss_chunk`
             positions, so no (rows, tokens, vocab) logits are made (0: the whole logits at once).
         max_request_bytes: the largest request body accepted.
+        autosave_every: every this many optimizer steps of an adapter, its whole state (weights
+            and Adam moments) is saved; a new engine (after a restart, or its workers lost)
+            brings each adapter back from its last save (0: only the clients' `save_state`).
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +49,7 @@ class ServeConfig:
     max_rows: int = 16
     loss_chunk: int = 256
     max_request_bytes: int = 64 * 2**20
+    autosave_every: int = 10
 
     def sample_tokens(self) -> int:
         """The longest sampled sequence (prompt plus new tokens)."""
@@ -58,6 +62,9 @@ class ServeConfig:
         for key in ("max_adapters", "max_rank", "max_seq_len", "max_rows", "max_request_bytes", "max_sample_tokens"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"{prefix}.{key}: expected a positive integer, found {getattr(self, key)}")
+        if self.autosave_every < 0:
+            raise ValueError(f"{prefix}.autosave_every: expected 0 (never) or a positive number of optimizer steps, "
+                             f"found {self.autosave_every}")
         if self.loss_chunk < 0:
             raise ValueError(f"{prefix}.loss_chunk: expected 0 (the whole logits) or a positive number of positions, "
                              f"found {self.loss_chunk}")

@@ -33,14 +33,15 @@ from podtrain.orchestrator.serve.work import Backend, BaseInfo, Load, OptimStep,
 
 
 def create_app(backend: Backend, store: Store, *, api_key: str | None, max_request_bytes: int,
-               long_poll_s: float = 25.0, sampler_slots: int = 2, decode: translate.Decode | None = None) -> FastAPI:
-    """The service's app. A new app means a new engine: models the store lists are marked unloaded
-    (clients continue from their checkpoints) and futures left pending are failed. `decode` is the
-    service's tokenizer (token ids to text), which stop strings need."""
+               long_poll_s: float = 25.0, sampler_slots: int = 2, decode: translate.Decode | None = None,
+               autosave_every: int = 0) -> FastAPI:
+    """The service's app. A new app means a new engine: the models the store lists as live come
+    back from their last saves (`Scheduler`), and futures left pending are failed. `decode` is the
+    service's tokenizer (token ids to text), which stop strings need; every `autosave_every`
+    optimizer steps (0: never) an adapter's whole state is saved for such a restore."""
     store.fail_pending_futures("the service restarted before this request ran")
-    store.unload_all_models()
     waiters = _Waiters()
-    scheduler = Scheduler(backend, store, waiters.notify, sampler_slots)
+    scheduler = Scheduler(backend, store, waiters.notify, sampler_slots, autosave_every)
     service = _Service(backend, store, scheduler, backend.info(), waiters, long_poll_s, max_request_bytes, decode)
 
     @asynccontextmanager
@@ -53,6 +54,7 @@ def create_app(backend: Backend, store: Store, *, api_key: str | None, max_reque
             scheduler.stop()
 
     app = FastAPI(title="podtrain serve", lifespan=lifespan)
+    app.state.scheduler = scheduler
     app.add_middleware(Guard, api_key=api_key, max_bytes=max_request_bytes)
     app.add_exception_handler(ServeError, _refusal)
     app.add_exception_handler(RequestValidationError, _invalid_body)
@@ -87,7 +89,9 @@ class _Service:
             return request_id
         self.backend.check(work)
         request_id, fresh = self.store.add_future(kind, key, dedup_key)
-        if fresh:
+        if fresh and (notice := self.scheduler.take_notice(key)) is not None:
+            self.store.fail_future(request_id, notice, "server")  # as a request in flight is told
+        elif fresh:
             self.scheduler.submit(Job(request_id, key, math.inf if seq is None else seq, work, on_done, sampler_dir))
         return request_id
 
@@ -109,8 +113,8 @@ class _Service:
         if model.state != "live":
             resume = (f"create_training_client_from_state({model.last_checkpoint!r})" if model.last_checkpoint
                       else "a new training client (it has no saved state)")
-            raise ServeError(f"model {model_id!r} is unloaded (unload_model, its session finished or the service "
-                             f"restarted); continue with {resume}")
+            raise ServeError(f"model {model_id!r} is unloaded (unload_model, its session finished, or it could not "
+                             f"be brought back after a restart); continue with {resume}")
         return model
 
     def checkpoint(self, path: str, field: str) -> CheckpointRecord:
@@ -206,9 +210,13 @@ def _training_routes(app: FastAPI, service: _Service) -> None:
     @app.post("/api/v1/get_info")
     def get_info(body: wire.ModelBody) -> dict[str, Any]:
         model = service.model(body.model_id)
+        progress = store.progress(model.model_id)
+        # Beyond Tinker's fields (its SDK keeps extra ones): the optimizer steps the adapter has
+        # taken, and the step of the save a restart would bring it back from.
+        steps = {} if progress is None else {"step": progress.steps, "saved_step": progress.saved_step}
         return {"type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": model.rank,
                 "model_name": info.base_model, "model_data": {"arch": info.model_type, "model_name": info.base_model,
-                                                              "tokenizer_id": info.tokenizer_id}}
+                                                              "tokenizer_id": info.tokenizer_id}, **steps}
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -387,7 +395,11 @@ def _future_routes(app: FastAPI, service: _Service) -> None:
             await service.waiters.wait(body.request_id, pending, service.long_poll_s)
             record = service.store.future(body.request_id)
         if record.status == "pending":
-            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
+            waiting = {"queue_state": "active"}
+            if (note := service.scheduler.engine_note) is not None:  # the SDK shows why it waits
+                waiting = {"queue_state": "paused_capacity",
+                           "queue_state_reason": f"{note}; waiting for the new engine"}
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, **waiting})
         if record.status == "error":
             return JSONResponse({"error": record.error, "category": record.category})
         return Response(record.result, media_type=record.media_type)

@@ -161,10 +161,13 @@ class Engine:
     def info(self) -> BaseInfo:
         return self._info
 
+    def generation(self) -> int:
+        return 0  # this process's engine is the only one
+
     def check(self, work: Work) -> None:
         check_work(self._info, self.config.lora.targets, work)
 
-    def run(self, works: list[Work]) -> list[object]:
+    def run(self, works: list[Work], generation: int | None = None) -> list[object]:
         """Each model's items in order; the next forward/backward passes (or samples) of all
         models in one padded batch."""
         results: list[object] = [None] * len(works)
@@ -420,25 +423,31 @@ class Engine:
                 for name, value, axis in zip(names, jax.tree.leaves(tree), self.axes, strict=True)}
 
     def _save(self, work: Save) -> None:
+        """Every process reads the slot (the reads are collective); process 0 alone writes, into a
+        partial directory renamed over `work.path` when whole."""
         slot = self._slot(work.model_id)
-        final = Path(work.path)
-        partial = final.with_name(final.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        save_file(self._slot_arrays(slot, optimizer=work.optimizer), str(partial / ARRAYS_FILE))
+        arrays = self._slot_arrays(slot, optimizer=work.optimizer)
         state = {"rank": slot.rank, "alpha": self.config.serve.lora_alpha, "targets": list(slot.targets),
                  "steps": slot.steps, "optimizer": work.optimizer,
                  "adam_count": int(self.adam.count[slot.index]) if work.optimizer else 0,
                  "model_type": self.config.model.model_type, "base_model": self._info.base_model}
-        (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        writer = jax.process_index() == 0
+        final = Path(work.path)
+        partial = final.with_name(final.name + ".partial")
+        if writer:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            save_file(arrays, str(partial / ARRAYS_FILE))
+            (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         if not work.optimizer and not set(slot.targets) & set(ARCHITECTURES[self.config.model.model_type]
                                                                .peft_unwritable):
             lora = LoRAConfig(rank=slot.rank, alpha=self.config.serve.lora_alpha, targets=slot.targets)
             view = slot_view(self.model, slot.index, slot.rank, lora.alpha, slot.targets)
-            to_peft(view, self.config.model, lora, partial, base=self._info.base_model)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
+            to_peft(view, self.config.model, lora, partial, base=self._info.base_model)  # process 0 writes
+        if writer:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
 
     def _load(self, work: Load) -> LoadResult:
         path = Path(work.path)
@@ -485,5 +494,5 @@ class Engine:
                                               jnp.int32(state["adam_count"]), axes=self.axes)
         self._pin()
         self.slots[work.model_id] = slot
-        return LoadResult(rank, targets)
+        return LoadResult(rank, targets, slot.steps)
 

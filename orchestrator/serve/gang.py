@@ -8,6 +8,10 @@ of work items, and every rank answers it (process 0 with the results, the others
 count), so the driver knows the gang finished the step. A worker that waits for work writes its
 heartbeat every few seconds, so the driver's hang detection sees an idle service as alive and a
 stuck step as hung.
+
+Each gang that has joined whole is a new engine (`generation`): its slots are empty until the
+front end's scheduler restores the adapters. While the driver restarts a lost gang, steps wait for
+the new one (up to `ready_timeout_s`).
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
 from podtrain.orchestrator.cluster import protocol as p
 from podtrain.orchestrator.serve.checks import check_work
-from podtrain.orchestrator.serve.work import BaseInfo, ServeError, Work
+from podtrain.orchestrator.serve.work import BaseInfo, EngineLost, EngineRestarted, ServeError, Work
 
 log = logging.getLogger(__name__)
 IDLE_BEAT_S = 5.0
@@ -44,6 +49,11 @@ class GangBackend:
         self._step_lock = threading.Lock()
         self.ready_timeout_s = ready_timeout_s
         self.failure: str | None = None
+        self._generation = 0  # gangs that have joined whole
+        self._stopped = False
+        # What the driver runs before it stops the workers on a stop request (the service's save of
+        # its unsaved adapters), given the seconds it may take.
+        self.before_stop: Callable[[float], None] | None = None
         threading.Thread(target=self._accept, name="serve-gang-accept", daemon=True).start()
 
     def env(self) -> dict[str, str]:
@@ -72,7 +82,9 @@ class GangBackend:
                     old.close()
                 self._conns[rank] = conn
                 self.num_processes = world
-                self.failure = None
+                if len(self._conns) == world:
+                    self._generation += 1
+                    self.failure = None
                 self._changed.notify_all()
 
     def info(self) -> BaseInfo:
@@ -81,31 +93,40 @@ class GangBackend:
     def check(self, work: Work) -> None:
         check_work(self._info, self._targets, work)
 
-    def run(self, works: list[Work]) -> list[object]:
-        """Sends `works` to every rank and returns process 0's results. ServeError 503 (retryable)
-        when the gang is not up, or a worker is lost during the step."""
+    def generation(self) -> int:
+        with self._changed:
+            return self._generation
+
+    def run(self, works: list[Work], generation: int | None = None) -> list[object]:
+        """Sends `works` to every rank and returns process 0's results. EngineLost when a worker
+        is lost during the step; ServeError 503 when no whole gang joins within `ready_timeout_s`."""
         with self._step_lock:
-            conns = self._ready()
+            conns, current = self._ready()
+            if generation is not None and generation != current:
+                raise EngineRestarted()
             try:
                 for rank in range(self.num_processes):
                     conns[rank].send(works)
                 answers = [conns[rank].recv() for rank in range(self.num_processes)]
             except (OSError, EOFError) as error:
                 self._drop(conns)
-                raise ServeError(f"the engine's workers were lost during this step ({error or type(error).__name__});"
-                                 " the service restarts them: retry", status=503) from None
+                with self._changed:
+                    why = self.failure or f"a worker's channel closed: {error or type(error).__name__}"
+                raise EngineLost(f"the engine's workers were lost during this step ({why})") from None
         return answers[0]
 
-    def _ready(self) -> dict[int, Connection]:
+    def _ready(self) -> tuple[dict[int, Connection], int]:
         deadline = time.monotonic() + self.ready_timeout_s
         with self._changed:
             while not self._conns or len(self._conns) < self.num_processes:
                 left = deadline - time.monotonic()
-                if left <= 0 or self.failure is not None:
+                if self._stopped:
+                    raise ServeError("the service is stopping", status=503)
+                if left <= 0:
                     why = self.failure or f"the workers did not all join within {self.ready_timeout_s:g}s"
                     raise ServeError(f"the engine is not running ({why}); retry later", status=503)
                 self._changed.wait(min(left, 1.0))
-            return dict(self._conns)
+            return dict(self._conns), self._generation
 
     def _drop(self, conns: dict[int, Connection]) -> None:
         with self._changed:
@@ -115,7 +136,7 @@ class GangBackend:
                 conn.close()
 
     def lost(self, why: str) -> None:
-        """The gang ended (the driver saw it): steps fail at once with `why` until it is back."""
+        """The gang ended (the driver saw it, `why`): steps wait for the next one."""
         with self._changed:
             for conn in self._conns.values():
                 conn.close()
@@ -124,8 +145,10 @@ class GangBackend:
             self._changed.notify_all()
 
     def stop(self) -> None:
-        """Tells every worker to exit (they answer nothing more)."""
+        """Tells every worker to exit (they answer nothing more); a step waiting for a gang ends."""
         with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
             for conn in self._conns.values():
                 with contextlib.suppress(OSError):
                     conn.send(None)

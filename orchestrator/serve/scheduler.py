@@ -6,11 +6,20 @@ models keep their arrival order and share the call, so the engine can pack sever
 work into one step. Sampling from saved weights needs them in an adapter slot: the scheduler
 loads each sampler directory once into a slot of its own (`Load`), keeps the most recently
 used ones and unloads the oldest when it needs room.
+
+A new engine (at start, or after the engine's processes were lost) holds no adapter: before its
+first step the scheduler brings back every live model from its last whole save (`save_state`, or
+the automatic save every `autosave_every` optimizer steps), or re-creates it from its seed when it
+has none. A step the lost engine was running runs again on the new one for each model that the
+restore brings back as it was; a model that lost steps or a pending gradient is told so, once, on
+its request in flight or its next one.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import shutil
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -18,7 +27,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from podtrain.orchestrator.serve.store import Store
-from podtrain.orchestrator.serve.work import Backend, Load, ServeError, Unload, Work
+from podtrain.orchestrator.serve.work import (
+    Backend,
+    Create,
+    EngineLost,
+    EngineRestarted,
+    ForwardBackward,
+    Load,
+    OptimStep,
+    Save,
+    ServeError,
+    Unload,
+    Work,
+)
 
 logger = logging.getLogger(__name__)
 # How long the scheduler waits for more requests before it runs what it has (see `_gather`).
@@ -40,16 +61,23 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, backend: Backend, store: Store, notify: Callable[[list[str]], None], sampler_slots: int):
+    def __init__(self, backend: Backend, store: Store, notify: Callable[[list[str]], None], sampler_slots: int,
+                 autosave_every: int = 0):
         self._backend = backend
         self._store = store
         self._notify = notify
         self._sampler_slots = sampler_slots
+        self._autosave_every = autosave_every
         self._slots: OrderedDict[str, str] = OrderedDict()  # sampler directory -> adapter slot, oldest first
         self._slot_counter = 0
         self._pending: list[Job] = []
         self._wake = threading.Condition()
         self._stopping = False
+        self._generation: int | None = None  # the engine whose slots hold the live models
+        self._restore_due = any(model.state == "live" for model in store.models())
+        self._notices: dict[str, str] = {}  # model -> what its next request is told (it lost steps)
+        self._told: set[str] = set()  # models whose requests in flight were told already
+        self.engine_note: str | None = None  # why the engine is not running, while it is being restarted
         self._thread = threading.Thread(target=self._loop, name="serve-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -73,10 +101,32 @@ class Scheduler:
                 self._pending.append(Job(None, slot, 0, Unload(model_id=slot), lambda _: (b"", "")))
                 self._wake.notify()
 
+    def save_unsaved(self, timeout_s: float) -> tuple[int, list[str]]:
+        """Saves, as the automatic save does, every live adapter with optimizer steps since its last
+        save (before the service stops), waiting up to `timeout_s`: (how many it saved, the models
+        still unsaved then)."""
+        def unsaved(model_id: str) -> bool:
+            progress = self._store.progress(model_id)
+            return progress is not None and progress.steps != progress.saved_step
+
+        models = [m.model_id for m in self._store.models() if m.state == "live" and unsaved(m.model_id)]
+        for model_id in models:
+            self._autosave(model_id)
+        deadline = time.monotonic() + timeout_s
+        while (left := [m for m in models if unsaved(m)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(models) - len(left), left
+
+    def take_notice(self, model_id: str) -> str | None:
+        """What the model's request must be told, once: that a new engine brought it back from an
+        earlier save."""
+        with self._wake:
+            return self._notices.pop(model_id, None)
+
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._pending and not self._stopping:
+                while not self._pending and not self._stopping and not self._restore_due:
                     self._wake.wait()
                 self._gather()
                 if self._stopping:
@@ -110,13 +160,34 @@ class Scheduler:
         self._notify(failed)
 
     def run(self, jobs: list[Job]) -> None:
-        """Runs `jobs` as one backend call and settles their futures."""
-        works, owners = self._plan(in_model_order(jobs))
-        try:
-            results = self._backend.run(works)
-        except Exception as error:
-            logger.exception("backend.run failed")
-            results = [ServeError(f"the engine failed: {error}", 500)] * len(works)
+        """Runs `jobs` as one backend call (after the restores a new engine needs) and settles their futures."""
+        while True:
+            generation = self._backend.generation()
+            if generation != self._generation:
+                self._slots.clear()  # sampler weights are loaded again as needed
+            restores = self._restores() if generation != self._generation else []
+            jobs = self._tell(jobs)
+            works, owners = self._plan(in_model_order(jobs))
+            if not restores and not works:
+                return
+            try:
+                results = self._backend.run([work for _, work in restores] + works, generation=generation)
+            except EngineRestarted:
+                continue
+            except EngineLost as lost:
+                self._engine_lost(jobs, lost)
+                return
+            except Exception as error:  # the restores are tried again with the next step
+                logger.exception("backend.run failed")
+                failure = error if isinstance(error, ServeError) else ServeError(f"the engine failed: {error}", 500)
+                if restores:
+                    time.sleep(1.0)  # before the next try, when no step brings it on
+                results, restores, generation = [failure] * len(works), [], self._generation
+            break
+        if generation != self._generation:
+            self._settle_restores(restores, results[:len(restores)])
+            self._generation, self._restore_due, self.engine_note = generation, False, None
+        results = results[len(restores):]
         done: list[str] = []
         failed_dirs: dict[str, object] = {}
         for work, owner, result in zip(works, owners, results, strict=True):
@@ -130,6 +201,83 @@ class Scheduler:
                 done.append(owner.request_id)
         if done:
             self._notify(done)
+
+    def _restores(self) -> list[tuple[str, Work]]:
+        """Per live model, what brings it back on a new engine: its last whole save, else its
+        creation. A model that comes back at an earlier state gets a notice for its requests."""
+        restores: list[tuple[str, Work]] = []
+        for model in self._store.models():
+            if model.state != "live":
+                continue
+            progress = self._store.progress(model.model_id)
+            if progress is not None and progress.unsaved and model.model_id not in self._told:
+                with self._wake:
+                    self._notices[model.model_id] = (
+                        f"model {model.model_id!r} was brought back from its last save, at step "
+                        f"{progress.saved_step}, on a new engine ({self.engine_note or 'the service restarted'}): its "
+                        f"later steps and any gradient since its last optimizer step are gone; continue from step "
+                        f"{progress.saved_step} (serve.autosave_every sets how often adapters are saved)")
+            if progress is not None and progress.saved_dir is not None:
+                restores.append((model.model_id, Load(model.model_id, progress.saved_dir, progress.saved_optimizer)))
+            elif progress is not None and model.seed is not None:
+                restores.append((model.model_id, Create(model.model_id, model.rank, model.targets, model.seed)))
+            else:
+                logger.warning("model %s has no save to come back from; it is unloaded", model.model_id)
+                self._store.set_model_state(model.model_id, "unloaded")
+        return restores
+
+    def _settle_restores(self, restores: list[tuple[str, Work]], results: list[object]) -> None:
+        for (model_id, _), result in zip(restores, results, strict=True):
+            if isinstance(result, Exception):
+                logger.warning("model %s could not be brought back from its save (%s); it is unloaded", model_id,
+                               result)
+                self._store.set_model_state(model_id, "unloaded")
+                continue
+            self._store.restored(model_id)
+        self._told.clear()
+        if restores:
+            logger.info("brought back %d adapters on a new engine", len(restores))
+
+    def _tell(self, jobs: list[Job]) -> list[Job]:
+        """`jobs` but those of models with a notice, which fail with it (all of a model's requests
+        in the step: they were made for the state it lost)."""
+        told: dict[str, str] = {}
+        kept, failed = [], []
+        for job in jobs:
+            with self._wake:
+                notice = told.get(job.key) or self._notices.pop(job.key, None)
+            if notice is None or job.request_id is None:
+                kept.append(job)
+                continue
+            told[job.key] = notice
+            self._told.add(job.key)
+            self._store.fail_future(job.request_id, notice, "server")
+            failed.append(job.request_id)
+        if failed:
+            self._notify(failed)
+        return kept
+
+    def _engine_lost(self, jobs: list[Job], lost: EngineLost) -> None:
+        """The engine died during `jobs`: those of models a restore brings back as they were run again
+        on the next engine; the others fail, naming the step their model comes back at."""
+        self.engine_note = str(lost)
+        again, failed = [], []
+        for job in jobs:
+            model_id = job.work.model_id if job.sampler_dir is None else None
+            progress = self._store.progress(model_id) if model_id else None
+            if progress is None or not progress.unsaved or job.request_id is None:
+                again.append(job)
+                continue
+            self._told.add(model_id)
+            self._store.fail_future(job.request_id, f"{lost}; model {model_id!r} comes back from its last save, at "
+                                    f"step {progress.saved_step}: its later steps and any gradient since its last "
+                                    f"optimizer step are gone, so continue from step {progress.saved_step}", "server")
+            failed.append(job.request_id)
+        logger.warning("%s; %d requests run again on the next engine, %d failed", lost, len(again), len(failed))
+        with self._wake:
+            self._pending = again + self._pending
+            self._restore_due = True
+        self._notify(failed)
 
     def _plan(self, jobs: list[Job]) -> tuple[list[Work], list[Job | None]]:
         """The works to run, with the sampler-slot loads and unloads they need; per work, its job
@@ -173,6 +321,7 @@ class Scheduler:
     def _settle(self, job: Job, result: object) -> None:
         if not isinstance(result, Exception):
             try:
+                self._record(job.work, result)
                 answer, media_type = job.on_done(result)
             except Exception as error:
                 logger.exception("storing the result of %s failed", type(job.work).__name__)
@@ -186,6 +335,37 @@ class Scheduler:
             return
         user = isinstance(result, ServeError) and result.status < 500
         self._store.fail_future(job.request_id, str(result), "user" if user else "server")
+
+    def _record(self, work: Work, result: object) -> None:
+        """A client's work done: where its model now is, and what it would be restored from."""
+        if isinstance(work, Create):
+            self._store.start_progress(work.model_id, 0, None, optimizer=True)
+        elif isinstance(work, Load):
+            self._store.start_progress(work.model_id, result.steps, work.path, work.optimizer)
+        elif isinstance(work, ForwardBackward) and work.backward:
+            self._store.gradient_pending(work.model_id)
+        elif isinstance(work, OptimStep):
+            steps = self._store.stepped(work.model_id)
+            if self._autosave_every and steps % self._autosave_every == 0:
+                self._autosave(work.model_id)
+        elif isinstance(work, Save) and work.optimizer:
+            self._saved(work.model_id, work.path)
+
+    def _autosave(self, model_id: str) -> None:
+        """Saves the model's whole state before any request of it that is not yet running (its
+        first place in the next step); the save records the steps it holds when it is done."""
+        path = str(self._store.autosave_dir(model_id))
+
+        def on_done(_: object) -> tuple[bytes, str]:
+            self._saved(model_id, path)
+            return b"", ""
+
+        self.submit(Job(None, model_id, -math.inf, Save(model_id, path, optimizer=True), on_done))
+
+    def _saved(self, model_id: str, path: str) -> None:
+        replaced = self._store.saved(model_id, path)
+        if replaced is not None and replaced != path and self._store.is_autosave(replaced):
+            shutil.rmtree(replaced, ignore_errors=True)
 
 
 def in_model_order(jobs: list[Job]) -> list[Job]:

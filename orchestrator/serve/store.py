@@ -20,6 +20,7 @@ from typing import Literal
 CheckpointKind = Literal["state", "sampler"]
 # The `tinker://<model_id>/<segment>/<name>` segment of each kind, as the SDK parses it.
 PATH_SEGMENT: dict[str, str] = {"state": "weights", "sampler": "sampler_weights"}
+AUTOSAVE = "autosave"  # `<run dir>/checkpoints/<model id>/autosave/<id>/`: the automatic saves
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -36,6 +37,9 @@ CREATE TABLE IF NOT EXISTS futures (
 CREATE TABLE IF NOT EXISTS checkpoints (
     tinker_path TEXT PRIMARY KEY, model_id TEXT NOT NULL, name TEXT NOT NULL, kind TEXT NOT NULL,
     directory TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS progress (
+    model_id TEXT PRIMARY KEY, steps INTEGER NOT NULL, pending INTEGER NOT NULL, saved_dir TEXT,
+    saved_step INTEGER NOT NULL, saved_optimizer INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS samplers (
     sampler_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, base_model TEXT NOT NULL, model_path TEXT,
     directory TEXT, created REAL NOT NULL);
@@ -63,6 +67,24 @@ class ModelRecord:
     state: Literal["live", "unloaded"]
     last_checkpoint: str | None  # the tinker:// path of its latest save_state
     user_metadata: dict
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a live model's adapter is, and what a new engine brings it back from: its last whole
+    save (`saved_dir`, None: re-created from its seed, as at step 0) at `saved_step`."""
+
+    model_id: str
+    steps: int  # optimizer steps taken
+    pending: bool  # a gradient accumulated since the last optimizer step (no save holds it)
+    saved_dir: str | None
+    saved_step: int
+    saved_optimizer: bool  # the save holds the Adam state (a weights-only load does not)
+
+    @property
+    def unsaved(self) -> bool:
+        """Whether a new engine would bring the adapter back to an earlier state."""
+        return self.steps != self.saved_step or self.pending
 
 
 @dataclass(frozen=True)
@@ -166,9 +188,43 @@ class Store:
     def set_model_state(self, model_id: str, state: Literal["live", "unloaded"]) -> None:
         self._run("UPDATE models SET state = ? WHERE model_id = ?", (state, model_id))
 
-    def unload_all_models(self) -> None:
-        """Marks every model unloaded: a new engine holds none of them."""
-        self._run("UPDATE models SET state = 'unloaded'")
+    # Progress: what a new engine restores each live model from.
+
+    def start_progress(self, model_id: str, steps: int, saved_dir: str | None, optimizer: bool) -> None:
+        """A model created (at step 0, from its seed) or loaded from `saved_dir` at `steps`."""
+        self._run("INSERT OR REPLACE INTO progress VALUES (?, ?, 0, ?, ?, ?)",
+                  (model_id, steps, saved_dir, steps, int(optimizer)))
+
+    def progress(self, model_id: str) -> Progress | None:
+        rows = self._run("SELECT * FROM progress WHERE model_id = ?", (model_id,))
+        if not rows:
+            return None
+        row = rows[0]
+        return Progress(row["model_id"], row["steps"], bool(row["pending"]), row["saved_dir"], row["saved_step"],
+                        bool(row["saved_optimizer"]))
+
+    def gradient_pending(self, model_id: str) -> None:
+        self._run("UPDATE progress SET pending = 1 WHERE model_id = ?", (model_id,))
+
+    def stepped(self, model_id: str) -> int:
+        """One optimizer step taken (the pending gradient used); the model's step count now."""
+        with self._lock:
+            self._db.execute("UPDATE progress SET steps = steps + 1, pending = 0 WHERE model_id = ?", (model_id,))
+            row = self._db.execute("SELECT steps FROM progress WHERE model_id = ?", (model_id,)).fetchone()
+        return row["steps"] if row is not None else 0
+
+    def saved(self, model_id: str, directory: str) -> str | None:
+        """The model's whole state (optimizer included) saved at `directory`; the directory of the
+        save it replaces as the one to restore from."""
+        with self._lock:
+            row = self._db.execute("SELECT saved_dir FROM progress WHERE model_id = ?", (model_id,)).fetchone()
+            self._db.execute("UPDATE progress SET saved_dir = ?, saved_step = steps, saved_optimizer = 1 "
+                             "WHERE model_id = ?", (directory, model_id))
+        return row["saved_dir"] if row is not None else None
+
+    def restored(self, model_id: str) -> None:
+        """A new engine holds the model as saved: its later steps and pending gradient are gone."""
+        self._run("UPDATE progress SET steps = saved_step, pending = 0 WHERE model_id = ?", (model_id,))
 
     # Futures.
 
@@ -215,6 +271,16 @@ class Store:
 
     def checkpoint_dir(self, model_id: str, kind: CheckpointKind, name: str) -> Path:
         return self.run_dir / "checkpoints" / model_id / PATH_SEGMENT[kind] / name
+
+    def autosave_dir(self, model_id: str) -> Path:
+        """A new directory for the model's automatic save (the engine writes it)."""
+        directory = self.run_dir / "checkpoints" / model_id / AUTOSAVE / uuid.uuid4().hex[:12]
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        return directory
+
+    def is_autosave(self, directory: str) -> bool:
+        return Path(directory).parent.name == AUTOSAVE and Path(directory).parent.parent.parent == (
+            self.run_dir / "checkpoints")
 
     def add_checkpoint(self, model_id: str, kind: CheckpointKind, name: str) -> CheckpointRecord:
         """Records a finished save (replacing one of the same path) and, for a training state, makes

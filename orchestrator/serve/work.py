@@ -23,6 +23,18 @@ class ServeError(Exception):
         self.status = status
 
 
+class EngineLost(ServeError):
+    """The engine's processes were lost during a step (503): nothing of the step is known to have
+    run, and the adapters come back from their saves on the engine that replaces it."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=503)
+
+
+class EngineRestarted(Exception):
+    """`Backend.run` ran nothing: another engine (with empty slots) took over since `generation`."""
+
+
 @dataclass(frozen=True)
 class BaseInfo:
     """The base model the service holds."""
@@ -160,6 +172,7 @@ class OptimStepResult:
 class LoadResult:
     rank: int
     targets: tuple[str, ...]
+    steps: int = 0  # the optimizer steps the saved adapter had taken
 
 
 class Backend(Protocol):
@@ -167,9 +180,15 @@ class Backend(Protocol):
 
     def info(self) -> BaseInfo: ...
 
+    def generation(self) -> int:
+        """Which engine runs the steps: a new number each time a new engine (every slot empty)
+        takes over, as after its processes were lost and restarted."""
+
     def check(self, work: Work) -> None:
         """Raises `ServeError` for an item the engine would refuse; cheap, runs nothing."""
 
-    def run(self, works: list[Work]) -> list[object]:
+    def run(self, works: list[Work], generation: int | None = None) -> list[object]:
         """Runs `works` in order as one or more engine steps; per item, its result or the
-        `ServeError` that refused it (one item's error never affects another's)."""
+        `ServeError` that refused it (one item's error never affects another's). Raises
+        `EngineLost` when the engine died during the step, and, given the `generation` the works
+        were planned for, `EngineRestarted` (running nothing) when another engine has taken over."""

@@ -21,6 +21,8 @@ from podtrain.orchestrator.serve.work import (
     BaseInfo,
     Create,
     Datum,
+    EngineLost,
+    EngineRestarted,
     ForwardBackward,
     ForwardBackwardResult,
     Load,
@@ -56,18 +58,28 @@ class _Adapter:
 
 class FakeBackend:
     """The `Backend` protocol over NumPy; `calls` records each `run`'s works, `running` (set by
-    default) holds runs while cleared."""
+    default) holds runs while cleared, `lose_next_run` makes the next run lose its engine."""
 
     def __init__(self, info: BaseInfo):
         self._info = info
         self.table = np.random.default_rng(0).normal(size=(info.vocab_size, info.vocab_size)).astype(np.float32)
         self.adapters: dict[str, _Adapter] = {}
         self.calls: list[list[Work]] = []
+        self.engines = 0
+        self.lose_next_run: str | None = None  # the next run dies with EngineLost(this), its engine with it
         self.running = threading.Event()
         self.running.set()
 
     def info(self) -> BaseInfo:
         return self._info
+
+    def generation(self) -> int:
+        return self.engines
+
+    def restart(self) -> None:
+        """A new engine takes over: every adapter is gone (as when the workers are lost)."""
+        self.adapters.clear()
+        self.engines += 1
 
     def check(self, work: Work) -> None:
         check_work(self._info, TARGETS, work)
@@ -75,14 +87,17 @@ class FakeBackend:
             if work.model_id in self.adapters:
                 raise ServeError(f"model {work.model_id!r} already has an adapter")
             self._need_room()
-        elif isinstance(work, Load):
-            if not (Path(work.path) / "adapter.npz").exists():
-                raise ServeError(f"path: no saved adapter in {work.path}")
-        elif not isinstance(work, Sample) or work.model_id is not None:
-            self._adapter(work.model_id)
+        elif isinstance(work, Load) and not (Path(work.path) / "adapter.npz").exists():
+            raise ServeError(f"path: no saved adapter in {work.path}")
 
-    def run(self, works: list[Work]) -> list[object]:
+    def run(self, works: list[Work], generation: int | None = None) -> list[object]:
         self.running.wait()
+        if generation is not None and generation != self.engines:
+            raise EngineRestarted()
+        if self.lose_next_run is not None:
+            why, self.lose_next_run = self.lose_next_run, None
+            self.restart()
+            raise EngineLost(why)
         self.calls.append(list(works))
         results: list[object] = []
         for work in works:
@@ -169,7 +184,7 @@ class FakeBackend:
         if work.optimizer:
             adapter.m, adapter.v, adapter.steps = saved["m"].copy(), saved["v"].copy(), int(saved["steps"])
         self.adapters[work.model_id] = adapter
-        return LoadResult(rank=adapter.rank, targets=adapter.targets)
+        return LoadResult(rank=adapter.rank, targets=adapter.targets, steps=adapter.steps)
 
     def _unload(self, work: Unload) -> None:
         self._adapter(work.model_id)

@@ -41,7 +41,9 @@ class Service:
         self.run_dir = run_dir
         self.log_path = tmp_path / f"{name}.log"
         (run_dir / "serve.json").unlink(missing_ok=True)
-        command = [sys.executable, "-m", "podtrain.launch.cli", "serve", "-c", str(base), *SERVE,
+        given = {o.split("=", 1)[0] for o in extra}
+        serve = [o for o in SERVE if o.split("=", 1)[0] not in given]
+        command = [sys.executable, "-m", "podtrain.launch.cli", "serve", "-c", str(base), *serve,
                    f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *extra]
         self.log = open(self.log_path, "w+")  # noqa: SIM115 (closed by stop)
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env(tmp_path, devices), stdout=self.log,

@@ -4,7 +4,6 @@ checkpoints, sampling, restarts, and a clear, quick error for each bad request."
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
 import time
@@ -45,10 +44,13 @@ WORDS = ["<unk>", "</s>", *(f"w{i}" for i in range(30))]
 
 @pytest.fixture(scope="module")
 def info(tmp_path_factory) -> BaseInfo:
-    """The fake model's description, its tokenizer a word-level one saved for AutoTokenizer."""
+    return fake_info(tmp_path_factory.mktemp("tokenizer"))
+
+
+def fake_info(directory: Path) -> BaseInfo:
+    """The fake model's description, its tokenizer a word-level one saved for AutoTokenizer in `directory`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    directory = tmp_path_factory.mktemp("tokenizer")
     tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -338,7 +340,7 @@ def test_the_scheduler_loads_sampler_weights_once_per_directory(info, tmp_path):
 
 def test_a_broken_engine_fails_the_futures_instead_of_hanging(info, tmp_path):
     class Broken(FakeBackend):
-        def run(self, works):
+        def run(self, works, generation=None):
             return []
 
     store = Store(tmp_path)
@@ -356,7 +358,7 @@ def test_a_broken_engine_fails_the_futures_instead_of_hanging(info, tmp_path):
     assert (failed.status, failed.category) == ("error", "server") and "the service failed" in failed.error
 
 
-def test_a_restarted_service_lists_the_model_and_resumes_from_its_checkpoint(info, tmp_path):
+def test_a_restarted_service_lists_the_model_and_brings_it_back_from_its_checkpoint(info, tmp_path):
     store = Store(tmp_path)
     with running(FakeBackend(info), store) as url:
         client = tinker.ServiceClient(base_url=url, api_key=KEY)
@@ -376,10 +378,10 @@ def test_a_restarted_service_lists_the_model_and_resumes_from_its_checkpoint(inf
         assert run.user_metadata == {"run": "r1"}
         assert [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints] == [path]
         assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 4
-        with pytest.raises(tinker.BadRequestError, match=re.escape(f"create_training_client_from_state({path!r})")):
-            trainer.optim_step(types.AdamParams()).result()
+        np.testing.assert_allclose(logprobs(trainer)[0], saved[0], rtol=1e-6)  # back from its checkpoint
         resumed = client.create_training_client_from_state_with_optimizer(path).result()
         np.testing.assert_allclose(logprobs(resumed)[0], saved[0], rtol=1e-6)
+        assert train_steps(trainer, DATA, 1) == train_steps(resumed, DATA, 1)
         client.close("success").result()
 
 

@@ -15,6 +15,8 @@ from train_fixtures import ROOT
     (["serve.host=0.0.0.0"], "serve.host: 0.0.0.0 is not a loopback address, so the service needs an API key"),
     (["serve.max_seq_len=100000"], "serve.max_seq_len: expected at most model.max_position_embeddings="),
     (["serve.lora_alpha=-1"], "serve.lora_alpha: expected a number > 0, found -1"),
+    (["serve.autosave_every=-2"], "serve.autosave_every: expected 0 (never) or a positive number of optimizer steps, "
+                                  "found -2"),
 ])
 def test_bad_serve_settings_are_one_line_and_exit_2(overrides, message, tmp_path):
     done = subprocess.run([sys.executable, "-m", "podtrain.launch.cli", "serve", "-c", "llama3-tiny",

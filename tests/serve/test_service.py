@@ -5,6 +5,8 @@ request is one clear error and the service goes on; a restarted service gives ba
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -193,8 +195,10 @@ def test_a_bad_request_is_one_clear_error_and_the_service_goes_on(service, base)
 
 
 def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
+    """A stop saves the adapters of open sessions (no automatic saves here), which the restarted
+    service brings back for the same client; a checkpoint makes a new model with its next step."""
     run_dir = tmp_path / "runs" / "restart"
-    first = Service(tmp_path, base, run_dir, "cluster.kind=none", name="first")
+    first = Service(tmp_path, base, run_dir, "cluster.kind=none", "serve.autosave_every=0", name="first")
     client = _client(first)
     trainer = client.create_lora_training_client(base_model=base.name, rank=4).result()
     data = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5]),
@@ -205,10 +209,21 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
     want = _logprobs(trainer, data)
     trainer.forward_backward(data, "cross_entropy").result()
     next_step = trainer.optim_step(ADAM).result()
+    live = tinker.ServiceClient(base_url=first.url, api_key=KEY)  # its session stays open across the restart
+    kept = live.create_lora_training_client(base_model=base.name, rank=4, seed=3).result()
+    for _ in range(2):
+        kept.forward_backward(data, "cross_entropy").result()
+        kept.optim_step(ADAM).result()
+    kept_before = _logprobs(kept, data)
     _close_sessions(first)
     assert first.stop() == 0, first.output()
-    second = Service(tmp_path, base, run_dir, "cluster.kind=none", name="second")
+    assert "saved 1 adapters before stopping" in first.output()
+    port = first.url.rsplit(":", 1)[1]
+    second = Service(tmp_path, base, run_dir, "cluster.kind=none", f"serve.port={port}", name="second")
     try:
+        for x, y in zip(kept_before, _logprobs(kept, data), strict=True):  # back as it was: no word of it
+            np.testing.assert_array_equal(x, y)
+        live.close("success").result(timeout=30)
         client = _client(second)
         rest = tinker.RestClient(base_url=second.url, api_key=KEY)
         listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
@@ -224,28 +239,50 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
 
 
 @pytest.mark.ray
-def test_the_engine_runs_in_the_jobs_worker_on_a_local_ray_cluster(tmp_path, base):
-    """The default cluster kind: an embedded Ray, the front end in the driver, the engine in the
-    host's worker process; the same results as the engine in one process."""
+def test_two_local_hosts_give_the_one_process_losses_and_a_killed_worker_brings_the_adapter_back(tmp_path, base):
+    """The default cluster kind over two hosts: an embedded Ray, the front end in the driver, the
+    engine over both hosts' workers in lockstep; the same losses as the engine in one process. A
+    worker killed (-9) while the client is idle: the gang restarts, the adapter comes back from its
+    automatic save at step 2 (its step 3 lost, which its next request is told), and its next steps
+    equal those of the one-process run from step 2."""
     data = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5, 6]),
                         loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6, 7], np.int64)})]
-    results = {}
-    for kind in ("none", "local"):
-        extra = ("cluster.kind=none",) if kind == "none" else ("cluster=local", "cluster.devices_per_host=2",
-                                                               "cluster.startup_timeout_s=240")
-        service = Service(tmp_path, base, tmp_path / "runs" / kind, *extra, name=kind)
-        try:
-            trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
-            losses = []
-            for _ in range(3):
-                losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
-                trainer.optim_step(ADAM).result()
-            results[kind] = losses
-        finally:
-            _close_sessions(service)
-            code = service.stop()
-        assert code == 0, service.output()
-    if kind == "local":
-        assert "attempt 1: started 1 worker processes" in service.output()
-    np.testing.assert_allclose(results["local"], results["none"], rtol=1e-5)
-    assert results["local"][-1] < results["local"][0]
+
+    def fb(trainer) -> float:
+        return trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    service = Service(tmp_path, base, tmp_path / "runs" / "none", "cluster.kind=none", name="none")
+    try:
+        trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
+        expected = []
+        for _ in range(4):
+            expected.append(fb(trainer))
+            trainer.optim_step(ADAM).result()
+    finally:
+        _close_sessions(service)
+        assert service.stop() == 0, service.output()
+
+    run_dir = tmp_path / "runs" / "local"
+    service = Service(tmp_path, base, run_dir, "cluster=local", "cluster.num_hosts=2", "cluster.devices_per_host=1",
+                      "cluster.startup_timeout_s=240", "serve.autosave_every=2", name="local")
+    try:
+        trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
+        losses = []
+        for _ in range(3):
+            losses.append(fb(trainer))
+            trainer.optim_step(ADAM).result()
+        np.testing.assert_allclose(losses, expected[:3], rtol=1e-5)
+        os.kill(int((run_dir / "logs" / "attempt-1" / "rank1.pid").read_text()), signal.SIGKILL)
+        # Told on its next request, or on the one in flight when the step found the worker gone.
+        with pytest.raises(tinker.RequestFailedError, match="back from its last save, at step 2"):
+            fb(trainer)
+        again = [fb(trainer)]
+        trainer.optim_step(ADAM).result()
+        again.append(fb(trainer))
+        np.testing.assert_allclose(again, expected[2:], rtol=1e-5)
+    finally:
+        _close_sessions(service)
+        code = service.stop()
+    output = service.output()
+    assert code == 0, output
+    assert "attempt 1: started 2 worker processes" in output and "attempt 1 ended: crash (rank 1)" in output

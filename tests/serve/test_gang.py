@@ -1,0 +1,77 @@
+"""The driver's step channel to the gang (`GangBackend`), with worker processes running the real
+`serve_steps` loop over an echoing stand-in engine: lockstep steps, a lost worker, a new gang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from podtrain.orchestrator.serve.gang import GangBackend
+from podtrain.orchestrator.serve.work import BaseInfo, EngineLost, EngineRestarted, ServeError
+
+WORKER = """
+import os
+from podtrain.orchestrator.serve.gang import serve_steps
+
+class Echo:
+    def run(self, works):
+        return [f"rank {os.environ['PODTRAIN_PROCESS_ID']} ran {work}" for work in works]
+
+raise SystemExit(serve_steps(Echo(), os.environ, None))
+"""
+INFO = BaseInfo(base_model="m", tokenizer_id="t", model_type="llama", vocab_size=8, max_seq_len=8, max_rank=2,
+                max_adapters=2)
+
+
+def start_gang(backend: GangBackend, size: int = 2) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", WORKER],
+                             env=dict(os.environ, **backend.env(), PODTRAIN_PROCESS_ID=str(rank),
+                                      PODTRAIN_NUM_PROCESSES=str(size)))
+            for rank in range(size)]
+
+
+@pytest.mark.slow
+def test_steps_run_on_every_rank_and_a_lost_worker_ends_the_step_until_a_new_gang_joins():
+    backend = GangBackend(INFO, (), ready_timeout_s=60)
+    gang = start_gang(backend)
+    try:
+        with pytest.raises(EngineRestarted):  # planned before any gang joined: it runs nothing
+            backend.run(["a"], generation=0)
+        assert backend.generation() == 1  # the gang that joined whole is the first engine
+        assert backend.run(["a", "b"], generation=1) == ["rank 0 ran a", "rank 0 ran b"]
+
+        gang[1].send_signal(signal.SIGKILL)
+        gang[1].wait()
+        with pytest.raises(EngineLost, match="the engine's workers were lost during this step"):
+            backend.run(["b"], generation=1)
+        backend.lost("attempt 1 ended: crash (rank 1)")
+        gang[0].wait(30)  # its channel closed: it exits
+
+        waiting = threading.Thread(target=lambda: setattr(waiting, "error", _raises(backend.run, ["c"], 1)))
+        waiting.start()  # planned for the old engine, it waits for the new gang, then runs nothing
+        gang = start_gang(backend)
+        waiting.join(60)
+        assert isinstance(waiting.error, EngineRestarted) and backend.generation() == 2
+        assert backend.run(["c"], generation=2) == ["rank 0 ran c"]
+    finally:
+        backend.stop()
+        for worker in gang:
+            assert worker.wait(30) in (0, -signal.SIGKILL)
+
+    stopped = GangBackend(INFO, (), ready_timeout_s=60)
+    threading.Timer(0.5, stopped.stop).start()
+    with pytest.raises(ServeError, match="the service is stopping"):  # no gang: stopping ends the wait
+        stopped.run(["d"], generation=0)
+
+
+def _raises(fn, *args) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as error:
+        return error
+    return None
