@@ -112,20 +112,20 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
     from podtrain.orchestrator.serve.store import Store
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer, eos = service_tokenizer(config)
     if config.cluster.kind == "none":
         from podtrain.orchestrator.serve.backend import Engine
 
-        backend, gang = Engine(config), None
+        backend, gang = Engine(config, eos_token_ids=eos), None
     else:
         from podtrain.orchestrator.serve.backend import serve_info
         from podtrain.orchestrator.serve.gang import GangBackend
 
-        info, targets = serve_info(config)
+        info, targets = serve_info(config, eos)
         # Workers on other machines reach the channel on any interface; it admits only holders of
         # the job's key. Local hosts share this machine's loopback.
         host = "127.0.0.1" if config.cluster.kind == "local" else "0.0.0.0"
         backend = gang = GangBackend(info, targets, host=host, ready_timeout_s=config.cluster.startup_timeout_s)
-    tokenizer, _ = service_tokenizer(config)
     app = create_app(backend, Store(run_dir), api_key=key, max_request_bytes=config.serve.max_request_bytes,
                      decode=tokenizer.decode if tokenizer else None, autosave_every=config.serve.autosave_every)
     server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level="warning",

@@ -87,14 +87,16 @@ ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_cli
 MIN_TOKENS = 16
 
 
-def serve_info(config) -> tuple[BaseInfo, tuple[str, ...]]:
+def serve_info(config, eos_token_ids: tuple[int, ...] | None = None) -> tuple[BaseInfo, tuple[str, ...]]:
     """(what clients see of the base model, every adapter target the service holds) of a serve
-    config; the same in the driver and on every worker."""
+    config; the same in the driver and on every worker. `eos_token_ids`: those of
+    `service_tokenizer`, when the caller has loaded it already."""
     s, m = config.serve, config.model
     targets = slot_targets(m)
+    eos = service_tokenizer(config)[1] if eos_token_ids is None else eos_token_ids
     info = BaseInfo(base_model=s.base_model, tokenizer_id=s.tokenizer or "", model_type=m.model_type,
                     vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
-                    max_adapters=s.max_adapters, tied_embeddings=m.tie_word_embeddings, eos_token_ids=_eos_ids(config),
+                    max_adapters=s.max_adapters, tied_embeddings=m.tie_word_embeddings, eos_token_ids=eos,
                     max_sample_tokens=s.sample_tokens())
     return info, targets
 
@@ -109,11 +111,6 @@ def service_tokenizer(config) -> tuple[Tokenizer | None, tuple[int, ...]]:
     return tokenizer, tuple(int(i) for i in stop if i is not None)
 
 
-def _eos_ids(config) -> tuple[int, ...]:
-    """Where sampling stops when a client names no stop tokens: the EOS ids of `service_tokenizer`."""
-    return service_tokenizer(config)[1]
-
-
 @dataclasses.dataclass
 class Slot:
     index: int
@@ -125,8 +122,8 @@ class Slot:
 class Engine:
     """The Backend of one process: see the module docstring."""
 
-    def __init__(self, config, devices=None):
-        self._info, _ = serve_info(config)
+    def __init__(self, config, devices=None, eos_token_ids: tuple[int, ...] | None = None):
+        self._info, _ = serve_info(config, eos_token_ids)
         layout = engine_layout(config, devices)
         self.config, self.mesh, self.rules = layout.config, layout.mesh, layout.config.sharding.rules
         with use_rules(self.rules):
