@@ -321,16 +321,23 @@ class StepRecords:
         self.losses: list[float] = []
         self.timed_tokens, self.timed_seconds, self.excluded = 0, 0.0, 0.0
         self.pending: tuple[dict, dict, bool] | None = None
+        self.carried: dict = {}
         self.last_done = time.perf_counter()
 
     def exclude(self, seconds: float) -> None:
         """Leaves `seconds` (an eval, a sample, a save) out of the next step's time."""
         self.excluded += seconds
 
+    def carry(self, **fields) -> None:
+        """Puts `fields` on the next step's record (what happened after this one was written)."""
+        self.carried.update(fields)
+
     def step_done(self, record: dict, metrics: dict, *, timed: bool) -> None:
         """Writes the previous step's record, then holds this one until its metrics are read.
         `timed=False` for a process's first step, which includes compilation."""
         self.finish()
+        record.update(self.carried)
+        self.carried = {}
         self.pending = (record, metrics, timed)
 
     def finish(self, *, write: bool = True) -> None:
@@ -379,20 +386,21 @@ def _eval_and_sample(config: Config, run: _Setup, eval_step, state, record: dict
 
 def _checkpoint(config: Config, run: _Setup, records: StepRecords, state, record: dict, *, final: bool) -> None:
     """Saves the step when it is due (or `final`, or a preemption notice asks for it). A step that
-    is checkpointed has its record written now, not a step late, so that a resumed run finds the
-    record of every step it resumes after."""
+    is checkpointed has its record written and flushed before its save starts, not a step late: an
+    async save can commit before the loop goes on, and a resumed run must find the record of every
+    step it resumes after. The save's blocking time goes on the next step's record."""
     save_due = final or record["step"] % config.checkpoint.every_steps == 0
     if save_due:
         jax.block_until_ready(state)  # so that save_block_s is the save's own time, not the step's
         records.finish(write=False)
-    started = time.perf_counter()
-    if run.checkpointer.save(record["step"], state, data_position=run.data_position, force=final):
-        record["save_block_s"] = time.perf_counter() - started  # the loop's share of an async save
-        records.exclude(record["save_block_s"])
-        run.ledger.add("checkpointing", record["save_block_s"])
-    if save_due:
         records.emit(record)
         records.writer.flush()
+    started = time.perf_counter()
+    if run.checkpointer.save(record["step"], state, data_position=run.data_position, force=final):
+        blocked = time.perf_counter() - started  # the loop's share of an async save
+        records.exclude(blocked)
+        records.carry(save_block_s=blocked)
+        run.ledger.add("checkpointing", blocked)
 
 
 def _train(config: Config, run: _Setup, records: StepRecords, notice: PreemptionNotice) -> tuple[Any, bool, bool]:

@@ -35,10 +35,21 @@ def test_step_times_leave_out_evals_and_saves(tmp_path, monkeypatch):
         time.sleep(3.0)
         return real_evaluate(*args, **kwargs)
 
+    real_save = train_module.Checkpointer.save
+    on_disk_at_save = {}
+
+    def save_after_its_record(self, step, *args, **kwargs):
+        """An async save can commit before the loop goes on: a kill -9 then must not lose the record."""
+        lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        on_disk_at_save[step] = [json.loads(line)["step"] for line in lines]
+        return real_save(self, step, *args, **kwargs)
+
     monkeypatch.setattr(train_module, "evaluate", slow_evaluate)
+    monkeypatch.setattr(train_module.Checkpointer, "save", save_after_its_record)
     config = load_config("llama3-tiny", [*TINY, "mesh.fsdp=4", "mesh.tp=2", "train.steps=3", "train.eval_every=2",
                                          "train.eval_batches=1", "checkpoint.every_steps=2", "data.eval_fraction=0.05"])
     train_module.run(config, tmp_path / "run")  # gives SIGTERM and SIGINT their handlers back
     records = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
-    assert "eval_loss" in records[2] and "save_block_s" in records[2]
+    assert on_disk_at_save[2] == [1, 2] and on_disk_at_save[3] == [1, 2, 3], on_disk_at_save
+    assert "eval_loss" in records[2] and "save_block_s" in records[3]  # the step after the save carries its time
     assert records[2]["step_s"] < 3.0 and records[3]["step_s"] < 3.0, records
