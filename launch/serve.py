@@ -165,7 +165,7 @@ def _saver(scheduler):
     next start brings it back as it is."""
     def save(timeout_s: float) -> None:
         saved, left = scheduler.save_unsaved(timeout_s)
-        print(f"podtrain: saved {saved} adapters before stopping" + (f"; not saved within {timeout_s:g}s: "
+        print(f"podtrain: saved {saved} adapters before the workers stop" + (f"; not saved within {timeout_s:g}s: "
                                                                      f"{', '.join(left)}" if left else ""), flush=True)
     return save
 

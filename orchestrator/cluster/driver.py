@@ -254,8 +254,9 @@ class Driver:
             previous_tb = tb
             if spent:
                 return result(JobStatus.FAILED, f"{spent}; last: {outcome.kind}: {outcome.detail}")
-            self.say(f"restarting from the last committed checkpoint "
-                     f"({_last_checkpoint(self.config, self.run_dir)}); failures {budgets.failures}/"
+            origin = ("each adapter's last save" if self.service is not None else
+                      f"the last committed checkpoint ({_last_checkpoint(self.config, self.run_dir)})")
+            self.say(f"restarting from {origin}; failures {budgets.failures}/"
                      f"{self.cluster.max_failures}, preemptions {budgets.preemptions}/{self.cluster.max_preemptions}")
 
     def _one_attempt(self, attempt: int, port_retries: int, config: Config) -> Outcome:
@@ -324,8 +325,6 @@ class Driver:
         return polls, lost
 
     def _watch(self, gang: Gang, attempt: int, port_retries: int, config: Config) -> Outcome:
-        import ray
-
         self._start(gang, attempt, port_retries, config)
         stop_deadline = None
         while True:
@@ -343,17 +342,17 @@ class Driver:
             ended = [(rank, code) for rank, code in enumerate(codes) if code not in (None, p.EXIT_OK)]
             if ended:
                 outcome = self._classify(ended, polls)
-                if stop_deadline is not None and outcome.kind == Ending.PREEMPTED:
+                if self.stop_requested and outcome.kind == Ending.PREEMPTED:
                     return Outcome(Ending.STOPPED, outcome.rank, "checkpointed and exited on request")
                 return outcome
-            if self.stop_requested and stop_deadline is None:
-                if self.service is not None and self.service.before_stop is not None:
-                    self.service.before_stop(self.cluster.stop_grace_s)
-                ray.get([actor.send_signal.remote(signal.SIGTERM) for actor in gang.actors])
+            noticed = [rank for rank, poll in enumerate(polls) if poll.get("notice") == "preempting"]
+            if (self.stop_requested or noticed) and stop_deadline is None:
+                self._wind_down(gang, noticed)
                 stop_deadline = time.monotonic() + self.cluster.stop_grace_s
             if stop_deadline is not None and time.monotonic() > stop_deadline:
-                return Outcome(Ending.STOPPED, None, f"workers did not exit within cluster.stop_grace_s="
-                                                f"{self.cluster.stop_grace_s:g}s; killed")
+                kind = Ending.STOPPED if self.stop_requested else Ending.PREEMPTED
+                return Outcome(kind, None, f"workers did not exit within cluster.stop_grace_s="
+                                           f"{self.cluster.stop_grace_s:g}s; killed")
             hung = self._hung_rank(polls)
             if hung is not None and stop_deadline is None:
                 rank, detail = hung
@@ -361,6 +360,22 @@ class Driver:
                 rank, why = blame(polls, stacks, rank)
                 return Outcome(Ending.HANG, rank, f"{why}; {detail}")
             time.sleep(POLL_S)
+
+    def _wind_down(self, gang: Gang, noticed: list[int]) -> None:
+        """On a stop request, or a serve worker's preemption notice (`noticed` ranks): a service first
+        saves its adapters' unsaved steps on the gang, then every worker is told to exit (SIGTERM,
+        after which a training worker checkpoints; the service's `release` for serve workers)."""
+        import ray
+
+        why = "a stop was requested" if self.stop_requested else f"rank {noticed[0]} received a preemption notice"
+        if self.service is not None:
+            self.say(f"{why}: saving the adapters with unsaved steps before the workers stop")
+            if self.service.before_stop is not None:
+                self.service.before_stop(self.cluster.stop_grace_s)
+        if self.stop_requested or self.service is None:
+            ray.get([actor.send_signal.remote(signal.SIGTERM) for actor in gang.actors])
+        if self.service is not None:
+            self.service.release(why, self.cluster.stop_grace_s)
 
     def _hung_rank(self, polls: list[dict]) -> tuple[int, str] | None:
         for rank, poll in enumerate(polls):

@@ -131,7 +131,8 @@ class HostActor:
         return self.proc.pid
 
     def poll(self) -> dict:
-        """The worker's exit status (None while it runs), last heartbeat, and log lines since the last poll."""
+        """The worker's exit status (None while it runs), last heartbeat and its notice, and log lines
+        since the last poll."""
         status = None if self.proc is None else self.proc.poll()
         lines = []
         log = self.files.get("log")
@@ -143,11 +144,13 @@ class HostActor:
             lines = data[:end].decode("utf-8", "replace").splitlines()
             self.log_offset += end
         error = self.files.get("error")
+        beat = p.read_heartbeat(self.files["heartbeat"]) if "heartbeat" in self.files else None
         return {
             "returncode": status,
             "pid": None if self.proc is None else self.proc.pid,
             "state": None if self.proc is None or status is not None else process_state(self.proc.pid),
-            "heartbeat": p.read_heartbeat(self.files["heartbeat"]) if "heartbeat" in self.files else None,
+            "heartbeat": beat[:2] if beat else None,
+            "notice": beat[2] if beat else "",
             "lines": lines,
             "error": error.read_text() if status is not None and error is not None and error.exists() else None,
             "error_at": error.stat().st_mtime if status is not None and error is not None and error.exists() else None,

@@ -37,19 +37,20 @@ ENV_SERVE_ADDRESS = "PODTRAIN_SERVE_ADDRESS"  # host:port of the driver's step c
 ENV_SERVE_AUTHKEY = "PODTRAIN_SERVE_AUTHKEY"  # the channel's key, hex
 
 
-def write_heartbeat(path: str | os.PathLike, step: int) -> None:
-    """Records `step` as the last completed step, atomically (a reader never sees half a line)."""
+def write_heartbeat(path: str | os.PathLike, step: int, notice: str = "") -> None:
+    """Records `step` as the last completed step, and a `notice` the driver acts on (a serve
+    worker's `preempting`), atomically (a reader never sees half a line)."""
     path = Path(path)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{step} {time.time():.3f}\n")
+    tmp.write_text(f"{step} {time.time():.3f} {notice}".rstrip() + "\n")
     os.replace(tmp, path)
 
 
-def read_heartbeat(path: str | os.PathLike) -> tuple[int, float] | None:
-    """(last completed step, wall time it was written) or None before the first beat."""
+def read_heartbeat(path: str | os.PathLike) -> tuple[int, float, str] | None:
+    """(last completed step, wall time it was written, notice or "") or None before the first beat."""
     try:
-        step, at = Path(path).read_text().split()
-        return int(step), float(at)
+        step, at, *notice = Path(path).read_text().strip().split(maxsplit=2)
+        return int(step), float(at), notice[0] if notice else ""
     except (OSError, ValueError):
         return None
 

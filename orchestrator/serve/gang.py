@@ -11,7 +11,9 @@ stuck step as hung.
 
 Each gang that has joined whole is a new engine (`generation`): its slots are empty until the
 front end's scheduler restores the adapters. While the driver restarts a lost gang, steps wait for
-the new one (up to `ready_timeout_s`).
+the new one (up to `ready_timeout_s`). A worker given SIGTERM (a preemption notice) says so in its
+heartbeat and runs on until the driver has saved the adapters with unsaved steps and `release`s
+the gang.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from podtrain.orchestrator.serve.work import BaseInfo, EngineLost, EngineRestart
 
 log = logging.getLogger(__name__)
 IDLE_BEAT_S = 5.0
+NOTICE_S = 0.5  # how soon an idle worker's heartbeat shows a preemption notice
 
 
 class GangBackend:
@@ -111,7 +114,7 @@ class GangBackend:
             except (OSError, EOFError) as error:
                 self._drop(conns)
                 with self._changed:
-                    why = self.failure or f"a worker's channel closed: {error or type(error).__name__}"
+                    why = self.failure or f"a worker's channel closed: {str(error) or type(error).__name__}"
                 raise EngineLost(f"the engine's workers were lost during this step ({why})") from None
         return answers[0]
 
@@ -144,6 +147,23 @@ class GangBackend:
             self.failure = why
             self._changed.notify_all()
 
+    def release(self, why: str, timeout_s: float) -> None:
+        """Tells the gang's workers to exit (after a preemption notice, once the driver saved what it
+        must) when the step in flight, if any, is done (waiting up to `timeout_s`); later steps wait
+        for the next gang."""
+        idle = self._step_lock.acquire(timeout=timeout_s)
+        try:
+            with self._changed:
+                conns, self._conns = self._conns, {}
+                self.failure = why
+            for conn in conns.values():
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+                conn.close()
+        finally:
+            if idle:
+                self._step_lock.release()
+
     def stop(self) -> None:
         """Tells every worker to exit (they answer nothing more); a step waiting for a gang ends."""
         with self._changed:
@@ -154,33 +174,47 @@ class GangBackend:
                     conn.send(None)
 
 
-def serve_steps(engine, env, heartbeat: str | None) -> int:
+def serve_steps(engine, env, heartbeat: str | None, grace_s: float = 120.0) -> int:
     """The worker's loop: join the driver's channel, then run each step it sends until it sends
-    None (exit 0) or SIGTERM arrives (exit `EXIT_PREEMPTED` after the current step)."""
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    None (exit 0). SIGTERM (a preemption notice, or a stop the driver passes on) does not end it at
+    once: its heartbeat says `preempting` and it keeps running steps, so that the driver can save
+    the adapters that have unsaved steps, until the driver's None or `grace_s` (exit
+    `EXIT_PREEMPTED` either way)."""
+    noticed: list[float] = []
+    signal.signal(signal.SIGTERM, lambda *_: noticed.append(time.monotonic()))
     host, port = env[p.ENV_SERVE_ADDRESS].rsplit(":", 1)
     rank, world = int(env.get(p.ENV_PROCESS_ID, "0")), int(env.get(p.ENV_NUM_PROCESSES, "1"))
     conn = Client((host, int(port)), authkey=bytes.fromhex(env[p.ENV_SERVE_AUTHKEY]))
     conn.send((rank, world))
     steps = 0
-    beat = (lambda: p.write_heartbeat(heartbeat, steps)) if heartbeat else (lambda: None)
+
+    def beat() -> None:
+        if heartbeat:
+            p.write_heartbeat(heartbeat, steps, "preempting" if noticed else "")
+
     beat()
-    while not stopping.is_set():
-        if not conn.poll(IDLE_BEAT_S):
+    told, last_beat = False, time.monotonic()
+    while True:
+        if noticed and not told:  # the handler only takes note: the heartbeat is written here
+            told = True
             beat()
+        if noticed and time.monotonic() > noticed[0] + grace_s:
+            return p.EXIT_PREEMPTED
+        if not conn.poll(NOTICE_S):
+            if time.monotonic() - last_beat > IDLE_BEAT_S:
+                beat()
+                last_beat = time.monotonic()
             continue
         try:
             works = conn.recv()
         except EOFError:
-            return p.EXIT_OK  # the driver is gone
+            return p.EXIT_PREEMPTED if noticed else p.EXIT_OK  # the driver is gone
         if works is None:
-            return p.EXIT_OK
+            return p.EXIT_PREEMPTED if noticed else p.EXIT_OK
         results = engine.run(works)
         steps += 1
         beat()
         conn.send(results if rank == 0 else len(results))
-    return p.EXIT_PREEMPTED
 
 
 def worker_main(config, run_dir: Path, env, heartbeat: str | None) -> int:
@@ -188,4 +222,4 @@ def worker_main(config, run_dir: Path, env, heartbeat: str | None) -> int:
     from podtrain.orchestrator.serve.backend import Engine
 
     engine = Engine(config)
-    return serve_steps(engine, env, heartbeat)
+    return serve_steps(engine, env, heartbeat, grace_s=config.cluster.stop_grace_s)

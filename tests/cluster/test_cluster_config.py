@@ -302,3 +302,37 @@ def test_an_exception_is_reported_by_its_type_and_first_meaningful_line_not_its_
     outcome = d._classify([(1, p.EXIT_EXCEPTION)], polls)
     assert (outcome.kind, outcome.rank, outcome.detail) == ("exception", 1, summary)
     assert outcome.traceback.endswith("})>.\n")
+
+
+class FakeService:
+    """The driver's side of a serve gang: records what the driver asked of it, in order."""
+
+    def __init__(self):
+        self.calls = []
+        self.before_stop = lambda timeout_s: self.calls.append(("save", timeout_s))
+
+    def release(self, why, timeout_s):
+        self.calls.append(("release", why))
+
+
+def test_a_serve_workers_preemption_notice_saves_the_adapters_then_releases_the_gang(tmp_path, monkeypatch):
+    """A serve worker that received SIGTERM says `preempting` in its heartbeat: the driver has the
+    service save its unsaved adapters on the still-running gang, then releases the workers (no
+    signal to the others), and their exit 75 is a preemption, not a stop."""
+    service = FakeService()
+    d = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2", "cluster.stop_grace_s=30"]), tmp_path / "run",
+                      out=io.StringIO(), service=service)
+
+    def running(notice=""):
+        return {"returncode": None, "lines": [], "heartbeat": (3, 0.0), "notice": notice, "now": 1.0,
+                "started_at": 0.0, "state": "S", "pid": 1, "error": None, "error_at": None}
+
+    polls = iter([[running(), running()], [running("preempting"), running()],
+                  [dict(running("preempting"), returncode=p.EXIT_PREEMPTED), dict(running(), returncode=p.EXIT_OK)]])
+    monkeypatch.setattr(driver.Driver, "_start", lambda *args: None)
+    monkeypatch.setattr(driver.Driver, "_poll", lambda self, gang: (next(polls), None))
+    monkeypatch.setattr(driver, "POLL_S", 0.0)
+    outcome = d._watch(gang=None, attempt=1, port_retries=0, config=d.config)  # the gang's actors are never signalled
+    assert (outcome.kind, outcome.rank) == ("preempted", 0)
+    assert service.calls == [("save", 30.0), ("release", "rank 0 received a preemption notice")]
+    assert "rank 0 received a preemption notice: saving the adapters" in d.out.getvalue()

@@ -1,5 +1,6 @@
 """The driver's step channel to the gang (`GangBackend`), with worker processes running the real
-`serve_steps` loop over an echoing stand-in engine: lockstep steps, a lost worker, a new gang."""
+`serve_steps` loop over an echoing stand-in engine: lockstep steps, a lost worker, a new gang, a
+preemption notice."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
+from podtrain.orchestrator.cluster import protocol as p
 from podtrain.orchestrator.serve.gang import GangBackend
 from podtrain.orchestrator.serve.work import BaseInfo, EngineLost, EngineRestarted, ServeError
 
@@ -22,16 +25,18 @@ class Echo:
     def run(self, works):
         return [f"rank {os.environ['PODTRAIN_PROCESS_ID']} ran {work}" for work in works]
 
-raise SystemExit(serve_steps(Echo(), os.environ, None))
+raise SystemExit(serve_steps(Echo(), os.environ, os.environ.get("HEARTBEAT"),
+                             grace_s=float(os.environ.get("GRACE", "120"))))
 """
 INFO = BaseInfo(base_model="m", tokenizer_id="t", model_type="llama", vocab_size=8, max_seq_len=8, max_rank=2,
                 max_adapters=2)
 
 
-def start_gang(backend: GangBackend, size: int = 2) -> list[subprocess.Popen]:
+def start_gang(backend: GangBackend, size: int = 2, **env: str) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", WORKER],
                              env=dict(os.environ, **backend.env(), PODTRAIN_PROCESS_ID=str(rank),
-                                      PODTRAIN_NUM_PROCESSES=str(size)))
+                                      PODTRAIN_NUM_PROCESSES=str(size),
+                                      **{k: v.format(rank=rank) for k, v in env.items()}))
             for rank in range(size)]
 
 
@@ -75,3 +80,36 @@ def _raises(fn, *args) -> Exception | None:
     except Exception as error:
         return error
     return None
+
+
+@pytest.mark.slow
+def test_a_preemption_notice_keeps_the_worker_serving_until_the_gang_is_released(tmp_path):
+    """SIGTERM to one worker: its heartbeat says `preempting` and the gang still runs steps (the
+    driver's save of unsaved adapters); `release` ends the gang (exit 75 for the noticed worker, 0
+    for the other) and later steps wait for the next gang. Unreleased, a noticed worker exits 75
+    after its grace."""
+    backend = GangBackend(INFO, (), ready_timeout_s=60)
+    gang = start_gang(backend, HEARTBEAT=str(tmp_path / "rank{rank}.heartbeat"))
+    try:
+        assert backend.run(["a"], generation=None) == ["rank 0 ran a"]
+        gang[0].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while (p.read_heartbeat(tmp_path / "rank0.heartbeat") or (0, 0, ""))[2] != "preempting":
+            assert time.monotonic() < deadline and gang[0].poll() is None
+            time.sleep(0.1)
+        assert p.read_heartbeat(tmp_path / "rank1.heartbeat")[2] == ""
+        assert backend.run(["save"], generation=1) == ["rank 0 ran save"]
+        backend.release("rank 0 received a preemption notice", timeout_s=10)
+        assert [worker.wait(30) for worker in gang] == [p.EXIT_PREEMPTED, p.EXIT_OK]
+
+        waiting = threading.Thread(target=lambda: setattr(waiting, "error", _raises(backend.run, ["b"], 1)))
+        waiting.start()
+        gang = start_gang(backend, GRACE="1")
+        waiting.join(60)
+        assert isinstance(waiting.error, EngineRestarted) and backend.generation() == 2
+        gang[1].send_signal(signal.SIGTERM)
+        assert gang[1].wait(30) == p.EXIT_PREEMPTED  # after its one-second grace, nobody releasing it
+    finally:
+        backend.stop()
+        for worker in gang:
+            worker.wait(30)

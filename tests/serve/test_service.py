@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -217,7 +218,7 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
     kept_before = _logprobs(kept, data)
     _close_sessions(first)
     assert first.stop() == 0, first.output()
-    assert "saved 1 adapters before stopping" in first.output()
+    assert "saved 1 adapters before the workers stop" in first.output()
     port = first.url.rsplit(":", 1)[1]
     second = Service(tmp_path, base, run_dir, "cluster.kind=none", f"serve.port={port}", name="second")
     try:
@@ -239,12 +240,16 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
 
 
 @pytest.mark.ray
-def test_two_local_hosts_give_the_one_process_losses_and_a_killed_worker_brings_the_adapter_back(tmp_path, base):
+def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemption_and_a_hang(tmp_path, base):
     """The default cluster kind over two hosts: an embedded Ray, the front end in the driver, the
-    engine over both hosts' workers in lockstep; the same losses as the engine in one process. A
-    worker killed (-9) while the client is idle: the gang restarts, the adapter comes back from its
-    automatic save at step 2 (its step 3 lost, which its next request is told), and its next steps
-    equal those of the one-process run from step 2."""
+    engine over both hosts' workers in lockstep; the same losses as the engine in one process.
+    - A worker killed (-9) while the client is idle: the gang restarts, the adapter comes back from
+      its automatic save at step 2 (its step 3 lost, which its next request is told), and its next
+      steps equal those of the one-process run from step 2.
+    - A preemption notice (SIGTERM) to a worker: the driver saves the adapter's unsaved step on the
+      gang before it restarts, so the adapter comes back where it was and nothing is told.
+    - A worker stopped (SIGSTOP) with a request in flight: a hang, blamed on the stopped rank; the
+      request runs again on the new gang and gives the one-process loss."""
     data = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5, 6]),
                         loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6, 7], np.int64)})]
 
@@ -255,7 +260,7 @@ def test_two_local_hosts_give_the_one_process_losses_and_a_killed_worker_brings_
     try:
         trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
         expected = []
-        for _ in range(4):
+        for _ in range(5):
             expected.append(fb(trainer))
             trainer.optim_step(ADAM).result()
     finally:
@@ -264,7 +269,17 @@ def test_two_local_hosts_give_the_one_process_losses_and_a_killed_worker_brings_
 
     run_dir = tmp_path / "runs" / "local"
     service = Service(tmp_path, base, run_dir, "cluster=local", "cluster.num_hosts=2", "cluster.devices_per_host=1",
-                      "cluster.startup_timeout_s=240", "serve.autosave_every=2", name="local")
+                      "cluster.startup_timeout_s=240", "cluster.hang_timeout_s=45", "serve.autosave_every=2",
+                      name="local")
+
+    def worker(attempt: int, rank: int) -> int:
+        path = run_dir / "logs" / f"attempt-{attempt}" / f"rank{rank}.pid"
+        deadline = time.monotonic() + 240
+        while f"attempt {attempt}: started" not in service.output() or not path.exists():
+            assert time.monotonic() < deadline and service.proc.poll() is None, service.output()
+            time.sleep(0.5)
+        return int(path.read_text())
+
     try:
         trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
         losses = []
@@ -272,13 +287,25 @@ def test_two_local_hosts_give_the_one_process_losses_and_a_killed_worker_brings_
             losses.append(fb(trainer))
             trainer.optim_step(ADAM).result()
         np.testing.assert_allclose(losses, expected[:3], rtol=1e-5)
-        os.kill(int((run_dir / "logs" / "attempt-1" / "rank1.pid").read_text()), signal.SIGKILL)
+        os.kill(worker(1, 1), signal.SIGKILL)
         # Told on its next request, or on the one in flight when the step found the worker gone.
         with pytest.raises(tinker.RequestFailedError, match="back from its last save, at step 2"):
             fb(trainer)
         again = [fb(trainer)]
+        trainer.optim_step(ADAM).result()  # step 3, not saved automatically
+
+        os.kill(worker(2, 0), signal.SIGTERM)
+        worker(3, 0)
+        again.append(fb(trainer))  # no notice: the adapter was saved at step 3 before the gang stopped
         trainer.optim_step(ADAM).result()
-        again.append(fb(trainer))
+        deadline = time.monotonic() + 60
+        while httpx.post(f"{service.url}/api/v1/get_info", json={"model_id": trainer.model_id},
+                         headers={"X-API-Key": KEY}).json()["saved_step"] != 4:  # the automatic save of step 4
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+        os.kill(worker(3, 1), signal.SIGSTOP)
+        again.append(fb(trainer))  # in flight until the hang is found; run again on the next gang
         np.testing.assert_allclose(again, expected[2:], rtol=1e-5)
     finally:
         _close_sessions(service)
@@ -286,3 +313,6 @@ def test_two_local_hosts_give_the_one_process_losses_and_a_killed_worker_brings_
     output = service.output()
     assert code == 0, output
     assert "attempt 1: started 2 worker processes" in output and "attempt 1 ended: crash (rank 1)" in output
+    assert "rank 0 received a preemption notice: saving the adapters" in output
+    assert "attempt 2 ended: preempted (rank 0)" in output
+    assert "attempt 3 ended: hang (rank 1): rank 1's process is stopped" in output
