@@ -39,6 +39,14 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: flo
     raise AssertionError(f"the run did not reach step {step} (status {proc.poll()}):\n{out[-3000:]}")
 
 
+def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    """Until the checkpoint of `step` is committed (a step's record is written before its save starts)."""
+    deadline = time.time() + timeout
+    while not (run_dir / "checkpoints" / str(step)).is_dir():
+        assert time.time() < deadline and proc.poll() is None, f"no checkpoint of step {step} (status {proc.poll()})"
+        time.sleep(0.2)
+
+
 def worker_pid(run_dir: Path, attempt: int, rank: int) -> int:
     return int((run_dir / "logs" / f"attempt-{attempt}" / f"rank{rank}.pid").read_text())
 
@@ -170,10 +178,11 @@ def test_a_hung_rank_and_then_a_lost_host_each_restart_the_gang(tmp_path):
     counts as a preemption, and its worker does not outlive it. Attempt 3 finishes the run."""
     run_dir = tmp_path / "hung-then-lost"
     proc = start_train(tmp_path, run_dir, 30, *TWO_HOSTS, "cluster.hang_timeout_s=8")
-    wait_for_step(run_dir, proc, 2)
+    wait_for_checkpoint(run_dir, proc, 2)
     stopped_at = time.time()
     os.kill(worker_pid(run_dir, 1, 1), signal.SIGSTOP)
-    wait_until(lambda: (run_dir / "logs" / "attempt-2" / "rank1.pid").exists() and max(losses(run_dir)) >= 3, 300,
+    wait_until(lambda: (run_dir / "logs" / "attempt-2" / "rank1.pid").exists()
+               and max(losses(run_dir), default=0) >= 3, 300,
                "step 3 in attempt 2")
     stacks = run_dir / "stacks" / "attempt-1"
     assert {p.name for p in stacks.glob("rank*.txt")} == {"rank0.txt", "rank1.txt"}
