@@ -118,7 +118,8 @@ def plan_serve_on_target(config, target: Target, devices=None, *, programs=None)
 def adapters_that_fit(config, target: Target, devices=None, *, report: dict | None = None,
                       max_compiles: int = 6) -> dict:
     """The largest `serve.max_adapters` whose engine fits `target`, at the config's rank: from the
-    per-slot bytes of two compiles, then checked by compiling it (fits) and one more (does not).
+    per-slot bytes of two compiles, then searched from that estimate and checked by compiling it
+    (fits) and one more (does not).
 
     Returns {"max_adapters" (0 when not even one fits), "per_adapter_bytes", "checked" (both sides
     of the boundary compiled within `max_compiles`), "peak_bytes" (at that count), "compiles"}."""
@@ -143,17 +144,31 @@ def adapters_that_fit(config, target: Target, devices=None, *, report: dict | No
     second = first * 2 if first > 1 else 2
     fits(first), fits(second)
     per_adapter = max(1, (plans[second]["peak_bytes"] - plans[first]["peak_bytes"]) // (second - first))
-    count = max(0, first + (target.chip.hbm_bytes - plans[first]["peak_bytes"]) // per_adapter)
-    # From the estimate to the boundary: `count` fits and one more does not.
+    estimate = max(0, first + (target.chip.hbm_bytes - plans[first]["peak_bytes"]) // per_adapter)
+
+    def bracket() -> tuple[int, int | None]:
+        """(the largest count compiled that fits, or 0; the smallest above it that does not)."""
+        low = max((k for k in plans if plans[k]["fits"]), default=0)
+        return low, min((k for k in plans if k > low and not plans[k]["fits"]), default=None)
+
+    # From the estimate to the boundary (`count` fits and one more does not): steps that double
+    # away from the estimate, towards the boundary, until it lies between two compiled counts;
+    # then halving.
+    upwards, step = compiles < max_compiles and fits(max(1, estimate)), 1
     while compiles < max_compiles:
-        if count >= 1 and not fits(count):
-            count -= 1
-        elif fits(count + 1):
-            count += 1
-        else:
+        low, high = bracket()
+        if high == low + 1:
             break
-    checked = (count == 0 or plans.get(count, {}).get("fits", False)) and count + 1 in plans \
-        and not plans[count + 1]["fits"]
+        if high is None:
+            n = low + step
+        elif not upwards and high - step > low:
+            n = high - step
+        else:
+            n = (low + high) // 2
+        fits(n)
+        step *= 2
+    count, high = bracket()
+    checked = high == count + 1
     return {"max_adapters": int(count), "per_adapter_bytes": int(per_adapter), "checked": checked,
             "peak_bytes": plans[count]["peak_bytes"] if count in plans else None,
             "fits_at": {str(k): plans[k]["fits"] for k in sorted(plans)}, "compiles": compiles}
