@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from podtrain.orchestrator.config.compose import apply_overrides
+from podtrain.orchestrator.plan.hlo_comm import collectives, summarize
 from podtrain.orchestrator.plan.on_target import compile_or_oom, shard_bytes
 from podtrain.orchestrator.plan.targets import Target, compile_devices
 from podtrain.orchestrator.serve.backend import ADAM_KEYS, MIN_TOKENS
@@ -78,8 +79,8 @@ def _lowered(layout: EngineLayout) -> tuple[dict, dict]:
 
 def plan_serve_on_target(config, target: Target, devices=None, *, programs=None) -> dict:
     """Compiles `config`'s engine for `target`: each program's per-chip peak, the verdict (the TPU
-    compiler's own; on GPUs the peak against the GPU's memory), and the training pass's FLOPs per
-    token. `programs` (names) compiles only those, in that order, and stops at the first that does
+    compiler's own; on GPUs the peak against the GPU's memory), and the training pass's FLOPs and
+    collective bytes per token. `programs` (names) compiles only those, in that order, and stops at the first that does
     not fit (enough to show that a config does not)."""
     devices = compile_devices(target) if devices is None else devices
     layout = engine_layout(config, devices)
@@ -102,6 +103,10 @@ def plan_serve_on_target(config, target: Target, devices=None, *, programs=None)
             cost = cost[0] if isinstance(cost, list | tuple) else cost
             tokens = bucket(s.max_rows) * bucket(s.max_seq_len, MIN_TOKENS)
             report[name]["flops_per_token"] = float(cost.get("flops", 0.0)) * target.devices / tokens
+            # What every chip sends in the pass's collectives (loops counted by their trips), summed
+            # over the chips, per token of the batch.
+            sent = summarize(collectives(compiled.as_text(), layout.mesh.devices.shape, layout.mesh.axis_names))
+            report[name]["collective_bytes_per_token"] = sent["traffic_bytes"] * target.devices / tokens
         if programs is not None and not report[name]["fits"]:
             break
     peak = max(p["peak_bytes"] for p in report.values())

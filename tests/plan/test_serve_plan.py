@@ -27,6 +27,7 @@ def test_the_adapters_that_fit_are_where_the_compiler_accepts_the_engine_and_ref
     # Every program takes the whole engine: base, adapters and their gradients, and the Adam state.
     held = report["base_bytes"] + 2 * report["adapters_bytes"] + report["adam_bytes"]
     assert all(p["peak_bytes"] >= held for p in report["programs"].values())
+    assert report["programs"]["forward_backward"]["collective_bytes_per_token"] > 0  # fsdp=4 gathers
     fit = report["adapters_that_fit"]
     n = fit["max_adapters"]
     assert fit["checked"] and fit["fits_at"][str(n)] and not fit["fits_at"][str(n + 1)]
