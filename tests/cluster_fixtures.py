@@ -1,6 +1,8 @@
-"""What the Ray tests share: two simulated hosts, the driver's command line and environment, and
-drivers started with their output in a file."""
+"""What the Ray tests share: two simulated hosts, fake TPU slices (Ray nodes with TPU resources and
+labels), the driver's command line and environment, and drivers started with their output in a
+file."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -55,3 +57,39 @@ def finish(proc: subprocess.Popen, timeout: float = 420) -> str:
     out = proc.log.read()
     proc.log.close()
     return out
+
+
+TPU_NODE_ENV = {"TPU_NAME": "fake-slice", "TPU_ACCELERATOR_TYPE": "v4-16", "TPU_TOPOLOGY": "2x2x2"}
+
+
+@contextlib.contextmanager
+def fake_tpu_slices(tmp_path, monkeypatch, num_slices):
+    """A Ray cluster of v4-16 slices (2 hosts x 4 chips each): Ray nodes with TPU resources and labels."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    e = env(tmp_path)
+    for key in ("RAY_TMPDIR", "RAY_AUTH_MODE", *TPU_NODE_ENV):
+        monkeypatch.setenv(key, e.get(key) or TPU_NODE_ENV[key])
+    (Path(e["RAY_TMPDIR"]) / "ray").mkdir(exist_ok=True)  # cluster_utils writes ray_current_cluster there
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": e["RAY_TMPDIR"]})
+    try:
+        for s in range(num_slices):
+            # Ray names a reserved slice by the TPU_NAME its head host sees; raylets inherit this process's env.
+            monkeypatch.setenv("TPU_NAME", f"slice-{s}")
+            for worker in range(2):
+                resources = {"TPU": 4, **({"TPU-v4-16-head": 1} if worker == 0 else {})}
+                labels = {"ray.io/tpu-slice-name": f"slice-{s}", "ray.io/tpu-worker-id": str(worker),
+                          "ray.io/tpu-pod-type": "v4-16", "ray.io/tpu-topology": "2x2x2"}
+                cluster.add_node(num_cpus=1, resources=resources, labels=labels)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def on_tpu(cluster, num_slices=1) -> list[str]:
+    return ["cluster=tpu", "cluster.tpu_type=v4-16", "cluster.reserve_timeout_s=60", f"cluster.num_slices={num_slices}",
+            f"cluster.address={cluster.address}", "cluster.env.JAX_PLATFORMS=cpu", "cluster.init_timeout_s=60",
+            f"cluster.env.XLA_FLAGS={xla_flags(2)}"]

@@ -156,14 +156,15 @@ def adapters_that_fit(config, target: Target, devices=None, *, report: dict | No
         low = max((k for k in plans if plans[k]["fits"]), default=0)
         return low, min((k for k in plans if k > low and not plans[k]["fits"]), default=None)
 
-    # From the estimate to the boundary (`count` fits and one more does not): steps that double
-    # away from the estimate, towards the boundary, until it lies between two compiled counts;
-    # then halving.
-    upwards, step = compiles < max_compiles and fits(max(1, estimate)), 1
+    # From the estimate to the boundary (`count` fits and one more does not): steps of 1, 1, 2,
+    # 4, ... away from the estimate, towards the boundary, until it lies between two compiled
+    # counts; then halving. An estimate one or two off costs no more compiles than steps of one.
+    upwards, probe = compiles < max_compiles and fits(max(1, estimate)), 0
     while compiles < max_compiles:
         low, high = bracket()
         if high == low + 1:
             break
+        step = 2 ** max(0, probe - 1)
         if high is None:
             n = low + step
         elif not upwards and high - step > low:
@@ -171,7 +172,7 @@ def adapters_that_fit(config, target: Target, devices=None, *, report: dict | No
         else:
             n = (low + high) // 2
         fits(n)
-        step *= 2
+        probe += 1
     count, high = bracket()
     checked = high == count + 1
     return {"max_adapters": int(count), "per_adapter_bytes": int(per_adapter), "checked": checked,

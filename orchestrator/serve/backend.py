@@ -49,6 +49,7 @@ from podtrain.orchestrator.serve.engine import (
     forward_backward,
     init_adam,
     sample_rows,
+    to_host,
 )
 from podtrain.orchestrator.serve.layout import engine_layout
 from podtrain.orchestrator.serve.slots import (
@@ -271,7 +272,7 @@ class Engine:
         self.adapters, self.grads, self.adam, norms = adam_steps(self.adapters, self.grads, self.adam, hyper,
                                                                  axes=self.axes)
         self._pin()
-        norms = np.asarray(norms)
+        norms = to_host(norms)
         for index, slot in stepped:
             slot.steps += 1
             results[index] = OptimStepResult({"grad_norm:mean": float(norms[slot.index])})
@@ -329,7 +330,7 @@ class Engine:
         self.grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, self.grads, batch,
                                                  loss_chunk=self.config.serve.loss_chunk)
         self._pin()
-        return np.asarray(lp), np.asarray(loss)
+        return to_host(lp), to_host(loss)
 
     # -- sampling --
 
@@ -386,7 +387,8 @@ class Engine:
                                                      jax.tree.map(jnp.asarray, batch), new_tokens=new,
                                                      filtered=filtered, prompt_logprobs=want_prompt_lp,
                                                      loss_chunk=self.config.serve.loss_chunk)
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        tokens, logprobs = to_host(tokens), to_host(logprobs)
+        prompt_lp = None if prompt_lp is None else to_host(prompt_lp)
         stop_sets = {}
         for r, (index, k) in enumerate(chunk):
             work = works[index]
@@ -397,7 +399,7 @@ class Engine:
             sequences[index].append(SampledSequence(np.asarray(row[:end], np.int32),
                                                     logprobs[r, :end].astype(np.float32), reason))
             if work.prompt_logprobs and k == 0:
-                prompt_lps[index] = np.asarray(prompt_lp)[r, :len(work.prompt)].astype(np.float32)
+                prompt_lps[index] = prompt_lp[r, :len(work.prompt)].astype(np.float32)
 
     def _seed(self, work: Sample, k: int) -> int:
         """Sample `k`'s seed: from the request's seed, else from the count of samples drawn (the

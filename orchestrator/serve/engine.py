@@ -23,11 +23,22 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from podtrain.models import lora
 from podtrain.models.generate import greedy
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A program's output as a NumPy array on every process. A part held by other processes is
+    gathered from them: a collective, which every process of the gang reaches at the same point of
+    the same step."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def bucket(n: int, smallest: int = 1) -> int:

@@ -4,7 +4,6 @@ Each test runs `podtrain train` (the driver) as a subprocess with the `local` cl
 simulated hosts x 2 CPU devices, each host a Ray actor that starts a fresh JAX process per attempt.
 """
 
-import contextlib
 import json
 import os
 import re
@@ -16,9 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_fixtures import TWO_HOSTS, env, finish, run_train, start, train_command
+from cluster_fixtures import TWO_HOSTS, env, fake_tpu_slices, finish, on_tpu, run_train, start, train_command
 from train_fixtures import ROOT, TINY, losses
-from xla_flags import xla_flags
 
 from podtrain.orchestrator.train.goodput import read_ledger, summarize
 
@@ -341,42 +339,6 @@ def test_ray_job_submit_then_ray_job_stop_checkpoints_then_a_resubmit_after_a_ra
 
 
 RAY_LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+ [DIWE] \d+ \d+\] ")
-TPU_NODE_ENV = {"TPU_NAME": "fake-slice", "TPU_ACCELERATOR_TYPE": "v4-16", "TPU_TOPOLOGY": "2x2x2"}
-
-
-@contextlib.contextmanager
-def fake_tpu_slices(tmp_path, monkeypatch, num_slices):
-    """A Ray cluster of v4-16 slices (2 hosts x 4 chips each): Ray nodes with TPU resources and labels."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    e = env(tmp_path)
-    for key in ("RAY_TMPDIR", "RAY_AUTH_MODE", *TPU_NODE_ENV):
-        monkeypatch.setenv(key, e.get(key) or TPU_NODE_ENV[key])
-    (Path(e["RAY_TMPDIR"]) / "ray").mkdir(exist_ok=True)  # cluster_utils writes ray_current_cluster there
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": e["RAY_TMPDIR"]})
-    try:
-        for s in range(num_slices):
-            # Ray names a reserved slice by the TPU_NAME its head host sees; raylets inherit this process's env.
-            monkeypatch.setenv("TPU_NAME", f"slice-{s}")
-            for worker in range(2):
-                resources = {"TPU": 4, **({"TPU-v4-16-head": 1} if worker == 0 else {})}
-                labels = {"ray.io/tpu-slice-name": f"slice-{s}", "ray.io/tpu-worker-id": str(worker),
-                          "ray.io/tpu-pod-type": "v4-16", "ray.io/tpu-topology": "2x2x2"}
-                cluster.add_node(num_cpus=1, resources=resources, labels=labels)
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-def on_tpu(cluster, num_slices=1) -> list[str]:
-    return ["cluster=tpu", "cluster.tpu_type=v4-16", "cluster.reserve_timeout_s=60", f"cluster.num_slices={num_slices}",
-            f"cluster.address={cluster.address}", "cluster.env.JAX_PLATFORMS=cpu", "cluster.init_timeout_s=60",
-            f"cluster.env.XLA_FLAGS={xla_flags(2)}"]
-
-
 @pytest.mark.parametrize("num_slices", [1, 2])
 def test_fake_tpu_slices_are_reserved_whole_and_train(tmp_path, monkeypatch, num_slices):
     with fake_tpu_slices(tmp_path, monkeypatch, num_slices) as cluster:

@@ -13,10 +13,11 @@ GIB = 2**30
 
 @pytest.mark.parametrize("boundary, most_compiles", [
     (77, 4),    # the estimate is the boundary: it fits, one more does not
-    (75, 6),    # two below the estimate
-    (100, 12),  # far above: steps doubling upwards, then halving
-    (40, 13),   # far below: steps doubling downwards, then halving
-    (0, 6),     # not even one fits
+    (78, 5),    # one above the estimate
+    (75, 5),    # two below the estimate: no more compiles than steps of one
+    (100, 13),  # far above: steps doubling upwards, then halving
+    (40, 14),   # far below: steps doubling downwards, then halving
+    (0, 8),     # not even one fits
 ])
 def test_the_search_ends_where_one_count_fits_and_the_next_does_not(monkeypatch, boundary, most_compiles):
     hbm = 16 * GIB

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from cluster_fixtures import env
+from cluster_fixtures import env, fake_tpu_slices, on_tpu
 from hf_fixtures import make_hf_model
 from service_fixtures import KEY, Service, hf_base
 from tinker import types
@@ -242,7 +242,8 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
 @pytest.mark.ray
 def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemption_and_a_hang(tmp_path, base):
     """The default cluster kind over two hosts: an embedded Ray, the front end in the driver, the
-    engine over both hosts' workers in lockstep; the same losses as the engine in one process.
+    engine over both hosts' workers in lockstep; the same losses and seeded samples as the engine in
+    one process.
     - A worker killed (-9) while the client is idle: the gang restarts, the adapter comes back from
       its automatic save at step 2 (its step 3 lost, which its next request is told), and its next
       steps equal those of the one-process run from step 2.
@@ -256,13 +257,20 @@ def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemp
     def fb(trainer) -> float:
         return trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
 
+    def seeded_samples(trainer) -> list[list[int]]:
+        sampler = trainer.save_weights_and_get_sampling_client("hosts")
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7, stop=[])
+        return [s.tokens for s in sampler.sample(types.ModelInput.from_ints([2, 3, 4]), 3, params).result().sequences]
+
     service = Service(tmp_path, base, tmp_path / "runs" / "none", "cluster.kind=none", name="none")
     try:
         trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
         expected = []
-        for _ in range(5):
+        for step in range(5):
             expected.append(fb(trainer))
             trainer.optim_step(ADAM).result()
+            if step == 2:
+                samples = seeded_samples(trainer)
     finally:
         _close_sessions(service)
         assert service.stop() == 0, service.output()
@@ -287,6 +295,7 @@ def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemp
             losses.append(fb(trainer))
             trainer.optim_step(ADAM).result()
         np.testing.assert_allclose(losses, expected[:3], rtol=1e-5)
+        assert seeded_samples(trainer) == samples  # every host samples the same tokens as one process
         os.kill(worker(1, 1), signal.SIGKILL)
         # Told on its next request, or on the one in flight when the step found the worker gone.
         with pytest.raises(tinker.RequestFailedError, match="back from its last save, at step 2"):
@@ -316,3 +325,29 @@ def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemp
     assert "rank 0 received a preemption notice: saving the adapters" in output
     assert "attempt 2 ended: preempted (rank 0)" in output
     assert "attempt 3 ended: hang (rank 1): rank 1's process is stopped" in output
+
+
+@pytest.mark.ray
+def test_a_service_on_a_fake_tpu_slice_runs_its_engine_over_the_slices_hosts(tmp_path, base, monkeypatch):
+    """`cluster=tpu`: the driver reserves a whole v4-16 slice (2 hosts) and its workers reach the
+    step channel at the Ray node's address, not loopback; the adapter trains over both hosts."""
+    with fake_tpu_slices(tmp_path, monkeypatch, 1) as cluster:
+        run_dir = tmp_path / "runs" / "tpu"
+        service = Service(tmp_path, base, run_dir, *on_tpu(cluster), name="tpu")
+        try:
+            trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
+            data = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5, 6]),
+                                loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6, 7], np.int64)})]
+            losses = []
+            for _ in range(3):
+                losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+                trainer.optim_step(ADAM).result()
+            assert losses[2] < losses[0]
+        finally:
+            _close_sessions(service)
+            code = service.stop()
+    output = service.output()
+    assert code == 0, output
+    assert "reserved 2 hosts" in output and "attempt 1: started 2 worker processes" in output
+    logs = [(run_dir / "logs" / "attempt-1" / f"rank{r}.log").read_text() for r in range(2)]
+    assert all(f"process {r} of 2, 2 local of 4 cpu devices" in log for r, log in enumerate(logs)), logs[0][-2000:]

@@ -74,7 +74,9 @@ def test_wandb_and_mlflow_log_one_run_across_a_kill_and_resume(tmp_path, monkeyp
     proc = subprocess.Popen(command(run_dir, 1000, *trackers), cwd=ROOT, env=tracker_env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
-    while len(wandb_run(run_dir)[1]) < 3:  # until W&B has written some steps of the first attempt
+    # Until W&B has written some steps of the first attempt and MLflow holds its config (the params a
+    # run keeps: MLflow does not let a later attempt change them).
+    while len(wandb_run(run_dir)[1]) < 3 or not any((tmp_path / "mlruns").glob("*/*/params/train.steps")):
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.5)
     proc.send_signal(signal.SIGKILL)
