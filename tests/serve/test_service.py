@@ -239,6 +239,24 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
         assert second.stop() == 0, second.output()
 
 
+STEP_DATA = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5, 6]),
+                         loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6, 7], np.int64)})]
+
+
+def fb(trainer) -> float:
+    """One forward_backward of `STEP_DATA`: its summed loss."""
+    return trainer.forward_backward(STEP_DATA, "cross_entropy").result().metrics["loss:sum"]
+
+
+def train(trainer, steps: int) -> list[float]:
+    """`steps` of forward_backward then optim_step: each step's loss."""
+    losses = []
+    for _ in range(steps):
+        losses.append(fb(trainer))
+        trainer.optim_step(ADAM).result()
+    return losses
+
+
 @pytest.mark.ray
 def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemption_and_a_hang(tmp_path, base):
     """The default cluster kind over two hosts: an embedded Ray, the front end in the driver, the
@@ -251,11 +269,6 @@ def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemp
       gang before it restarts, so the adapter comes back where it was and nothing is told.
     - A worker stopped (SIGSTOP) with a request in flight: a hang, blamed on the stopped rank; the
       request runs again on the new gang and gives the one-process loss."""
-    data = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5, 6]),
-                        loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6, 7], np.int64)})]
-
-    def fb(trainer) -> float:
-        return trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
 
     def seeded_samples(trainer) -> list[list[int]]:
         sampler = trainer.save_weights_and_get_sampling_client("hosts")
@@ -290,11 +303,7 @@ def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemp
 
     try:
         trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
-        losses = []
-        for _ in range(3):
-            losses.append(fb(trainer))
-            trainer.optim_step(ADAM).result()
-        np.testing.assert_allclose(losses, expected[:3], rtol=1e-5)
+        np.testing.assert_allclose(train(trainer, 3), expected[:3], rtol=1e-5)
         assert seeded_samples(trainer) == samples  # every host samples the same tokens as one process
         os.kill(worker(1, 1), signal.SIGKILL)
         # Told on its next request, or on the one in flight when the step found the worker gone.
@@ -336,12 +345,7 @@ def test_a_service_on_a_fake_tpu_slice_runs_its_engine_over_the_slices_hosts(tmp
         service = Service(tmp_path, base, run_dir, *on_tpu(cluster), name="tpu")
         try:
             trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
-            data = [types.Datum(model_input=types.ModelInput.from_ints([2, 3, 4, 5, 6]),
-                                loss_fn_inputs={"target_tokens": np.array([3, 4, 5, 6, 7], np.int64)})]
-            losses = []
-            for _ in range(3):
-                losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
-                trainer.optim_step(ADAM).result()
+            losses = train(trainer, 3)
             assert losses[2] < losses[0]
         finally:
             _close_sessions(service)
