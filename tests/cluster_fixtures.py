@@ -3,6 +3,7 @@ labels), the driver's command line and environment, and drivers started with the
 file."""
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -48,6 +49,11 @@ def start(command: list[str], tmp_path: Path, name: str, devices: int = 2) -> su
                             text=True)
     proc.log = log
     return proc
+
+
+def job(run_dir: Path) -> dict:
+    """The driver's record of the job (`job.json`): its status and last checkpoint."""
+    return json.loads((run_dir / "job.json").read_text())
 
 
 def finish(proc: subprocess.Popen, timeout: float = 420) -> str:

@@ -14,7 +14,7 @@ mkdir "$work/src"
   | tar -C "$root" --null -T - -cf - | tar -C "$work/src" -xf -
 python3 -m pip wheel -q --no-deps "$work/src" -w "$work/dist"
 python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install -q "$work"/dist/podtrain-*.whl
+"$work/venv/bin/pip" install -q --no-compile "$work"/dist/podtrain-*.whl  # modules compile on first import
 mkdir -p "$work/project/models"
 echo 'raise ImportError("the project decoy models/ was imported instead of podtrain.models")' > "$work/project/models/__init__.py"
 echo 'raise ImportError("the project decoy sharding.py was imported instead of podtrain.sharding")' > "$work/project/sharding.py"
