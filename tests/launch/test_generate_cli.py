@@ -31,6 +31,7 @@ SAMPLE = ["train.eval_every=1", "train.eval_batches=1", f"train.sample_prompt={P
           f"train.sample_tokens={NEW_TOKENS}"]
 
 
+@pytest.mark.slow
 def test_training_samples_at_evals_and_generate_continues_its_checkpoint_greedily(tmp_path, capsys):
     # One test, so that parallel workers never train the run twice.
     run_dir = tmp_path / "run"

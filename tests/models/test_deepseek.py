@@ -131,6 +131,7 @@ def test_capacity_factor_drops_tokens_and_reports_them(checkpoint):
     assert not np.allclose(np.asarray(logits), np.asarray(dropless), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_cached_decode_of_both_stacks_equals_the_full_forward():
     """Prefill then token-by-token decode through the dense and the MoE stack's cache pairs; the
     cache holds MLA's latent and rotary key, `kv_lora_rank + qk_rope_head_dim` values per token."""

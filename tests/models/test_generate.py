@@ -136,7 +136,7 @@ def test_generate_rejects_bad_arguments(bad, message):
         generate(model, _prompts(TINY.vocab_size), **{"max_new_tokens": 4, **bad})
 
 
-@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_sharded_decode_equals_single_device(kind, tmp_path):
     """Greedy tokens with params and cache sharded over (fsdp=2, tp=2) equal one device's."""
     save_hf_model(kind, tmp_path)

@@ -16,7 +16,7 @@ from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model
 from podtrain.sharding.rules import DEFAULT_RULES
 
-PRESETS = ("llama3-tiny", "qwen3-tiny", "deepseek-v3-tiny")
+PRESETS = ("llama3-tiny", "qwen3-tiny", pytest.param("deepseek-v3-tiny", marks=pytest.mark.slow))
 
 
 def _every_target(config) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ def _ids(config, batch, seq=10, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, config.vocab_size, (batch, seq)), jnp.int32)
 
 
+@pytest.mark.slow
 def test_each_row_gets_the_logits_of_its_adapter_alone():
     config = config_of()
     model, singles = filled(config, 4, 8, CHOSEN)
@@ -159,6 +160,7 @@ def test_slots_carry_an_adapter_axis_sharded_like_their_weights():
     assert spec(state["lm_head"]["lora_b"]) == ((None, None, "tp"), (5, 8, config.vocab_size))
 
 
+@pytest.mark.slow
 def test_what_cannot_take_slots_is_refused_by_name():
     config = config_of()
     model = slotted(config, 2, 4)

@@ -328,6 +328,7 @@ def _first_round_only(monkeypatch):
     monkeypatch.setattr(dropless, "_overflow", lambda plan, one_round, body, init: init)
 
 
+@pytest.mark.slow
 @needs_tpu
 @pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
 def test_expert_parallelism_at_a_fixed_device_count_shards_the_experts_and_keeps_the_routed_flops(monkeypatch):
@@ -350,6 +351,7 @@ def test_expert_parallelism_at_a_fixed_device_count_shards_the_experts_and_keeps
     assert 0.97 <= flops["ep"] / flops["replicated"] <= 1.03, flops
 
 
+@pytest.mark.slow
 @needs_tpu
 @pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
 def test_expert_adapters_on_tpu_leave_the_frozen_experts_without_weight_gradients(monkeypatch):
@@ -372,6 +374,7 @@ def test_expert_adapters_on_tpu_leave_the_frozen_experts_without_weight_gradient
     assert 2 * routed + adapters <= flops <= 2.25 * routed + adapters, (flops, routed, adapters)
 
 
+@pytest.mark.slow
 @needs_tpu
 @pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
 def test_dropless_dispatch_compiles_for_tpu_as_ragged_exchanges_and_grouped_matmul_kernels():
@@ -393,6 +396,7 @@ def test_dropless_dispatch_compiles_for_tpu_as_ragged_exchanges_and_grouped_matm
     assert "tpu_custom_call" in text and "ragged-dot" not in text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax_plugins.xla_cuda12"), reason="needs podtrain[aot]")
 def test_dropless_dispatch_compiles_for_gpus_as_ragged_exchanges():
     """On CUDA the exchanges are ragged all-to-alls too (the grouped matmuls XLA's ragged dot)."""
@@ -404,6 +408,7 @@ def test_dropless_dispatch_compiles_for_gpus_as_ragged_exchanges():
     assert kinds.count("ragged-all-to-all") == 8 and "all-to-all" not in kinds, kinds
 
 
+@pytest.mark.slow
 def test_bias_balancing_moves_the_router_bias_towards_the_mean_load():
     config = load_config("deepseek-v3-tiny", ["train.seq_len=16", "mesh.fsdp=1", "mesh.ep=2", "model.num_layers=2"])
     training = build_training(config, jax.devices()[:2])

@@ -127,6 +127,7 @@ def masked_losses(data, overrides, steps=3):
     return losses, tokens
 
 
+@pytest.mark.slow
 def test_masked_losses_are_the_same_on_other_meshes_and_with_micro_batches(tmp_path):
     data = [arg for arg in write_chat_data(tmp_path) if not arg.startswith(("train.", "data.eval"))]
     data += ["data.eval_fraction=0"]

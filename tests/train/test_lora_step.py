@@ -16,8 +16,8 @@ STEP_TINY = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_s
 
 @pytest.mark.parametrize("preset, extra", [
     ("llama3-tiny", ["lora.targets=[q_proj,v_proj,o_proj,gate_proj,down_proj,lm_head,embed_tokens]"]),
-    ("deepseek-v3-tiny", ["lora.targets=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,up_proj,experts]",
-                          "mesh.tp=1", "mesh.ep=2"]),
+    pytest.param("deepseek-v3-tiny", ["lora.targets=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,up_proj,"
+                                      "experts]", "mesh.tp=1", "mesh.ep=2"], marks=pytest.mark.slow),
 ])
 def test_a_lora_run_trains_only_the_adapters_and_keeps_the_base(preset, extra):
     from podtrain.orchestrator.config.compose import load_config as load
@@ -74,6 +74,7 @@ def test_the_plan_counts_the_trained_params_and_only_their_optimizer_state():
     assert lora_memory["output_bytes"] * 10 < full_memory["output_bytes"], (full_memory, lora_memory)
 
 
+@pytest.mark.slow
 def test_lora_on_the_experts_trains_the_same_with_ep2_as_with_ep1():
     """Expert adapters sharded over ep=2 with their experts train as with every expert on every
     device (ep=1, the batch over fsdp=2): same losses, same adapters after three steps (SGD, so
@@ -104,6 +105,7 @@ def test_lora_on_the_experts_trains_the_same_with_ep2_as_with_ep1():
         np.testing.assert_allclose(runs["ep2"][1][path], want, rtol=1e-5, atol=1e-6, err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_a_lora_run_with_dropout_drops_from_its_second_step_on():
     """B starts at zero, so the first loss is dropout's too; then the dropped inputs change it."""
     from podtrain.orchestrator.config.compose import load_config as load

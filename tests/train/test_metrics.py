@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from train_fixtures import ROOT, TINY, env, tensorboard_scalars
 
 
@@ -23,6 +24,7 @@ def test_metrics_reach_tensorboard_without_importing_torch(tmp_path):
     assert "sample" not in scalars and "step" not in scalars
 
 
+@pytest.mark.slow
 def test_step_times_leave_out_evals_and_saves(tmp_path, monkeypatch):
     """An eval (here made 3 s slower) and a checkpoint save are not the step's time: step_s,
     tokens/s and MFU measure training only."""

@@ -31,6 +31,7 @@ def run_steps(overrides, steps=2, same_batch=False):
     return losses, state
 
 
+@pytest.mark.slow
 def test_grad_accumulation_equals_full_batch():
     # Plain SGD: the params after a step are the params minus lr times the gradients.
     sgd = ["optimizer.name=sgd", "optimizer.momentum=0", "optimizer.weight_decay=0", "optimizer.schedule=constant",
@@ -73,6 +74,7 @@ def test_schedules():
     assert float(constant(50)) == pytest.approx(3e-4)
 
 
+@pytest.mark.slow
 def test_eval_loss_equals_the_train_steps_loss_on_an_expert_parallel_mesh():
     """The eval runs under the mesh and rule table as the train step does: with experts over ep=2 and
     a capacity that drops tokens, the same params and batch give the same loss."""
@@ -105,6 +107,7 @@ def test_micro_batches_must_shard_like_the_batch():
         build_training(load_config("llama3-tiny", TINY + ["train.grad_accum=4"]))
 
 
+@pytest.mark.slow
 def test_chunked_loss_in_bfloat16_is_as_exact_as_the_unchunked_loss():
     """bfloat16 compute, float32 params, the loss in 128 vocabulary slices: each column of the head's
     gradient comes from one matmul over all tokens, as unchunked, so its error against float32 is

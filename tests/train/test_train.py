@@ -82,6 +82,7 @@ def test_sigterm_while_the_run_builds_stops_it_after_its_first_step(tmp_path, mo
     assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone again
 
 
+@pytest.mark.slow
 def test_finite_data_stops_the_run_with_a_checkpoint_and_resume_mistakes_are_one_line(tmp_path):
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "abc" * 9}) + "\n" for i in range(8)))
