@@ -86,7 +86,8 @@ def _assert_grads_equal(grads, reference, what: str) -> None:
                                    err_msg=f"{what}: {path}")
 
 
-@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("mesh_name", ["ep2", *(pytest.param(name, marks=pytest.mark.slow) for name in MESHES
+                                                if name != "ep2")])
 def test_expert_parallel_meshes_equal_one_device(checkpoint, mesh_name):
     path, _ = checkpoint
     loss, logits, grads = _loss_logits_grads(path, mesh_name, "none")

@@ -34,8 +34,9 @@ def test_layers_are_stacked_at_creation():
 # Every policy on Llama; on Qwen3 (q/k norms and biases between the named projections) the
 # policies that save names.
 @pytest.mark.parametrize("config, policies", [
-    (TINY, tuple(REMAT)), (QWEN, ("none", "save_attn_out", "save_qkv_attn_out")),
-], ids=["llama", "qwen3"])
+    pytest.param(TINY, tuple(REMAT), id="llama"),
+    pytest.param(QWEN, ("none", "save_attn_out", "save_qkv_attn_out"), id="qwen3", marks=pytest.mark.slow),
+])
 def test_remat_policies_give_equal_logits_and_gradients(config, policies):
     ids = tokens()
     reference = None

@@ -28,7 +28,8 @@ def test_params_are_born_sharded_within_budget(preset, mesh):
     assert init["peak_bytes"] <= 1.25 * param_bytes, (init, param_bytes)
 
 
-@pytest.mark.parametrize("sizes", [dict(fsdp=8), dict(fsdp=2, tp=2, ep=2), dict(dp=2, fsdp=2, tp=2)])
+@pytest.mark.parametrize("sizes", [dict(fsdp=8), pytest.param(dict(fsdp=2, tp=2, ep=2), marks=pytest.mark.slow),
+                                   pytest.param(dict(dp=2, fsdp=2, tp=2), marks=pytest.mark.slow)])
 def test_sharded_model_equals_single_device(sizes):
     config = QWEN.replace(tie_word_embeddings=False, num_heads=4, num_kv_heads=2, vocab_size=96)
     # Born sharded layer by layer, or in one piece on one device: the same seed, the same params.
