@@ -5,8 +5,9 @@ over the NumPy test double of the engine (`tests/serve/fake_backend.py`), whose 
     PYTHONPATH=. .venv/bin/python bench/serve_overhead.py [--steps 21] [--profile FILE]
 
 The server runs in its own process, as the service's driver does, and the client loop in this one.
-Per adapter count (1, 4, 16 over the same 16 rows x 128 tokens) it prints the median step's seconds:
-with the engine's own step time added, that bounds what the loop can reach on the real service.
+Per adapter count (1, 4, 16 over the same 16 rows x 128 tokens) it prints the median step's seconds
+and the CPU seconds per step of the client (the SDK) and of the server: with the engine's own step
+time added, the step bounds what the loop can reach on the real service.
 `--profile FILE` runs the server under cProfile and writes its statistics to FILE.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -57,6 +59,14 @@ def serve(port_file: Path, run_dir: Path, profile: str | None) -> None:
             profiler.dump_stats(profile)
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user and system, every thread) this process, or process `pid`, has used."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=21)
@@ -83,12 +93,17 @@ def main(argv: list[str] | None = None) -> None:
             url = f"http://127.0.0.1:{port_file.read_text()}"
             time.sleep(0.5)  # the socket is bound before uvicorn accepts on it
             for adapters in args.adapters:
+                client, served = cpu_s(), cpu_s(server.pid)
                 result = run_loop(url, BASE, adapters=adapters, steps=args.steps, rows=16, api_key=KEY,
                                   vocab_size=VOCAB)
+                steps = args.steps  # CPU over every step, the first included, and the clients' creation
                 timed = result["step_s"][1:]
                 print(json.dumps({"adapters": adapters, "rows": result["rows"], "median_step_s":
                                   round(statistics.median(timed), 4), "min_step_s": round(min(timed), 4),
-                                  "requests_per_step": 2 * adapters}), flush=True)
+                                  "requests_per_step": 2 * adapters,
+                                  "client_cpu_s_per_step": round((cpu_s() - client) / steps, 4),
+                                  "server_cpu_s_per_step": round((cpu_s(server.pid) - served) / steps, 4)}),
+                      flush=True)
         finally:
             server.send_signal(2)  # uvicorn ends on SIGINT, so the profile is written
             server.wait(timeout=30)

@@ -28,7 +28,7 @@ from podtrain.orchestrator.serve.runs import add_run_routes
 from podtrain.orchestrator.serve.scheduler import Job, Scheduler
 from podtrain.orchestrator.serve.store import CheckpointRecord, ModelRecord, SamplerRecord, Store
 from podtrain.orchestrator.serve.store import tinker_path as make_tinker_path
-from podtrain.orchestrator.serve.wire import JSON, PROTOBUF
+from podtrain.orchestrator.serve.wire import JSON, PROTOBUF, schema
 from podtrain.orchestrator.serve.work import Backend, BaseInfo, Load, OptimStep, Save, ServeError, Unload, Work
 
 
@@ -40,6 +40,7 @@ def create_app(backend: Backend, store: Store, *, api_key: str | None, max_reque
     service's tokenizer (token ids to text), which stop strings need; every `autosave_every`
     optimizer steps (0: never) an adapter's whole state is saved for such a restore."""
     store.fail_pending_futures("the service restarted before this request ran")
+    schema()
     waiters = _Waiters()
     scheduler = Scheduler(backend, store, waiters.notify, sampler_slots, autosave_every)
     service = _Service(backend, store, scheduler, backend.info(), waiters, long_poll_s, max_request_bytes, decode)

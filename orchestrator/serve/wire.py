@@ -3,7 +3,7 @@ insists on for `forward_backward` requests and for forward-backward and sampling
 
 The SDK (0.38) always sends `forward_backward` as `application/x-protobuf` and refuses a JSON
 `ForwardBackwardOutput` or `SampleResponse`, so those three use the SDK's own schema
-(`tinker.proto.tinker_public_pb2`), imported on first use; everything else is JSON.
+(`tinker.proto.tinker_public_pb2`, `schema`); everything else is JSON.
 """
 
 from __future__ import annotations
@@ -145,7 +145,9 @@ class WireForwardBackward:
     data: tuple[WireDatum, ...]
 
 
-def _pb():
+def schema():
+    """The SDK's protobuf module (importing it imports the whole SDK: seconds, so the service
+    imports it when it starts rather than at its first request)."""
     from tinker.proto import tinker_public_pb2
 
     return tinker_public_pb2
@@ -153,7 +155,7 @@ def _pb():
 
 def decode_forward_backward(body: bytes) -> WireForwardBackward:
     """The SDK's protobuf `ForwardBackwardRequest`."""
-    pb = _pb()
+    pb = schema()
     message = pb.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)
@@ -205,7 +207,7 @@ def _dense_from_csr(where: str, csr, dtype: np.dtype, shape: tuple[int, ...]) ->
 
 def encode_forward_backward(result: ForwardBackwardResult) -> bytes:
     """`ForwardBackwardOutput`: one `ArrayRecord` whose fields batch every datum's arrays."""
-    pb = _pb()
+    pb = schema()
     message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for key, value in result.metrics.items():
         message.metrics[key] = float(value)
@@ -223,7 +225,7 @@ def encode_forward_backward(result: ForwardBackwardResult) -> bytes:
 
 def encode_sample(result: SampleResult, prompt_logprobs: np.ndarray | None) -> bytes:
     """`SampleResponse`; `prompt_logprobs` as the client asked for them (None: not asked)."""
-    pb = _pb()
+    pb = schema()
     message = pb.SampleResponse()
     stop_reasons = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
     for sequence in result.sequences:
