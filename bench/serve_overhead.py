@@ -17,6 +17,7 @@ import argparse
 import cProfile
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -46,6 +47,7 @@ def serve(port_file: Path, run_dir: Path, profile: str | None) -> None:
     app = create_app(FakeBackend(info), Store(run_dir), api_key=KEY, max_request_bytes=64 << 20)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen()  # connections made before uvicorn accepts wait in the backlog
     port_file.write_text(str(sock.getsockname()[1]))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     profiler = cProfile.Profile() if profile else None
@@ -91,21 +93,20 @@ def main(argv: list[str] | None = None) -> None:
                     raise SystemExit(f"the server did not start (exit {server.poll()})")
                 time.sleep(0.05)
             url = f"http://127.0.0.1:{port_file.read_text()}"
-            time.sleep(0.5)  # the socket is bound before uvicorn accepts on it
             for adapters in args.adapters:
                 client, served = cpu_s(), cpu_s(server.pid)
                 result = run_loop(url, BASE, adapters=adapters, steps=args.steps, rows=16, api_key=KEY,
                                   vocab_size=VOCAB)
-                steps = args.steps  # CPU over every step, the first included, and the clients' creation
                 timed = result["step_s"][1:]
                 print(json.dumps({"adapters": adapters, "rows": result["rows"], "median_step_s":
                                   round(statistics.median(timed), 4), "min_step_s": round(min(timed), 4),
                                   "requests_per_step": 2 * adapters,
-                                  "client_cpu_s_per_step": round((cpu_s() - client) / steps, 4),
-                                  "server_cpu_s_per_step": round((cpu_s(server.pid) - served) / steps, 4)}),
+                                  # CPU over every step, the first included, and the clients' creation
+                                  "client_cpu_s_per_step": round((cpu_s() - client) / args.steps, 4),
+                                  "server_cpu_s_per_step": round((cpu_s(server.pid) - served) / args.steps, 4)}),
                       flush=True)
         finally:
-            server.send_signal(2)  # uvicorn ends on SIGINT, so the profile is written
+            server.send_signal(signal.SIGINT)  # uvicorn ends on it, so the profile is written
             server.wait(timeout=30)
 
 
