@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -e ".[test,aot,trackers]"  # modules compile on first import instead
+	$(PY) -m pip install -q --no-compile --no-deps tinker-cookbook==0.6.1  # see the test extra
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -58,6 +58,20 @@ def test_without_generation_blocks_each_assistant_turn_is_its_content_and_end(to
     assert everything.all()
 
 
+@pytest.mark.parametrize("messages", [CONVERSATIONS[0], CONVERSATIONS[2]], ids=["one-turn", "tool"])
+def test_the_cookbooks_llama3_renderer_gives_the_same_tokens_and_mask(tokenizer_dirs, messages):
+    """tinker-cookbook's Llama 3 renderer, which `podtrain serve` clients build SFT data with, and
+    this template agree (on content without the surrounding spaces the template trims)."""
+    from tinker_cookbook.renderers import TrainOnWhat, get_renderer
+
+    renderer = get_renderer("llama3", AutoTokenizer.from_pretrained(str(tokenizer_dirs["llama3"])))
+    for loss_on, train_on in (("assistant", TrainOnWhat.ALL_ASSISTANT_MESSAGES),
+                              ("last_assistant", TrainOnWhat.LAST_ASSISTANT_MESSAGE)):
+        tokens, weights = renderer.build_supervised_example(messages, train_on_what=train_on)
+        ids, mask = ours(tokenizer_dirs["llama3"], messages, loss_on)
+        assert tokens.to_ints() == ids.tolist()
+        assert weights.numpy().tolist() == mask.astype(float).tolist() and mask.any()
+
 def test_prompt_and_completion_rows_are_a_user_and_an_assistant_turn():
     assert conversation({"prompt": "Hi", "completion": "Hello"}) == [
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]

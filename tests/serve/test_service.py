@@ -5,6 +5,8 @@ request is one clear error and the service goes on; a restarted service gives ba
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -172,6 +174,61 @@ def test_a_custom_loss_on_the_client_trains_as_the_same_built_in_loss(service, b
     np.testing.assert_allclose(_logprobs(custom, data)[0], _logprobs(built_in, data)[0], rtol=1e-5, atol=1e-6)
     assert not np.allclose(_logprobs(custom, data)[0], _logprobs(
         client.create_lora_training_client(base_model=base.name, rank=4, seed=7).result(), data)[0], atol=1e-3)
+
+
+def test_the_cookbooks_sft_and_rl_data_train_unchanged(service, base):
+    """tinker-cookbook's renderer, SFT datum and RL datum helpers, called as its recipes call them:
+    per-example mean weights train, the sampler's logprobs are the trainer's, and an RL datum built
+    from the service's own samples (with their provenance) takes an importance-sampling step."""
+    from tinker_cookbook import renderers
+    from tinker_cookbook.completers import TinkerTokenCompleter
+    from tinker_cookbook.rl.data_processing import assemble_training_data, compute_advantages
+    from tinker_cookbook.rl.types import Trajectory, TrajectoryGroup, Transition
+    from tinker_cookbook.supervised.common import compute_mean_nll, datum_from_model_input_weights
+
+    client = _client(service)
+    trainer = client.create_lora_training_client(base_model=base.name, rank=4).result()
+    renderer = renderers.get_renderer("role_colon", trainer.get_tokenizer())
+    chats = [[{"role": "user", "content": question}, {"role": "assistant", "content": "w9 w8 w7"}]
+             for question in ("w3 w4 w5", "w20 w21", "w40 w41 w42 w43")]
+    sft = [datum_from_model_input_weights(*renderer.build_supervised_example(chat), reduction="mean")
+           for chat in chats]
+    weights = [d.loss_fn_inputs["weights"] for d in sft]
+    nll, adam = [], types.AdamParams(learning_rate=5e-3)
+    for _ in range(8):
+        out = trainer.forward_backward(sft, "cross_entropy").result()
+        nll.append(compute_mean_nll([o["logprobs"] for o in out.loss_fn_outputs], weights))
+        assert out.metrics["loss:sum"] == pytest.approx(nll[-1] * len(chats), rel=1e-5)  # each weighs 1
+        trainer.optim_step(adam).result()
+    assert nll[-1] < 0.5 * nll[0], nll
+
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    completer = TinkerTokenCompleter(sampler, max_tokens=4)
+    prompt = renderer.build_generation_prompt(chats[0][:1])
+
+    async def rollouts():
+        return await asyncio.gather(*(completer(prompt, renderer.get_stop_sequences()) for _ in range(4)))
+
+    actions = asyncio.run(rollouts())
+    # Any reward that differs between samples: their surprise.
+    group = TrajectoryGroup([Trajectory([Transition(prompt, action, -sum(action.logprobs), True)],
+                                        final_ob=types.ModelInput.empty()) for action in actions],
+                            final_rewards_G=[0.0] * 4, metrics_G=[{}] * 4)
+    data, _ = assemble_training_data([group], compute_advantages([group]))
+    assert all(d.model_input_spans for d in data)  # the samples' sequence ids travel with the data
+    # As the cookbook's RL loop sends them: without the mask its metrics use.
+    data = [dataclasses.replace(d, loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k != "mask"})
+            for d in data]
+    out = trainer.forward_backward(data, "importance_sampling").result()
+    loss = 0.0
+    for datum, output, action in zip(data, out.loss_fn_outputs, actions, strict=True):
+        lp, q = (np.asarray(x.tolist()) for x in (output["logprobs"], datum.loss_fn_inputs["logprobs"]))
+        advantages = np.asarray(datum.loss_fn_inputs["advantages"].tolist())
+        assert np.count_nonzero(advantages) == len(action.tokens)
+        np.testing.assert_allclose(lp[-len(action.tokens):], action.logprobs, rtol=1e-4, atol=1e-4)
+        loss -= float(np.sum(np.exp(lp - q) * advantages))
+    assert out.metrics["loss:sum"] == pytest.approx(loss, rel=1e-4, abs=1e-5)
+    trainer.optim_step(ADAM).result()
 
 
 def test_a_bad_request_is_one_clear_error_and_the_service_goes_on(service, base):
