@@ -107,6 +107,9 @@ def run_command(args) -> int:
               f"{', '.join(f.name for f in files)}")
         print(f"load them with peft.PeftModel.from_pretrained(<the base model>, {os.fspath(out)!r})")
         return 0
+    if config.model.tie_word_embeddings and config.lora.wants("lm_head"):
+        raise ConfigError("export.adapter: this run's LM head adapter cannot be merged into a model whose head is "
+                          "its embedding (model.tie_word_embeddings); export the adapters with export.adapter=true")
     _, model, step = restore_model(config, request.checkpoint, request.step)
     to_hf(model, config.model, out, config_extra=config_extra, files=tokenizer_files)
     files = sorted(out.iterdir())

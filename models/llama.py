@@ -127,7 +127,7 @@ class Llama(nnx.Module):
         own head adapter where the head has slots. The head's weight is taken as frozen."""
         if getattr(self.lm_head, "per_row", False):
             low, b = self.lm_head.row_factors(h, h.dtype)
-            head = self.lm_head.base[...]
+            head = self.lm_head.frozen()
             return sliced_target_logprobs(h, head, targets, slices=slices, low_BTR=low,
                                           b_BRV=b.reshape(*b.shape[:2], -1))
         return sliced_target_logprobs(h, self.head(stored=True), targets, slices=slices)

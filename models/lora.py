@@ -24,15 +24,17 @@ With `slots=N`, every adapter holds N independent adapters along an adapter axis
 axis (`A (layers, N, *in, rank)`, logical name "lora_adapters"), all empty (zero) until a slot is
 initialised (`init_slot`). The model then runs inside `rows(...)`, which gives each batch row its
 slot, that adapter's scale and its rank: ranks above a row's rank are masked, so adapters of any
-rank up to the built one share a batch. Routed experts, and the LM head of a model with tied
-embeddings, take no slots.
+rank up to the built one share a batch. Routed experts take no slots.
+
+In a model with tied embeddings, "lm_head" adapts the output projection alone (`LoRATiedHead`), as
+PEFT's adapter on such a model's `lm_head` does: the logits are `h @ E^T + scale * (h @ A) @ B`
+and the embedding the input reads is unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import math
 import zlib
 from collections.abc import Sequence
@@ -45,8 +47,8 @@ from flax import nnx
 from podtrain.models.config import ModelConfig
 from podtrain.models.embedding import Embedding
 from podtrain.models.linear import Linear, dense, gathered
+from podtrain.models.lora_experts import LoRAExperts
 from podtrain.models.moe.block import MoE
-from podtrain.models.moe.experts import SwiGLUExperts
 from podtrain.models.runner import created_layers, current_layer
 from podtrain.sharding.rules import constrain
 
@@ -241,9 +243,13 @@ class AdaptedWeight(Adapter):
         """The weight's logical axes."""
         return self.base.axes()
 
+    def frozen(self) -> jax.Array:
+        """The weight without its adapter, as stored."""
+        return self.base[...]
+
     def merged(self) -> jax.Array:
         """`W + scale * A @ B` as the weight is stored."""
-        w = self.base[...]
+        w = self.frozen()
         return (w.astype(jnp.float32) + self.delta()).astype(w.dtype)
 
 
@@ -256,6 +262,20 @@ class LoRALinear(AdaptedWeight):
     def matrix(self, dtype) -> jax.Array:
         """The merged weight as a matmul in `dtype` reads it (what absorbs it, as MLA's cached decoding does)."""
         return gathered(self.merged().astype(dtype), self.axes())
+
+
+class LoRATiedHead(AdaptedWeight):
+    """The output projection `(hidden, vocab)` of a model with tied embeddings, with an adapter:
+    `base` is the model's embedding (the same variable, so it is stored once), read transposed."""
+
+    def axes(self) -> tuple:
+        return self.base.axes()[::-1]
+
+    def frozen(self) -> jax.Array:
+        return self.base[...].T
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return dense(h, gathered(self.frozen().astype(h.dtype), self.axes())) + self.update(h, h.dtype)
 
 
 class LoRAEmbedding(AdaptedWeight):
@@ -272,63 +292,6 @@ class LoRAEmbedding(AdaptedWeight):
             low = jnp.take(self.lora_a[...].astype(dtype), ids_BT, axis=0)
             update = dense(low, self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)
         return self.base(ids_BT, dtype) + constrain(update, ("batch", "seq", "act_embed"))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AdaptedExperts:
-    """SwiGLU experts with an adapter on their fused gate and up projections (one `A` for both)
-    and one on their down projection, `B`s scaled; only the adapters are trained."""
-
-    base: SwiGLUExperts
-    gate_up_a: jax.Array  # (E, D, r)
-    gate_up_b: jax.Array  # (E, r, 2, F): gate's, then up's
-    down_a: jax.Array  # (E, F, r)
-    down_b: jax.Array  # (E, r, D)
-
-    def weights(self) -> SwiGLUExperts:
-        return self.base
-
-    def names(self) -> AdaptedExperts:
-        return AdaptedExperts(self.base.names(), ("experts", "embed", "lora_rank"),
-                              ("experts", "lora_rank", None, "mlp"), ("experts", "mlp", "lora_rank"),
-                              ("experts", "lora_rank", "embed"))
-
-    def frozen(self) -> SwiGLUExperts:
-        """The base experts, which get no gradient."""
-        return jax.tree.map(jax.lax.stop_gradient, self.base)
-
-    def in_projections(self, rows, matmul):
-        gate, up = self.frozen().in_projections(rows, matmul)
-        experts, rank, _, f = self.gate_up_b.shape
-        update = matmul(matmul(rows, self.gate_up_a), self.gate_up_b.reshape(experts, rank, 2 * f))
-        return gate + update[..., :f], up + update[..., f:]
-
-    def out_projection(self, hidden, matmul):
-        return self.frozen().out_projection(hidden, matmul) + matmul(matmul(hidden, self.down_a), self.down_b)
-
-    def split(self):
-        return self.base, (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
-
-    @staticmethod
-    def join(frozen, trained):
-        return AdaptedExperts(frozen, *trained)
-
-
-class LoRAExperts(nnx.Module):
-    """A MoE block whose routed experts have adapters (`AdaptedExperts`), the base experts frozen."""
-
-    def __init__(self, base: MoE, gate_up: Adapter, down: Adapter):
-        self.base, self.gate_up, self.down = base, gate_up, down
-
-    def __call__(self, x_BTD):
-        dtype = self.base.dtype
-        scale = jnp.asarray(self.gate_up.scale, dtype)
-        matrices = [m[...].astype(dtype) for m in (self.gate_up.lora_a, self.gate_up.lora_b, self.down.lora_a,
-                                                   self.down.lora_b)]
-        experts = AdaptedExperts(self.base.experts(), matrices[0], matrices[1] * scale, matrices[2],
-                                 matrices[3] * scale)
-        return self.base(x_BTD, experts=experts)
 
 
 def _stacked(variable: nnx.Variable) -> bool:
@@ -377,6 +340,15 @@ def _wrap_linear(weight: Linear | Embedding, target: str, lora: LoRAConfig, key,
     return LoRAEmbedding(weight, *args, **kwargs) if embedding else LoRALinear(weight, *args, **kwargs)
 
 
+def _wrap_tied_head(embed: Embedding, lora: LoRAConfig, key, slots: int) -> LoRATiedHead:
+    (vocab, hidden), (vocab_name, hidden_name) = embed.shape, embed.axes() or (None, None)
+    batch, batch_names = ((slots,), ("lora_adapters",)) if slots else ((), ())
+    a, b = _adapter_values(key, (hidden,), (vocab,), 0, ADAPTER_DTYPE, lora.rank, embedding=False, batch=batch,
+                           empty=bool(slots))
+    return LoRATiedHead(embed, a, b, (*batch_names, hidden_name, "lora_rank"), (*batch_names, "lora_rank", vocab_name),
+                        n_in=1, scale=lora.scale, target="lm_head", rate=lora.dropout, stack=None, slots=slots)
+
+
 def _wrap_experts(moe: MoE, lora: LoRAConfig, key, stack: int | None) -> LoRAExperts:
     stacked = _stacked(moe.w_gate)
     *layers, experts, d, f = moe.w_gate.shape
@@ -415,6 +387,9 @@ def apply_lora(model: nnx.Module, lora: LoRAConfig, seed: int = 0, *, slots: int
                 setattr(module, name, _wrap_experts(value, lora, key, stack))
             elif isinstance(value, Linear | Embedding) and lora.wants(WEIGHT_TARGETS.get(name, "")):
                 setattr(module, name, _wrap_linear(value, WEIGHT_TARGETS[name], lora, key, stack, slots))
+    if getattr(model, "lm_head", 0) is None and lora.wants("lm_head"):  # tied to the embedding
+        key = jax.random.fold_in(stream, zlib.crc32(b"lm_head"))
+        model.lm_head = nnx.data(_wrap_tied_head(model.embed, lora, key, slots))  # was a static None
     if isinstance(model, MoE) and lora.wants("experts"):  # a MoE block alone
         return _wrap_experts(model, lora, jax.random.fold_in(stream, zlib.crc32(b"")), None)
     return model
@@ -424,9 +399,9 @@ def check_targets(lora: LoRAConfig, config) -> None:
     """Raises ValueError naming `lora.targets` for a target the model (a `ModelConfig`) lacks."""
     if not lora.rank:
         return
-    if config.tie_word_embeddings and lora.wants("lm_head"):
-        raise ValueError("lora.targets: lm_head is the embedding in a model with tied embeddings "
-                         "(model.tie_word_embeddings); target embed_tokens instead")
+    if config.tie_word_embeddings and lora.wants("lm_head") and lora.wants("embed_tokens"):
+        raise ValueError("lora.targets: lm_head and embed_tokens are one weight in a model with tied embeddings "
+                         "(model.tie_word_embeddings); target one of them")
     if lora.wants("experts") and not config.num_moe_layers:
         raise ValueError(f"lora.targets: experts adapts routed experts, and this {config.model_type} model has none; "
                          "remove it from lora.targets")
@@ -488,6 +463,9 @@ def merged(model: nnx.Module) -> nnx.State:
     plain = nnx.clone(model)
     for _, module in list(nnx.iter_modules(plain)):
         for name, value in list(vars(module).items()):
+            if isinstance(value, LoRATiedHead):
+                raise ValueError("lora.targets: the LM head's adapter of a model with tied embeddings cannot be "
+                                 "merged into it (its head is its embedding); keep the adapter apart (PEFT)")
             if isinstance(value, AdaptedWeight):
                 setattr(module, name, value.base.replace(value.merged()))
             elif isinstance(value, LoRAExperts):

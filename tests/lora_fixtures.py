@@ -48,10 +48,10 @@ def randomised(model, seed: int):
     return model
 
 
-def filled(config, slots: int, max_rank: int, chosen):
-    """A slotted model whose slot i holds `chosen[i]` = (rank, targets, seed) as a trained adapter
-    (`randomised` with the seed), with those single-adapter models."""
-    model, singles = slotted(config, slots, max_rank), []
+def filled(config, slots: int, max_rank: int, chosen, targets=SLOT_TARGETS):
+    """A slotted model (on `targets`) whose slot i holds `chosen[i]` = (rank, targets, seed) as a
+    trained adapter (`randomised` with the seed), with those single-adapter models."""
+    model, singles = slotted(config, slots, max_rank, targets), []
     for slot, (rank, targets, seed) in enumerate(chosen):
         init_slot(model, slot, rank, targets, seed)
         single = randomised(alone(config, rank, targets, seed), seed)

@@ -96,8 +96,8 @@ def _lora_model(placed: PlacedModel, checkpointer: Checkpointer, step: int, *, m
     check_base(meta, base_record(config, frozen), f"checkpoint step {step} in {checkpointer.directory}",
                remedy="pass the lora.base it was trained on")
     adapted = placed.model(params, frozen)
-    if not merge:
-        return adapted
+    if not merge or (config.model.tie_word_embeddings and config.lora.wants("lm_head")):
+        return adapted  # a tied head's adapter cannot be merged into the embedding it shares
     graphdef, _ = abstract_model(model_factory(config.model), placed.mesh, config.sharding.rules)
     return nnx.merge(graphdef, merged(adapted))
 

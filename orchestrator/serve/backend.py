@@ -97,7 +97,7 @@ def serve_info(config, eos_token_ids: tuple[int, ...] | None = None) -> tuple[Ba
     eos = service_tokenizer(config)[1] if eos_token_ids is None else eos_token_ids
     info = BaseInfo(base_model=s.base_model, tokenizer_id=s.tokenizer or "", model_type=m.model_type,
                     vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
-                    max_adapters=s.max_adapters, tied_embeddings=m.tie_word_embeddings, eos_token_ids=eos,
+                    max_adapters=s.max_adapters, eos_token_ids=eos,
                     max_sample_tokens=s.sample_tokens())
     return info, targets
 

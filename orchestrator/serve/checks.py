@@ -32,18 +32,13 @@ def check_work(info: BaseInfo, targets: Sequence[str], work: Work) -> None:
         _check_sample(info, work)
 
 
-def serve_targets(model_type: str, *, attn: bool = True, mlp: bool = True, unembed: bool = True,
-                  tied: bool = False) -> tuple[str, ...]:
+def serve_targets(model_type: str, *, attn: bool = True, mlp: bool = True, unembed: bool = True) -> tuple[str, ...]:
     """The adapter targets of Tinker's `train_attn` / `train_mlp` / `train_unembed` switches.
     DeepSeek-V3's attention is MLA without kv_b_proj (which its cached decoding absorbs, one
-    matrix for all rows); its MLP targets are the dense and shared-expert MLPs."""
+    matrix for all rows); its MLP targets are the dense and shared-expert MLPs. The LM head's
+    adapter, on a model with tied embeddings, adapts the output projection alone (as PEFT's does)."""
     attention = ((*MLA_TARGETS[:3], "o_proj") if model_type == "deepseek_v3" else ATTENTION_TARGETS)
-    targets = (*(attention if attn else ()), *(MLP_TARGETS if mlp else ()))
-    if unembed:
-        if tied:
-            raise ServeError("lora_config.train_unembed: this base model ties its LM head to its embedding, which "
-                             "takes no per-adapter LoRA here; create the client with train_unembed=False")
-        targets = (*targets, "lm_head")
+    targets = (*(attention if attn else ()), *(MLP_TARGETS if mlp else ()), *(("lm_head",) if unembed else ()))
     if not targets:
         raise ServeError("lora_config: expected at least one of train_attn, train_mlp, train_unembed")
     return targets
@@ -51,7 +46,7 @@ def serve_targets(model_type: str, *, attn: bool = True, mlp: bool = True, unemb
 
 def slot_targets(model) -> tuple[str, ...]:
     """Every target the adapter slots of a service on `model` (a ModelConfig) hold."""
-    return serve_targets(model.model_type, unembed=not model.tie_word_embeddings)
+    return serve_targets(model.model_type)
 
 
 def _check_tokens(info: BaseInfo, what: str, tokens: np.ndarray, *, sampled: bool = False) -> None:

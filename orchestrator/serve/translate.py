@@ -42,8 +42,7 @@ def not_supported(what: str) -> ServeError:
 
 def lora_targets(info: BaseInfo, lora: LoraBody) -> tuple[str, ...]:
     """The HF module names LoRA adapts for the SDK's train_attn / train_mlp / train_unembed."""
-    return serve_targets(info.model_type, attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed,
-                         tied=info.tied_embeddings)
+    return serve_targets(info.model_type, attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed)
 
 
 def create(model_id: str, lora: LoraBody | None, optimizer: Mapping[str, Any] | None, info: BaseInfo) -> Create:

@@ -46,7 +46,6 @@ class BaseInfo:
     max_seq_len: int  # the longest training row
     max_rank: int
     max_adapters: int
-    tied_embeddings: bool = False  # the LM head is the embedding (no train_unembed)
     eos_token_ids: tuple[int, ...] = ()  # where sampling stops when the client names no stop tokens
     max_sample_tokens: int = 0  # the longest sampled sequence, prompt plus new tokens (0: max_seq_len)
 

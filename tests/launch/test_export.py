@@ -151,3 +151,15 @@ def test_export_errors_name_out_and_step_before_any_work(tmp_path, capsys, out, 
     err = capsys.readouterr().err
     assert err == f"podtrain: error: {needle.format(out=out, tmp_path=tmp_path, checkpoint=checkpoint)}\n"
     assert (tmp_path / "a-file").read_text() == "kept\n" and not (tmp_path / "hf").exists()
+
+
+def test_a_tied_heads_adapter_is_not_merged_into_an_hf_export(tmp_path, capsys):
+    from podtrain.launch.cli import main
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "2"
+    (checkpoint / "state").mkdir(parents=True)
+    lora = ["lora.rank=4", "lora.targets=[q_proj,lm_head]", "model.tie_word_embeddings=true"]
+    assert main(["export", "-c", "llama3-tiny", f"checkpoint={checkpoint}", f"out={tmp_path / 'hf'}", *lora]) == 2
+    assert capsys.readouterr().err.startswith("podtrain: error: export.adapter: this run's LM head adapter cannot be "
+                                              "merged into a model whose head is its embedding")
+    assert not (tmp_path / "hf").exists()

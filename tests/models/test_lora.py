@@ -106,8 +106,11 @@ def test_bad_lora_settings_name_the_key():
     with pytest.raises(ValueError, match=r"^lora.rank: expected 0 \(no adapters\) or a positive integer, found -1"):
         LoRAConfig(rank=-1).validate()
     tied = config.replace(tie_word_embeddings=True)
-    with pytest.raises(ValueError, match=r"^lora.targets: lm_head is the embedding"):
-        apply_lora(cls(tied, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=("lm_head",)))
+    with pytest.raises(ValueError, match=r"^lora.targets: lm_head and embed_tokens are one weight"):
+        apply_lora(cls(tied, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=("lm_head", "embed_tokens")))
+    with pytest.raises(ValueError, match=r"^lora.targets: the LM head's adapter of a model with tied embeddings "
+                                         r"cannot be merged"):
+        merged(apply_lora(cls(tied, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=("lm_head",))))
     from podtrain.orchestrator.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^lora.targets: experts adapts routed experts, and this llama model has "

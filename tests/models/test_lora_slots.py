@@ -22,6 +22,17 @@ from podtrain.sharding.rules import DEFAULT_RULES
 MLP_ONLY = ("gate_proj", "up_proj", "down_proj")
 # slot: (rank, targets, seed); slot 2 of a lower rank and other targets than slot 0.
 CHOSEN = [(4, SLOT_TARGETS, 1), (8, SLOT_TARGETS, 2), (2, MLP_ONLY, 3)]
+# With tied embeddings the head's adapters adapt the output projection alone (the embedding, one
+# weight with it, takes none).
+TIED_TARGETS = tuple(t for t in SLOT_TARGETS if t != "embed_tokens")
+
+
+def _case(tied: bool):
+    """(config, the slots' targets, CHOSEN) untied or with the head tied to the embedding."""
+    if not tied:
+        return config_of(), SLOT_TARGETS, CHOSEN
+    chosen = [(rank, TIED_TARGETS if targets == SLOT_TARGETS else targets, seed) for rank, targets, seed in CHOSEN]
+    return config_of().replace(tie_word_embeddings=True), TIED_TARGETS, chosen
 
 
 def _ids(config, batch, seq=10, seed=0):
@@ -29,9 +40,10 @@ def _ids(config, batch, seq=10, seed=0):
 
 
 @pytest.mark.slow
-def test_each_row_gets_the_logits_of_its_adapter_alone():
-    config = config_of()
-    model, singles = filled(config, 4, 8, CHOSEN)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_each_row_gets_the_logits_of_its_adapter_alone(tied):
+    config, targets, chosen = _case(tied)
+    model, singles = filled(config, 4, 8, chosen, targets)
     # Whatever lies above a slot's rank is masked: fill slot 2's ranks 2..7 with noise.
     rng = np.random.default_rng(9)
     for _, adapter in adapters(model):
@@ -49,6 +61,12 @@ def test_each_row_gets_the_logits_of_its_adapter_alone():
     ids = _ids(config, len(index))
     with rows(*row_arrays(index, [4, 8, 2, 8])):
         got = np.asarray(model(ids)[0])
+        # The loss's path (the head a vocabulary slice at a time) gives the same logprobs.
+        h = model.hidden_states(ids)[0]
+        sliced = np.asarray(model.target_logprobs(h, ids, slices=2))
+    logprobs = np.asarray(jax.nn.log_softmax(got))
+    np.testing.assert_allclose(sliced, np.take_along_axis(logprobs, np.asarray(ids)[..., None], -1)[..., 0],
+                               rtol=1e-5, atol=1e-5)
     base = ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(0))
     for row, slot in enumerate(index):
         reference = base if slot == 3 else singles[slot]
@@ -59,9 +77,10 @@ def test_each_row_gets_the_logits_of_its_adapter_alone():
 
 
 @pytest.mark.slow
-def test_each_slot_gets_the_gradient_of_its_rows_alone():
-    config = config_of()
-    model, singles = filled(config, 3, 8, CHOSEN)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_each_slot_gets_the_gradient_of_its_rows_alone(tied):
+    config, slot_targets, chosen = _case(tied)
+    model, singles = filled(config, 3, 8, chosen, slot_targets)
     index = [1, 0, 1, 2]
     ids = _ids(config, len(index), seed=1)
     graphdef, params, rest = nnx.split(model, LoRAParam, ...)
@@ -82,7 +101,7 @@ def test_each_slot_gets_the_gradient_of_its_rows_alone():
             return jnp.sum(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
 
         want = dict(adapters(nnx.merge(s_graph, nnx.State(jax.grad(single_loss)(s_params)), s_rest)))
-        rank, targets, _ = CHOSEN[slot]
+        rank, targets, _ = chosen[slot]
         got = dict(adapters(slot_view(grad_model, slot, rank, ALPHA, targets)))
         assert got.keys() == want.keys() and got
         for key, adapter in want.items():
@@ -90,7 +109,7 @@ def test_each_slot_gets_the_gradient_of_its_rows_alone():
                 w, g = np.asarray(getattr(adapter, name)[...]), np.asarray(getattr(got[key], name)[...])
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(w).max()), err_msg=key)
         # Ranks above the slot's get nothing, nor targets it does not have.
-        full = dict(adapters(slot_view(grad_model, slot, 8, ALPHA, SLOT_TARGETS)))
+        full = dict(adapters(slot_view(grad_model, slot, 8, ALPHA, slot_targets)))
         for key, adapter in full.items():
             a = np.asarray(adapter.lora_a[...])
             if adapter.target not in targets:

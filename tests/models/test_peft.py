@@ -20,6 +20,7 @@ from podtrain.models.peft import load_peft, read_peft_config, to_peft
 TARGETS = {
     "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"),
     "qwen3": ("q_proj", "v_proj", "o_proj", "down_proj", "lm_head"),
+    "llama_tied_bias": ("q_proj", "o_proj", "lm_head"),  # the head's adapter beside the embedding it is tied to
     "deepseek_v3": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "embed_tokens", "experts"),
     "deepseek_v3_plain": ("q_proj", "kv_b_proj", "o_proj", "lm_head"),
 }
@@ -63,7 +64,8 @@ def test_an_exported_adapter_loads_with_peft_and_gives_podtrains_logits(kind, tm
     np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind, parameters", [("llama", []), ("deepseek_v3", []), ("deepseek_v3", EXPERT_PARAMETERS)])
+@pytest.mark.parametrize("kind, parameters", [("llama", []), ("llama_tied_bias", []), ("deepseek_v3", []),
+                                              ("deepseek_v3", EXPERT_PARAMETERS)])
 def test_an_adapter_peft_made_imports_and_gives_its_logits(kind, parameters, tmp_path):
     hf_model = make_hf_model(kind)
     hf_model.save_pretrained(tmp_path / "base")
@@ -71,7 +73,7 @@ def test_an_adapter_peft_made_imports_and_gives_its_logits(kind, parameters, tmp
     # Random A and B (not PEFT's zero B), so that every tensor's layout is seen; on DeepSeek-V3 only
     # modules that podtrain adapts (PEFT's "gate_proj" would be the routed experts'), and the routed
     # experts' fused parameters.
-    targets = TARGETS[kind] if kind == "llama" else ["q_a_proj", "kv_b_proj", "o_proj"]
+    targets = TARGETS[kind] if kind.startswith("llama") else ["q_a_proj", "kv_b_proj", "o_proj"]
     peft_model = get_peft_model(hf_model, LoraConfig(r=4, lora_alpha=16, target_modules=targets,
                                                      target_parameters=parameters, init_lora_weights=False)).eval()
     peft_model.save_pretrained(tmp_path / "adapter")

@@ -214,21 +214,27 @@ def test_a_sharded_engine_gives_the_one_device_results(engine):
 
 
 def test_deepseek_v3_with_expert_parallel_experts_trains_and_samples_its_adapters():
-    """MLA and MoE layers, experts over ep=2: two adapters train in one step, and greedy sampling
-    of one equals `generate` with that adapter alone."""
+    """MLA and MoE layers, experts over ep=2, the LM head tied to the embedding: two adapters train
+    in one step, and their logprobs and greedy sampling equal those of the adapter alone."""
     from podtrain.orchestrator.serve.checks import serve_targets
     from podtrain.sharding.rules import use_rules
 
-    deepseek = make_engine("deepseek-v3-tiny", devices=4, overrides=("mesh.ep=2", "mesh.fsdp=2"))
+    deepseek = make_engine("deepseek-v3-tiny", devices=4,
+                           overrides=("mesh.ep=2", "mesh.fsdp=2", "model.tie_word_embeddings=true"))
     targets = serve_targets("deepseek_v3")
+    assert "lm_head" in targets
     rng = np.random.default_rng(6)
     vocab = deepseek.info().vocab_size
     data = tuple(sft_datum(rng, 12, vocab) for _ in range(2))
     deepseek.run([Create("a", 4, targets, seed=1), Create("b", 8, ("gate_proj", "up_proj", "down_proj"), seed=2)])
     before = deepseek.run([ForwardBackward("a", data, "cross_entropy")])[0].metrics["loss:sum"]
     deepseek.run([ForwardBackward("b", data, "cross_entropy"), OptimStep("a", ADAM), OptimStep("b", ADAM)])
-    after = deepseek.run([ForwardBackward("a", data, "cross_entropy", backward=False)])[0].metrics["loss:sum"]
-    assert after < before
+    out = deepseek.run([ForwardBackward("a", data, "cross_entropy", backward=False)])[0]
+    assert out.metrics["loss:sum"] < before
+    with jax.sharding.set_mesh(deepseek.mesh), use_rules(deepseek.rules):
+        want, _ = reference_losses(single(deepseek, "a"), data)
+    for got, lp in zip(out.outputs, want, strict=True):
+        np.testing.assert_allclose(got["logprobs"], lp, rtol=1e-4, atol=1e-4)
     prompt = rng.integers(0, vocab, 5).astype(np.int32)
     sampled = deepseek.run([Sample("a", prompt, max_tokens=5, temperature=0.0)])[0].sequences[0].tokens.tolist()
     with jax.sharding.set_mesh(deepseek.mesh), use_rules(deepseek.rules):
