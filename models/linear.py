@@ -107,6 +107,11 @@ class Linear(nnx.Param):
         """The weight as a matmul in `dtype` reads it: cast, gathered over the batch axes."""
         return weight(self, dtype)
 
+    def contract(self, equation: str, x: jax.Array, dtype, part: slice = slice(None)) -> jax.Array:
+        """`einsum(equation, x, W[..., part])` in `dtype`, `part` a slice of the weight's last axis
+        (how MLA's cached decoding absorbs its key and value up-projection into other products)."""
+        return jnp.einsum(equation, x, self.matrix(dtype)[..., part])
+
     def merged(self) -> jax.Array:
         """The weight as stored (dtype and sharding)."""
         return self[...]

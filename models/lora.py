@@ -260,8 +260,23 @@ class LoRALinear(AdaptedWeight):
         return self.base(x) + self.update(x, x.dtype)
 
     def matrix(self, dtype) -> jax.Array:
-        """The merged weight as a matmul in `dtype` reads it (what absorbs it, as MLA's cached decoding does)."""
+        """The merged weight as a matmul in `dtype` reads it."""
         return gathered(self.merged().astype(dtype), self.axes())
+
+    def contract(self, equation: str, x: jax.Array, dtype, part: slice = slice(None)) -> jax.Array:
+        """`einsum(equation, x, W[..., part])` with the adapter's update in `W`: merged, or with
+        slots the base's product plus each row's low-rank one (`x` leads with the batch rows)."""
+        if not self.slots:
+            return jnp.einsum(equation, x, self.matrix(dtype)[..., part])
+        (x_axes, w_axes), out_axes = equation.split("->")[0].split(","), equation.split("->")[1]
+        w_in, w_out, row = w_axes[: self.n_in], w_axes[self.n_in:], x_axes[0]
+        k = next(c for c in "zyxwvu" if c not in equation)  # the adapter's rank
+        current = _current_rows()
+        a = gathered(self.lora_a[...].astype(dtype), self.lora_a.get_metadata().get("out_sharding"))[current.index]
+        b = gathered(self.lora_b[...].astype(dtype), self.lora_b.get_metadata().get("out_sharding"))[current.index]
+        keep = ((jnp.arange(a.shape[-1]) < current.rank[:, None]) * current.scale[:, None]).astype(dtype)
+        low = jnp.einsum(f"{x_axes},{row}{w_in}{k},{row}{k}{w_out},{row}{k}->{out_axes}", x, a, b[..., part], keep)
+        return self.base.contract(equation, x, dtype, part) + low
 
 
 class LoRATiedHead(AdaptedWeight):

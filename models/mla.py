@@ -93,11 +93,12 @@ class MLAttention(nnx.Module):
             out = self_attention(q, k, v, mask, scale=self.scale)
         else:
             new_kv = (latent, rope_key)
-            wkv_b = self.wkv_b.matrix(self.dtype)  # (R, H, nope + v), absorbed into the queries and the output
-            q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, wkv_b[..., : self.nope])
+            # wkv_b (R, H, nope + v) is absorbed into the queries and the output.
+            q_latent = self.wkv_b.contract("bthn,rhn->bthr", q_nope, self.dtype, slice(None, self.nope))
             latent_out = cached_attention(
                 [q_latent * self.scale, q_rope * self.scale], [latent, rope_key], latent, kv, kv[0],
                 layer=layer, positions_BT=positions_BT, **cache_kwargs,
             )
-            out = jnp.einsum("bthr,rhv->bthv", latent_out.astype(self.dtype), wkv_b[..., self.nope:])
+            out = self.wkv_b.contract("bthr,rhv->bthv", latent_out.astype(self.dtype), self.dtype,
+                                      slice(self.nope, None))
         return checkpoint_name(self.wo(out), "attn_out"), new_kv

@@ -197,3 +197,25 @@ def test_what_cannot_take_slots_is_refused_by_name():
                    LoRAConfig(rank=4, targets=("experts",)), slots=2)
     with pytest.raises(ValueError, match="rank: expected 1 to 4"):
         init_slot(model, 0, 5, SLOT_TARGETS, 0)
+
+
+@pytest.mark.slow
+def test_mla_cached_decoding_gives_each_row_its_kv_b_adapter():
+    """DeepSeek-V3's cached decoding absorbs kv_b into the queries and the output: with slots, each
+    row adds its own adapter's low-rank product, as the whole sequence without a cache does."""
+    config = config_of("deepseek-v3-tiny")
+    targets = ("q_a_proj", "kv_b_proj", "o_proj")
+    chosen = [(4, targets, 1), (8, ("kv_b_proj",), 2)]
+    model, singles = filled(config, 3, 8, chosen, targets)
+    index = [1, 0, 2, 0]  # slot 2 is empty: the base model
+    ids = _ids(config, len(index), seq=9)
+    with rows(*row_arrays(index, [4, 8, 8])):
+        cache = model.init_cache(len(index), 16, jnp.float32)
+        prefill, cache, _ = model(ids[:, :6], cache=cache)
+        step, _, _ = model(ids[:, 6:], cache=cache)
+    got = np.concatenate([np.asarray(prefill), np.asarray(step)], axis=1)
+    base = ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(0))
+    for row, slot in enumerate(index):
+        reference = base if slot == 2 else singles[slot]
+        np.testing.assert_allclose(got[row], np.asarray(reference(ids[row:row + 1])[0])[0], rtol=1e-4, atol=1e-4)
+    assert np.abs(got[0] - np.asarray(base(ids[:1])[0])[0]).max() > 1e-3  # slot 1 (kv_b alone) matters
