@@ -26,6 +26,9 @@ class ServeConfig:
         max_sample_tokens: the longest sampled sequence, prompt plus new tokens: the length of the
             sampling KV cache (None: `max_seq_len`).
         max_rows: the most rows in one engine step (longer requests run in several).
+        compile_ahead: when a forward/backward batch first uses a padded token count, compile the
+            step for that count's other padded row counts in the background, so that a batch of
+            another row count does not wait for a compile (false: each shape compiles at first use).
         loss_chunk: the head is applied to a step's rows a vocabulary slice at a time (losses,
             logprobs, prompt logprobs), each slice's logits as large as those of `loss_chunk`
             positions, so no (rows, tokens, vocab) logits are made (0: the whole logits at once).
@@ -47,6 +50,7 @@ class ServeConfig:
     max_seq_len: int = 1024
     max_sample_tokens: int | None = None
     max_rows: int = 16
+    compile_ahead: bool = True
     loss_chunk: int = 256
     max_request_bytes: int = 64 * 2**20
     autosave_every: int = 10

@@ -28,11 +28,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from podtrain.models import ARCHITECTURES
-from podtrain.models.lora import (
-    LoRAConfig,
-    LoRAParam,
-    with_base,
-)
+from podtrain.models.lora import LoRAConfig, LoRAParam, with_base
 from podtrain.models.lora_slots import slot_view
 from podtrain.models.peft import to_peft
 from podtrain.models.runner import only_layer
@@ -61,6 +57,7 @@ from podtrain.orchestrator.serve.slots import (
     read_slot,
     write_slot,
 )
+from podtrain.orchestrator.serve.warm import RowWarmer
 from podtrain.orchestrator.serve.work import (
     BaseInfo,
     Create,
@@ -142,6 +139,9 @@ class Engine:
         self._layout = jax.tree.map(lambda x: x.sharding, self.adapters)
         self._adam_layout = layout.adam_shardings()
         self._pin()
+        self._warmer = RowWarmer(self.mesh, self.rules, self.graphdef, (self.adapters, self.rest, self.grads),
+                                 loss_chunk=self.config.serve.loss_chunk,
+                                 max_rows=self.config.serve.max_rows if self.config.serve.compile_ahead else 0)
         self.slots: dict[str, Slot] = {}
         self.sample_count = 0
 
@@ -327,6 +327,7 @@ class Engine:
             per_row["train"][r] = 1.0 if work.backward else 0.0
         batch = Batch(tokens=tokens, targets=targets, slot=slot_ix, rank=rank, loss=loss_ix, **arrays, **per_row)
         batch = jax.tree.map(jnp.asarray, batch)
+        self._warmer.ready(batch)
         self.grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, self.grads, batch,
                                                  loss_chunk=self.config.serve.loss_chunk)
         self._pin()

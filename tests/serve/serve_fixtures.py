@@ -16,14 +16,17 @@ from podtrain.orchestrator.serve.work import Datum
 
 # A loss chunk of 8 positions: rows of 16 to 64 tokens apply the head in 2 to 8 vocabulary slices,
 # which the references (the whole logits of one adapter) check.
+# Nothing compiled ahead (`serve.compile_ahead`) but where a test asks: CI has two cores.
 OVERRIDES = ["serve.max_adapters=4", "serve.max_rank=8", "serve.max_seq_len=64", "serve.max_rows=8",
-             "model.max_position_embeddings=128", "serve.loss_chunk=8"]
+             "model.max_position_embeddings=128", "serve.loss_chunk=8", "serve.compile_ahead=false"]
 TARGETS = serve_targets("llama")
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01, "grad_clip_norm": 0.5}
 
 
 def make_engine(preset: str = "llama3-tiny", devices=1, overrides=()):
-    config = load_config(preset, [*OVERRIDES, f"serve.base_model={preset}", *overrides])
+    given = {o.split("=", 1)[0] for o in overrides}
+    defaults = [o for o in OVERRIDES if o.split("=", 1)[0] not in given]
+    config = load_config(preset, [*defaults, f"serve.base_model={preset}", *overrides])
     return Engine(config, jax.devices()[:devices])
 
 

@@ -16,7 +16,8 @@ from train_fixtures import ROOT
 
 KEY = "tml-podtrain-test"
 # Small enough to compile quickly, large enough for a few clients' batches.
-SERVE = ["serve.port=0", "serve.max_adapters=8", "serve.max_rank=8", "serve.max_seq_len=64", "serve.max_rows=8"]
+SERVE = ["serve.port=0", "serve.max_adapters=8", "serve.max_rank=8", "serve.max_seq_len=64", "serve.max_rows=8",
+         "serve.compile_ahead=false"]
 
 
 def hf_base(directory: Path) -> Path:

@@ -262,3 +262,33 @@ def test_steps_of_several_adapters_in_one_call_are_each_their_own(engine):
     assert any(not np.array_equal(_flat(single(engine, "p1"))[k], _flat(single(engine, "q1"))[k])
                for k in _flat(single(engine, "p1")))
     engine.run([Unload(m) for pair in pairs for m in pair])
+
+
+def test_a_new_row_count_does_not_stop_to_compile():
+    """`serve.compile_ahead`: a token count's first batch (1 row) has its other row counts compiled
+    in the background while other work runs; batches of 3 and 8 rows then compile nothing and give
+    the adapter's own logprobs."""
+    ahead = make_engine(overrides=("serve.compile_ahead=true",))
+    vocab = ahead.info().vocab_size
+    rng = np.random.default_rng(8)
+    ahead.run([Create("w", 4, TARGETS, seed=1)])
+    ahead.run([ForwardBackward("w", (sft_datum(rng, 40, vocab),), "cross_entropy"), OptimStep("w", ADAM)])  # 1 x 64
+    ahead.run([Sample("w", rng.integers(0, vocab, 5).astype(np.int32), max_tokens=3, temperature=0.0)])
+    ahead._warmer.wait()
+    compiles = []  # XLA compiles (or loads from the compilation cache) of the step
+
+    def on_compile(event, _, fun_name="", **__):
+        if event == "/jax/core/compile/backend_compile_duration" and "forward_backward" in fun_name:
+            compiles.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        batches = [tuple(sft_datum(rng, n, vocab) for n in (40, 50, 60)),
+                   tuple(sft_datum(rng, 45, vocab) for _ in range(8))]
+        outs = [ahead.run([ForwardBackward("w", data, "cross_entropy", backward=False)])[0] for data in batches]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert compiles == []
+    for data, out in zip(batches, outs, strict=True):
+        for got, want in zip(out.outputs, reference_losses(single(ahead, "w"), data)[0], strict=True):
+            np.testing.assert_allclose(got["logprobs"], want, rtol=1e-4, atol=1e-4)
