@@ -70,19 +70,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample-python", type=Path, default=None,
                         help="a Python whose tinker SDK SkyRL's sampling answers (before 0.26)")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--serve", nargs="*", default=[], help="more key=value overrides for podtrain serve")
     args = parser.parse_args(argv)
     results: dict = {"podtrain": {}, "skyrl": {}}
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         model_dir = make_qwen3_dir(Path(tmp) / "qwen3-tiny")
         runs = Path(tmp) / "runs"
         runs.mkdir()
-        with podtrain_server(model_dir, runs / "engine-in-process", "cluster.kind=none") as (url, name):
+        with podtrain_server(model_dir, runs / "engine-in-process", "cluster.kind=none", *args.serve) as (url, name):
             for adapters in (1, 4, 16):
                 results["podtrain"][f"train_{adapters}"] = measure(url, name, adapters, args.steps)
                 print(json.dumps({f"podtrain train_{adapters}": results["podtrain"][f"train_{adapters}"]}),
                       file=sys.stderr, flush=True)
             results["podtrain"]["sample"] = sample_loop(url, name, prompts=4, max_tokens=64, rank=RANK, api_key=KEY)
-        with podtrain_server(model_dir, runs / "engine-in-ray-worker") as (url, name):
+        with podtrain_server(model_dir, runs / "engine-in-ray-worker", *args.serve) as (url, name):
             results["podtrain"]["train_16_local_ray"] = measure(url, name, 16, args.steps)
         if not args.no_skyrl:
             venv = ensure_skyrl_venv(args.skyrl_venv)
