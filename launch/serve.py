@@ -127,7 +127,8 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
         host = "127.0.0.1" if config.cluster.kind == "local" else "0.0.0.0"
         backend = gang = GangBackend(info, targets, host=host, ready_timeout_s=config.cluster.startup_timeout_s)
     app = create_app(backend, Store(run_dir), api_key=key, max_request_bytes=config.serve.max_request_bytes,
-                     decode=tokenizer.decode if tokenizer else None, autosave_every=config.serve.autosave_every)
+                     decode=tokenizer.decode if tokenizer else None, encode=tokenizer.encode if tokenizer else None,
+                     autosave_every=config.serve.autosave_every)
     server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level="warning",
                                            timeout_keep_alive=60))
     thread = threading.Thread(target=server.run, name="serve-http", daemon=True)

@@ -34,16 +34,17 @@ from podtrain.orchestrator.serve.work import Backend, BaseInfo, Load, OptimStep,
 
 def create_app(backend: Backend, store: Store, *, api_key: str | None, max_request_bytes: int,
                long_poll_s: float = 25.0, sampler_slots: int = 2, decode: translate.Decode | None = None,
-               autosave_every: int = 0) -> FastAPI:
+               encode: translate.Encode | None = None, autosave_every: int = 0) -> FastAPI:
     """The service's app. A new app means a new engine: the models the store lists as live come
-    back from their last saves (`Scheduler`), and futures left pending are failed. `decode` is the
-    service's tokenizer (token ids to text), which stop strings need; every `autosave_every`
+    back from their last saves (`Scheduler`), and futures left pending are failed. `decode` and
+    `encode` are the service's tokenizer, which stop strings need; every `autosave_every`
     optimizer steps (0: never) an adapter's whole state is saved for such a restore."""
     store.fail_pending_futures("the service restarted before this request ran")
     schema()
     waiters = _Waiters()
     scheduler = Scheduler(backend, store, waiters.notify, sampler_slots, autosave_every)
-    service = _Service(backend, store, scheduler, backend.info(), waiters, long_poll_s, max_request_bytes, decode)
+    service = _Service(backend, store, scheduler, backend.info(), waiters, long_poll_s, max_request_bytes, decode,
+                       encode)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -80,6 +81,7 @@ class _Service:
     long_poll_s: float
     max_request_bytes: int
     decode: translate.Decode | None
+    encode: translate.Encode | None
 
     def submit(self, kind: str, key: str, seq: int | None, work: Work, on_done: Callable[[object], tuple[bytes, str]],
                sampler_dir: str | None = None) -> str:
@@ -371,7 +373,7 @@ def _sampling_routes(app: FastAPI, service: _Service) -> None:
         sampler = store.sampler(body.sampling_session_id)
         if sampler is None:
             raise ServeError(f"sampling_session_id: unknown sampling session {body.sampling_session_id!r}", 404)
-        work = translate.sample(body, info, service.decode)
+        work = translate.sample(body, info, service.decode, service.encode)
 
         def on_done(result: Any) -> tuple[bytes, str]:
             result = translate.cut_at_stop_strings(result, work.stop_strings, service.decode)

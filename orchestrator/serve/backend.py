@@ -361,12 +361,14 @@ class Engine:
         p = bucket(max(len(works[i].prompt) for i, _ in chunk), MIN_TOKENS)
         budget = max(works[i].max_tokens for i, _ in chunk)
         new = bucket(budget, MIN_TOKENS)
-        stops = bucket(max([len(works[i].stop_tokens) for i, _ in chunk] + [1]), 8)
+        row_stops = {i: works[i].all_stops() for i, _ in chunk}
+        stops = bucket(max([len(v) for v in row_stops.values()] + [1]), 8)
+        longest = bucket(max([len(q) for v in row_stops.values() for q in v] + [1]))
         prompt = np.zeros((b, p), np.int32)
         length, slot_ix, rank, top_k = (np.ones(b, np.int32) for _ in range(4))
         slot_ix[:], top_k[:] = 0, 0
         scale, temperature, top_p = np.zeros(b, np.float32), np.zeros(b, np.float32), np.ones(b, np.float32)
-        seed, stop, max_tokens = np.zeros(b, np.int32), np.full((b, stops), -1, np.int32), np.ones(b, np.int32)
+        seed, stop, max_tokens = np.zeros(b, np.int32), np.full((b, stops, longest), -1, np.int32), np.ones(b, np.int32)
         for r, (index, k) in enumerate(chunk):
             work = works[index]
             n = len(work.prompt)
@@ -377,7 +379,8 @@ class Engine:
             temperature[r], top_p[r] = work.temperature, work.top_p
             top_k[r] = max(work.top_k, 0)
             seed[r] = self._seed(work, k)
-            stop[r, :len(work.stop_tokens)] = work.stop_tokens
+            for j, sequence in enumerate(row_stops[index]):
+                stop[r, j, longest - len(sequence):] = sequence
             max_tokens[r] = work.max_tokens
         filtered = bool(np.any(top_k[:len(chunk)] > 0) or np.any(top_p[:len(chunk)] < 1))
         want_prompt_lp = any(works[i].prompt_logprobs for i, _ in chunk)
@@ -390,13 +393,12 @@ class Engine:
                                                      loss_chunk=self.config.serve.loss_chunk)
         tokens, logprobs = to_host(tokens), to_host(logprobs)
         prompt_lp = None if prompt_lp is None else to_host(prompt_lp)
-        stop_sets = {}
         for r, (index, k) in enumerate(chunk):
             work = works[index]
-            stop_set = stop_sets.setdefault(index, set(work.stop_tokens))
             row = tokens[r, :work.max_tokens].tolist()
-            end = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
-            reason = "stop" if end < len(row) or (row and row[end - 1] in stop_set) else "length"
+            end = next((i for i in range(1, len(row) + 1) if any(
+                i >= len(q) and tuple(row[i - len(q):i]) == q for q in row_stops[index])), None)
+            end, reason = (len(row), "length") if end is None else (end, "stop")
             sequences[index].append(SampledSequence(np.asarray(row[:end], np.int32),
                                                     logprobs[r, :end].astype(np.float32), reason))
             if work.prompt_logprobs and k == 0:

@@ -12,7 +12,7 @@ recompiles; a padded row or token has no loss and no gradient.
   (optax's Adam with decoupled weight decay mapped over the adapter axis, clipped by that slot's
   gradient norm); the other slots' parameters and moments are not touched.
 - `sample_rows`: prefill then decode in one program over the stacked KV cache, each row with its
-  own adapter, temperature, top-k, top-p, seed, stop tokens and token budget.
+  own adapter, temperature, top-k, top-p, seed, stop sequences and token budget.
 """
 
 from __future__ import annotations
@@ -206,7 +206,8 @@ def adam_steps(adapters: nnx.State, grads: nnx.State, state: AdamState, hyper: d
 class SampleBatch:
     """B prompts right-padded to P (`prompt`, `length`), each row's adapter (`slot`, `scale`,
     `rank`), sampling (`temperature` (0: greedy), `top_k` (0: all), `top_p`, `seed`), its stop
-    tokens (B, S; -1 pads) and its token budget `max_tokens`."""
+    sequences `stop` (B, S, L: each right-aligned, -1 before it; a stop token is a sequence of one;
+    all -1: none) and its token budget `max_tokens`."""
 
     prompt: jax.Array
     length: jax.Array
@@ -219,6 +220,15 @@ class SampleBatch:
     seed: jax.Array
     stop: jax.Array
     max_tokens: jax.Array
+
+
+def ends_with_stop(tokens_BN: jax.Array, step, stop_BSL: jax.Array) -> jax.Array:
+    """(B,) whether each row's tokens through `step` end with one of its stop sequences."""
+    length = stop_BSL.shape[-1]
+    at = step - (length - 1) + jnp.arange(length)
+    window = jnp.where(at >= 0, jnp.take(tokens_BN, jnp.maximum(at, 0), axis=1), -2)  # -2: before the first
+    matched = jnp.all((stop_BSL == -1) | (stop_BSL == window[:, None, :]), axis=-1)
+    return jnp.any(matched & jnp.any(stop_BSL >= 0, axis=-1), axis=-1)
 
 
 def pick_tokens(logits_BV: jax.Array, keys: jax.Array, batch: SampleBatch, *, filtered: bool):
@@ -248,20 +258,23 @@ def sample_rows(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, ba
                 new_tokens: int, filtered: bool, prompt_logprobs: bool, loss_chunk: int = 0):
     """Prefill then decode up to `new_tokens` tokens per row, as one program. Returns (tokens
     (B, new_tokens), their logprobs, steps made, prompt logprobs (B, P) or None); a row's tokens
-    end at its stop token (included) or its budget, the rest is padding. Prompt logprobs apply the
+    end at a stop sequence (included) or its budget, the rest is padding. Prompt logprobs apply the
     head a vocabulary slice at a time, as the loss does."""
     model = nnx.merge(graphdef, adapters, rest)
     model.config = dataclasses.replace(model.config, scan_layers=True)
     rows_b, prompt_len = batch.prompt.shape
     base_keys = jax.vmap(jax.random.key)(batch.seed)
 
-    def choose(hidden_BD, step, done):
+    def choose(hidden_BD, step, done, tokens, logprobs):
+        """The next token of every row written at `step`; rows that end with it are done."""
         logits = model.logits(hidden_BD)
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, step)
         token, logprob = pick_tokens(logits, keys, batch, filtered=filtered)
-        token = jnp.where(done, 0, token)
-        stopped = jnp.any(token[:, None] == batch.stop, axis=-1) | (step + 1 >= batch.max_tokens)
-        return token, jnp.where(done, 0.0, logprob), done | stopped
+        token, logprob = jnp.where(done, 0, token), jnp.where(done, 0.0, logprob)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
+        logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, logprob[:, None], step, axis=1)
+        stopped = ends_with_stop(tokens, step, batch.stop) | (step + 1 >= batch.max_tokens)
+        return token, tokens, logprobs, done | stopped
 
     with lora.rows(batch.slot, batch.scale, batch.rank):
         cache = model.init_cache(rows_b, prompt_len + new_tokens)
@@ -272,9 +285,9 @@ def sample_rows(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, ba
             lp = model.target_logprobs(hidden[:, :-1], batch.prompt[:, 1:],
                                        slices=vocab_slices(prompt_len - 1, loss_chunk))
             prompt_lp = jnp.concatenate([jnp.full((rows_b, 1), jnp.nan), lp], axis=1)
-        token, logprob, done = choose(hidden[jnp.arange(rows_b), batch.length - 1], 0, jnp.zeros((rows_b,), bool))
-        tokens = jnp.zeros((rows_b, new_tokens), jnp.int32).at[:, 0].set(token)
-        logprobs = jnp.zeros((rows_b, new_tokens), jnp.float32).at[:, 0].set(logprob)
+        token, tokens, logprobs, done = choose(hidden[jnp.arange(rows_b), batch.length - 1], 0,
+                                               jnp.zeros((rows_b,), bool), jnp.zeros((rows_b, new_tokens), jnp.int32),
+                                               jnp.zeros((rows_b, new_tokens), jnp.float32))
 
         def cond(carry):
             step, _, _, _, _, done = carry
@@ -284,9 +297,7 @@ def sample_rows(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, ba
             step, cache, token, tokens, logprobs, done = carry
             positions = (batch.length + step - 1)[:, None]
             hidden, cache, _ = model.hidden_states(token[:, None], positions=positions, cache=cache)
-            token, logprob, done = choose(hidden[:, 0], step, done)
-            tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
-            logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, logprob[:, None], step, axis=1)
+            token, tokens, logprobs, done = choose(hidden[:, 0], step, done, tokens, logprobs)
             return step + 1, cache, token, tokens, logprobs, done
 
         carry = (jnp.ones((), jnp.int32), cache, token, tokens, logprobs, done)

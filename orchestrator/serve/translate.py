@@ -29,6 +29,7 @@ from podtrain.orchestrator.serve.work import (
 )
 
 Decode = Callable[[Sequence[int]], str]  # token ids to text, special tokens kept
+Encode = Callable[[str], Sequence[int]]  # text to token ids, no special tokens added
 
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
@@ -135,7 +136,7 @@ def prompt_tokens(chunks: list[dict[str, Any]], info: BaseInfo) -> np.ndarray:
     return array.astype(np.int32)
 
 
-def sample(body: SampleBody, info: BaseInfo, decode: Decode | None = None) -> Sample:
+def sample(body: SampleBody, info: BaseInfo, decode: Decode | None = None, encode: Encode | None = None) -> Sample:
     """The sample request as a work item of the base model (the scheduler puts in the adapter slot
     of the sampler's weights)."""
     _refuse_unsupported_sampling(body)
@@ -165,7 +166,8 @@ def sample(body: SampleBody, info: BaseInfo, decode: Decode | None = None) -> Sa
     stop_tokens, stop_strings = stops(params.get("stop"), info, decode)
     return Sample(model_id=None, prompt=prompt, num_samples=body.num_samples, max_tokens=max_tokens,
                   temperature=temperature, top_p=top_p, top_k=top_k, stop_tokens=stop_tokens,
-                  stop_strings=stop_strings, seed=seed, prompt_logprobs=bool(body.prompt_logprobs))
+                  stop_strings=stop_strings, stop_sequences=string_sequences(stop_strings, info, decode, encode),
+                  seed=seed, prompt_logprobs=bool(body.prompt_logprobs))
 
 
 def _number(params: Mapping[str, Any], key: str, default: float | None, kind: type) -> Any:
@@ -209,6 +211,21 @@ def stops(stop: Any, info: BaseInfo, decode: Decode | None) -> tuple[tuple[int, 
     if decode is None:
         raise not_supported("sampling_params.stop as strings without a tokenizer on the service (serve.tokenizer)")
     return tuple(info.eos_token_ids), tuple(strings)
+
+
+def string_sequences(strings: tuple[str, ...], info: BaseInfo, decode: Decode | None,
+                     encode: Encode | None) -> tuple[tuple[int, ...], ...]:
+    """Each stop string's own token ids, where their text holds the string: the engine stops a row
+    that samples them, early (a string the model writes with other tokens is still found by
+    `cut_at_stop_strings`, in the whole budget's text)."""
+    if decode is None or encode is None:
+        return ()
+    sequences = []
+    for string in strings:
+        ids = tuple(int(i) for i in encode(string))
+        if ids and all(0 <= i < info.vocab_size for i in ids) and string in decode(ids):
+            sequences.append(ids)
+    return tuple(sequences)
 
 
 def cut_at_stop_strings(result: SampleResult, strings: tuple[str, ...], decode: Decode) -> SampleResult:

@@ -106,8 +106,15 @@ class Sample:
     top_k: int = -1
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()  # cut by the front end from the sampled tokens' text
+    # The stop strings' own token ids: a row that samples one of them stops there (the front end's
+    # cut still decides where the text first holds a string).
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
     seed: int | None = None
     prompt_logprobs: bool = False
+
+    def all_stops(self) -> list[tuple[int, ...]]:
+        """The stop tokens (each a sequence of one) and the stop strings' token sequences."""
+        return [(token,) for token in self.stop_tokens] + [tuple(q) for q in self.stop_sequences]
 
 
 @dataclass(frozen=True)

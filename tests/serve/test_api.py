@@ -23,7 +23,7 @@ from tinker import types
 from podtrain.orchestrator.serve.api import create_app
 from podtrain.orchestrator.serve.scheduler import Job, Scheduler
 from podtrain.orchestrator.serve.store import Store
-from podtrain.orchestrator.serve.translate import lora_targets, stops
+from podtrain.orchestrator.serve.translate import lora_targets, stops, string_sequences
 from podtrain.orchestrator.serve.wire import LoraBody
 from podtrain.orchestrator.serve.work import (
     BaseInfo,
@@ -261,6 +261,16 @@ def test_stop_lists_of_ids_and_strings_together_or_strings_without_a_tokenizer_a
         stops(["w1", 3], info, str)
     with pytest.raises(ServeError, match="stop as strings without a tokenizer on the service"):
         stops(["w1"], info, None)
+
+
+def test_stop_strings_carry_their_own_tokens_where_those_spell_them(info):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(info.tokenizer_id) / "tokenizer.json"))
+    encode, decode = (lambda text: tokenizer.encode(text).ids), (lambda ids: tokenizer.decode(list(ids)))
+    # "w3  w29x" encodes to w3 and the unknown token, whose text does not hold it: the front end's cut alone.
+    assert string_sequences(("w3 w4", "w3  w29x", "w5"), info, decode, encode) == ((5, 6), (7,))
+    assert string_sequences(("w3 w4",), info, decode, None) == ()
 
 
 def test_closing_a_session_frees_its_adapters(url, service):

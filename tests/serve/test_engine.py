@@ -120,7 +120,24 @@ def test_sampling_rows_of_several_adapters(engine, tmp_path):
     first = out[0].sequences[0].tokens.tolist().index(stop)
     assert stopped.sequences[0].tokens.tolist() == out[0].sequences[0].tokens.tolist()[:first + 1]
     assert stopped.sequences[0].stop_reason == "stop"
+    # So does a stop string's token sequence, after its last token.
+    greedy = out[0].sequences[0].tokens.tolist()
+    pair = tuple(greedy[4:6])
+    stopped = engine.run([Sample("s", prompt_s, max_tokens=9, temperature=0.0, stop_sequences=(pair,))])[0]
+    end = next(i for i in range(2, len(greedy) + 1) if tuple(greedy[i - 2:i]) == pair)
+    assert (stopped.sequences[0].tokens.tolist(), stopped.sequences[0].stop_reason) == (greedy[:end], "stop")
     engine.run([Unload("s"), Unload("t")])
+
+
+def test_a_row_stops_on_device_once_its_tokens_end_with_a_stop_sequence():
+    from podtrain.orchestrator.serve.engine import ends_with_stop
+
+    tokens = jnp.asarray([[5, 6, 7, 0], [5, 6, 7, 0], [7, 0, 0, 0]])
+    # Row 0: (6, 7) or the token 9; row 1: none; row 2: (5, 7), which its tokens never end with.
+    stop = jnp.asarray([[[6, 7], [-1, 9]], [[-1, -1], [-1, -1]], [[5, 7], [-1, -1]]])
+    assert [ends_with_stop(tokens, step, stop).tolist() for step in range(3)] == [
+        [False, False, False], [False, False, False], [True, False, False]]
+    assert ends_with_stop(jnp.asarray([[9]]), 0, jnp.asarray([[[-1, 9]]])).tolist() == [True]
 
 
 def test_saved_state_comes_back_with_the_same_logprobs_and_next_step(engine, tmp_path):
