@@ -24,7 +24,9 @@ With `slots=N`, every adapter holds N independent adapters along an adapter axis
 axis (`A (layers, N, *in, rank)`, logical name "lora_adapters"), all empty (zero) until a slot is
 initialised (`init_slot`). The model then runs inside `rows(...)`, which gives each batch row its
 slot, that adapter's scale and its rank: ranks above a row's rank are masked, so adapters of any
-rank up to the built one share a batch. Routed experts take no slots.
+rank up to the built one share a batch. Routed experts' adapters carry the adapter axis after the
+expert axis (`A (layers, E, N, D, rank)`), and each row's tokens take its slot's through the
+expert dispatch.
 
 In a model with tied embeddings, "lm_head" adapts the output projection alone (`LoRATiedHead`), as
 PEFT's adapter on such a model's `lm_head` does: the logits are `h @ E^T + scale * (h @ A) @ B`
@@ -48,6 +50,7 @@ from podtrain.models.config import ModelConfig
 from podtrain.models.embedding import Embedding
 from podtrain.models.linear import Linear, dense, gathered
 from podtrain.models.lora_experts import LoRAExperts
+from podtrain.models.lora_rows import Rows, current_rows, rows  # noqa: F401 (re-exported)
 from podtrain.models.moe.block import MoE
 from podtrain.models.runner import created_layers, current_layer
 from podtrain.sharding.rules import constrain
@@ -123,38 +126,6 @@ def dropout(key: jax.Array | None):
         _DROPOUT_KEY.reset(token)
 
 
-@dataclass(frozen=True)
-class Rows:
-    """Per batch row: its adapter slot `index` (B,) int32, that adapter's `scale` (B,) float32 and
-    `rank` (B,) int32."""
-
-    index: jax.Array
-    scale: jax.Array
-    rank: jax.Array
-
-
-_ROWS: contextvars.ContextVar[Rows | None] = contextvars.ContextVar("podtrain_lora_rows", default=None)
-
-
-@contextlib.contextmanager
-def rows(index: jax.Array, scale: jax.Array, rank: jax.Array):
-    """Inside the block, a model with adapter slots gives batch row b the adapter in slot
-    `index[b]`, scaled by `scale[b]`, its ranks from `rank[b]` on masked."""
-    token = _ROWS.set(Rows(index, scale, rank))
-    try:
-        yield
-    finally:
-        _ROWS.reset(token)
-
-
-def _current_rows() -> Rows:
-    current = _ROWS.get()
-    if current is None:
-        raise ValueError("a model with adapter slots runs inside lora.rows(index, scale, rank), which gives each "
-                         "batch row its adapter")
-    return current
-
-
 def dropout_stream(seed: int, step) -> jax.Array:
     """The adapters' stream of `seed` folded with the training `step`."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _STREAM), step)
@@ -203,7 +174,7 @@ class Adapter(nnx.Module):
     def row_factors(self, x_B: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
         """(low (B, N, r), B (B, r, *out)): row b's `scale[b] * x[b] @ A[index[b]]` over its N
         inputs, ranks from `rank[b]` on masked, and `B[index[b]]`; the update is `low @ B`."""
-        current = _current_rows()
+        current = current_rows()
         a = gathered(self.lora_a[...].astype(dtype), self.lora_a.get_metadata().get("out_sharding"))[current.index]
         b = gathered(self.lora_b[...].astype(dtype), self.lora_b.get_metadata().get("out_sharding"))[current.index]
         batch, rank = a.shape[0], a.shape[-1]
@@ -271,7 +242,7 @@ class LoRALinear(AdaptedWeight):
         (x_axes, w_axes), out_axes = equation.split("->")[0].split(","), equation.split("->")[1]
         w_in, w_out, row = w_axes[: self.n_in], w_axes[self.n_in:], x_axes[0]
         k = next(c for c in "zyxwvu" if c not in equation)  # the adapter's rank
-        current = _current_rows()
+        current = current_rows()
         a = gathered(self.lora_a[...].astype(dtype), self.lora_a.get_metadata().get("out_sharding"))[current.index]
         b = gathered(self.lora_b[...].astype(dtype), self.lora_b.get_metadata().get("out_sharding"))[current.index]
         keep = ((jnp.arange(a.shape[-1]) < current.rank[:, None]) * current.scale[:, None]).astype(dtype)
@@ -298,7 +269,7 @@ class LoRAEmbedding(AdaptedWeight):
 
     def __call__(self, ids_BT: jax.Array, dtype) -> jax.Array:
         if self.slots:
-            current = _current_rows()
+            current = current_rows()
             a, b = self.lora_a[...].astype(dtype), self.lora_b[...].astype(dtype)
             low = a[current.index[:, None], ids_BT]  # (B, T, r)
             keep = (jnp.arange(a.shape[-1]) < current.rank[:, None]) * current.scale[:, None]
@@ -364,16 +335,24 @@ def _wrap_tied_head(embed: Embedding, lora: LoRAConfig, key, slots: int) -> LoRA
                         n_in=1, scale=lora.scale, target="lm_head", rate=lora.dropout, stack=None, slots=slots)
 
 
-def _wrap_experts(moe: MoE, lora: LoRAConfig, key, stack: int | None) -> LoRAExperts:
+def _wrap_experts(moe: MoE, lora: LoRAConfig, stream, where: str, stack: int | None, slots: int) -> LoRAExperts:
+    """Adapters on `moe`'s experts, each drawn from `stream` folded with its path (`adapters`' key)."""
     stacked = _stacked(moe.w_gate)
     *layers, experts, d, f = moe.w_gate.shape
-    dtype, kwargs = ADAPTER_DTYPE, dict(scale=lora.scale, target="experts", rate=0.0, stack=stack)
-    key_gate_up, key_down = jax.random.split(key)
-    lead, count = ("layers", "experts") if stacked else ("experts",), layers[0] if stacked else 0
-    a, b = _adapter_values(key_gate_up, (d,), (2, f), count, dtype, lora.rank, embedding=False, batch=(experts,))
-    gate_up = Adapter(a, b, (*lead, "embed", "lora_rank"), (*lead, "lora_rank", None, "mlp"), n_in=1, **kwargs)
-    a, b = _adapter_values(key_down, (f,), (d,), count, dtype, lora.rank, embedding=False, batch=(experts,))
-    down = Adapter(a, b, (*lead, "mlp", "lora_rank"), (*lead, "lora_rank", "embed"), n_in=1, **kwargs)
+    dtype = ADAPTER_DTYPE
+    kwargs = dict(scale=lora.scale, target="experts", rate=0.0, stack=stack, slots=slots)
+    batch, batch_names = ((experts, slots), ("experts", "lora_adapters")) if slots else ((experts,), ("experts",))
+    lead, count = ("layers", *batch_names) if stacked else batch_names, layers[0] if stacked else 0
+
+    def values(name, in_shape, out_shape):
+        key = jax.random.fold_in(stream, zlib.crc32(f"{where}.{name}".encode()))
+        return _adapter_values(key, in_shape, out_shape, count, dtype, lora.rank, embedding=False, batch=batch,
+                               empty=bool(slots))
+
+    gate_up = Adapter(*values("w_gate_up", (d,), (2, f)), (*lead, "embed", "lora_rank"),
+                      (*lead, "lora_rank", None, "mlp"), n_in=1, **kwargs)
+    down = Adapter(*values("w_down", (f,), (d,)), (*lead, "mlp", "lora_rank"), (*lead, "lora_rank", "embed"), n_in=1,
+                   **kwargs)
     return LoRAExperts(moe, gate_up, down)
 
 
@@ -389,8 +368,6 @@ def apply_lora(model: nnx.Module, lora: LoRAConfig, seed: int = 0, *, slots: int
         check_targets(lora, model.config)
         if slots:
             check_slot_targets(lora, model.config)
-    elif slots and lora.wants("experts"):
-        raise ValueError("lora.targets: routed experts take no adapter slots; remove experts from lora.targets")
     stream = jax.random.fold_in(jax.random.key(seed), _STREAM)
     stacks = {id(stack): i for i, stack in enumerate(model.stacks())} if hasattr(model, "stacks") else {}
     for path, module in list(nnx.iter_modules(model)):
@@ -399,14 +376,14 @@ def apply_lora(model: nnx.Module, lora: LoRAConfig, seed: int = 0, *, slots: int
             where = ".".join(str(p) for p in (*path, name))
             key = jax.random.fold_in(stream, zlib.crc32(where.encode()))
             if isinstance(value, MoE) and lora.wants("experts"):
-                setattr(module, name, _wrap_experts(value, lora, key, stack))
+                setattr(module, name, _wrap_experts(value, lora, stream, where, stack, slots))
             elif isinstance(value, Linear | Embedding) and lora.wants(WEIGHT_TARGETS.get(name, "")):
                 setattr(module, name, _wrap_linear(value, WEIGHT_TARGETS[name], lora, key, stack, slots))
     if getattr(model, "lm_head", 0) is None and lora.wants("lm_head"):  # tied to the embedding
         key = jax.random.fold_in(stream, zlib.crc32(b"lm_head"))
         model.lm_head = nnx.data(_wrap_tied_head(model.embed, lora, key, slots))  # was a static None
     if isinstance(model, MoE) and lora.wants("experts"):  # a MoE block alone
-        return _wrap_experts(model, lora, jax.random.fold_in(stream, zlib.crc32(b"")), None)
+        return _wrap_experts(model, lora, stream, "", None, slots)
     return model
 
 
@@ -424,8 +401,6 @@ def check_targets(lora: LoRAConfig, config) -> None:
 
 def check_slot_targets(lora: LoRAConfig, config) -> None:
     """Raises ValueError naming `lora.targets` for a target that cannot hold adapter slots."""
-    if lora.wants("experts"):
-        raise ValueError("lora.targets: routed experts take no adapter slots; remove experts from lora.targets")
     if config.tie_word_embeddings and lora.wants("embed_tokens"):
         raise ValueError("lora.targets: embed_tokens is also the LM head in a model with tied embeddings "
                          "(model.tie_word_embeddings), which takes no adapter slots; remove it from lora.targets")

@@ -1,6 +1,7 @@
 """DeepSeek-V3's routed experts with adapters (`models.lora`'s "experts" target): one adapter per
 expert on the fused gate and up projections and one on the down projection, applied inside the
-expert dispatch beside each grouped matmul."""
+expert dispatch beside each grouped matmul. With adapter slots, every expert holds one adapter per
+slot and each row's tokens take their row's slot's (`SlotAdaptedExperts`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from podtrain.models.lora_rows import current_rows
 from podtrain.models.moe.block import MoE
 from podtrain.models.moe.experts import SwiGLUExperts
 
@@ -33,6 +35,9 @@ class AdaptedExperts:
     def weights(self) -> SwiGLUExperts:
         return self.base
 
+    def adapters(self) -> int:
+        return 1
+
     def names(self) -> AdaptedExperts:
         return AdaptedExperts(self.base.names(), ("experts", "embed", "lora_rank"),
                               ("experts", "lora_rank", None, "mlp"), ("experts", "mlp", "lora_rank"),
@@ -54,9 +59,36 @@ class AdaptedExperts:
     def split(self):
         return self.base, (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
 
-    @staticmethod
-    def join(frozen, trained):
-        return AdaptedExperts(frozen, *trained)
+    @classmethod
+    def join(cls, frozen, trained):
+        return cls(frozen, *trained)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotAdaptedExperts(AdaptedExperts):
+    """`AdaptedExperts` with an adapter axis after the expert axis (`(E, S, ...)`): each row takes
+    the adapter of its slot (`matmul.by_adapter`), `B`s scaled and masked above the slot's rank."""
+
+    def adapters(self) -> int:
+        return self.gate_up_a.shape[1]
+
+    def names(self) -> SlotAdaptedExperts:
+        return SlotAdaptedExperts(self.base.names(), ("experts", "lora_adapters", "embed", "lora_rank"),
+                                  ("experts", "lora_adapters", "lora_rank", None, "mlp"),
+                                  ("experts", "lora_adapters", "mlp", "lora_rank"),
+                                  ("experts", "lora_adapters", "lora_rank", "embed"))
+
+    def in_projections(self, rows, matmul):
+        gate, up = self.frozen().in_projections(rows, matmul)
+        experts, slots, rank, _, f = self.gate_up_b.shape
+        low = matmul.by_adapter(rows, self.gate_up_a)
+        update = matmul.by_adapter(low, self.gate_up_b.reshape(experts, slots, rank, 2 * f))
+        return gate + update[..., :f], up + update[..., f:]
+
+    def out_projection(self, hidden, matmul):
+        low = matmul.by_adapter(hidden, self.down_a)
+        return self.frozen().out_projection(hidden, matmul) + matmul.by_adapter(low, self.down_b)
 
 
 class LoRAExperts(nnx.Module):
@@ -67,9 +99,17 @@ class LoRAExperts(nnx.Module):
 
     def __call__(self, x_BTD):
         dtype = self.base.dtype
-        scale = jnp.asarray(self.gate_up.scale, dtype)
-        matrices = [m[...].astype(dtype) for m in (self.gate_up.lora_a, self.gate_up.lora_b, self.down.lora_a,
-                                                   self.down.lora_b)]
-        experts = AdaptedExperts(self.base.experts(), matrices[0], matrices[1] * scale, matrices[2],
-                                 matrices[3] * scale)
-        return self.base(x_BTD, experts=experts)
+        a_gate_up, b_gate_up, a_down, b_down = (m[...].astype(dtype) for m in (
+            self.gate_up.lora_a, self.gate_up.lora_b, self.down.lora_a, self.down.lora_b))
+        if not self.gate_up.slots:
+            scale = jnp.asarray(self.gate_up.scale, dtype)
+            experts = AdaptedExperts(self.base.experts(), a_gate_up, b_gate_up * scale, a_down, b_down * scale)
+            return self.base(x_BTD, experts=experts)
+        # Each slot's scale and rank, as its rows give them (padding rows, of scale 0, add nothing).
+        current, slots, rank = current_rows(), self.gate_up.slots, a_down.shape[-1]
+        scale = jnp.zeros((slots,), jnp.float32).at[current.index].max(current.scale)
+        ranks = jnp.zeros((slots,), jnp.int32).at[current.index].max(current.rank)
+        keep = ((jnp.arange(rank) < ranks[:, None]) * scale[:, None]).astype(dtype)  # (S, r)
+        experts = SlotAdaptedExperts(self.base.experts(), a_gate_up, b_gate_up * keep[None, :, :, None, None], a_down,
+                                     b_down * keep[None, :, :, None])
+        return self.base(x_BTD, experts=experts, adapter_B=current.index)

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from podtrain.models.lora import _STREAM, AdaptedWeight, Adapter, LoRAEmbedding, _adapter_values, adapters
+from podtrain.models.lora_experts import LoRAExperts
 
 
 def _slot_axis(adapter: Adapter) -> int:
@@ -45,9 +46,10 @@ def init_slot(model: nnx.Module, slot, rank, targets: Sequence[str] | Mapping[st
             raise ValueError(f"rank: expected 1 to {max_rank}, found {rank}")
         in_shape = a_all.shape[axis + 1:-1]
         out_shape = adapter.lora_b.shape[axis + 2:]
+        layers = 1 if adapter.lora_a.get_metadata()["out_sharding"][0] == "layers" else 0
         a, b = _adapter_values(jax.random.fold_in(stream, zlib.crc32(key.encode())), in_shape, out_shape,
-                               a_all.shape[0] if axis else 0, a_all.dtype, max_rank,
-                               embedding=isinstance(adapter, LoRAEmbedding))
+                               a_all.shape[0] if layers else 0, a_all.dtype, max_rank,
+                               embedding=isinstance(adapter, LoRAEmbedding), batch=a_all.shape[layers:axis])
         keep = (jnp.arange(max_rank) < rank) & jnp.asarray(chosen.get(adapter.target, False))
         a = jnp.where(keep, a, 0)
         b = jnp.where(keep.reshape([1] * axis + [max_rank] + [1] * (b.ndim - axis - 1)), b, 0)
@@ -74,6 +76,18 @@ def set_slot_arrays(adapter: Adapter, slot: int, a: jax.Array, b: jax.Array) -> 
         param.set_value(updated)
 
 
+def _one_slot(adapter: Adapter, slot: int, rank: int, alpha: float) -> tuple[tuple, dict]:
+    """The constructor arguments of slot `slot`'s adapter alone, cut to `rank`."""
+    axis = _slot_axis(adapter)
+    keep = (slice(None),) * axis
+    a = adapter.lora_a[...][(*keep, slot)][..., :rank]
+    b = adapter.lora_b[...][(*keep, slot, slice(0, rank))]
+    names_a = tuple(n for n in adapter.lora_a.get_metadata()["out_sharding"] if n != "lora_adapters")
+    names_b = tuple(n for n in adapter.lora_b.get_metadata()["out_sharding"] if n != "lora_adapters")
+    return (a, b, names_a, names_b), dict(n_in=adapter.n_in, scale=alpha / rank, target=adapter.target,
+                                          rate=adapter.rate, stack=adapter.stack)
+
+
 def slot_view(model: nnx.Module, slot: int, rank: int, alpha: float, targets: Sequence[str]) -> nnx.Module:
     """A copy of `model` whose adapters are slot `slot`'s alone, as `apply_lora` would make an
     adapter of rank `rank` and `alpha` on `targets` (what PEFT export and single-adapter runs read);
@@ -81,19 +95,19 @@ def slot_view(model: nnx.Module, slot: int, rank: int, alpha: float, targets: Se
     view = nnx.clone(model)
     for _, module in list(nnx.iter_modules(view)):
         for name, value in list(vars(module).items()):
-            if not (isinstance(value, AdaptedWeight) and value.slots):
-                continue
-            if value.target not in targets:
-                setattr(module, name, value.base)
-                continue
-            axis = _slot_axis(value)
-            keep = (slice(None),) * axis
-            a = value.lora_a[...][(*keep, slot)][..., :rank]
-            b = value.lora_b[...][(*keep, slot, slice(0, rank))]
-            names_a = tuple(n for n in value.lora_a.get_metadata()["out_sharding"] if n != "lora_adapters")
-            names_b = tuple(n for n in value.lora_b.get_metadata()["out_sharding"] if n != "lora_adapters")
-            setattr(module, name, type(value)(value.base, a, b, names_a, names_b, n_in=value.n_in, scale=alpha / rank,
-                                              target=value.target, rate=value.rate, stack=value.stack))
+            if isinstance(value, LoRAExperts) and value.gate_up.slots:
+                if "experts" not in targets:
+                    setattr(module, name, value.base)
+                    continue
+                gate_up, down = (Adapter(*args, **kwargs) for args, kwargs in (
+                    _one_slot(value.gate_up, slot, rank, alpha), _one_slot(value.down, slot, rank, alpha)))
+                setattr(module, name, LoRAExperts(value.base, gate_up, down))
+            elif isinstance(value, AdaptedWeight) and value.slots:
+                if value.target not in targets:
+                    setattr(module, name, value.base)
+                    continue
+                args, kwargs = _one_slot(value, slot, rank, alpha)
+                setattr(module, name, type(value)(value.base, *args, **kwargs))
     return view
 
 

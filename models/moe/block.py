@@ -45,12 +45,14 @@ class MoE(nnx.Module):
         """The routed experts' weights in the compute dtype."""
         return SwiGLUExperts(*(p[...].astype(self.dtype) for p in (self.w_gate, self.w_up, self.w_down)))
 
-    def __call__(self, x_BTD, *, experts=None):
-        """`experts` replaces the routed experts `experts()` gives (a feature made around them)."""
+    def __call__(self, x_BTD, *, experts=None, adapter_B=None):
+        """`experts` replaces the routed experts `experts()` gives (a feature made around them);
+        `adapter_B` gives each batch row its adapter slot, for experts with slots."""
         weights, chosen = route(x_BTD, weight(self.router, jnp.float32), self.router_bias[...], self.config)
         y, load, dropped = routed_experts(x_BTD, chosen, weights, self.experts() if experts is None else experts,
                                           capacity_factor=self.config.capacity_factor,
-                                          buffer_factor=self.config.buffer_factor, kernels=self.kernels)
+                                          buffer_factor=self.config.buffer_factor, kernels=self.kernels,
+                                          adapter_B=adapter_B)
         y = y.astype(x_BTD.dtype)
         if self.shared is not None:
             y = y + self.shared(x_BTD)

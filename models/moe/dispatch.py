@@ -9,11 +9,13 @@ dimensions sharded over `fsdp`, summing partial results over `tp`), and a second
 brings the results home, where they are weighted and summed per token. Partial results are summed
 only over mesh axes that split the expert hidden dimension but not the tokens (devices along such
 an axis hold the same tokens); a hidden dimension split over a token axis is all-gathered instead.
-Whatever arrays the experts object holds (`moe.experts`) travel and are gathered alike.
+Whatever arrays the experts object holds (`moe.experts`) travel and are gathered alike. Experts
+with adapter slots get each batch row's slot (`adapter_B`), which travels with its tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from podtrain.models.kernels.grouped_matmul import grouped_matmul
 from podtrain.models.moe.dropless import Kernels, buffer_rows, dropless_rows
 from podtrain.models.moe.experts import EXPERT_GATE_NAMES, run_experts
 from podtrain.sharding.rules import axes_of, logical_to_spec
@@ -57,21 +60,54 @@ def _gather_weights(experts, *, embed_axes, mlp_axes, token_axes):
     return jax.tree.map(gathered, experts, experts.names()), tuple(a for a in mlp_axes if a not in token_axes)
 
 
-def _slot_rows(x_ND, token, sorted_expert, load, experts, *, num_experts, slots, ep_axis, ep, sum_axes):
+@dataclasses.dataclass(frozen=True)
+class _Buffered:
+    """The experts' matmuls of rows in fixed buffers `(L, M, K)`: einsums; `adapter` (L, M) is each
+    row's adapter slot of `adapters` (None: no slots)."""
+
+    adapter: jax.Array | None
+    adapters: int
+    kernels: Kernels
+
+    def __call__(self, rows, w_LKN):
+        """rows @ w[expert]."""
+        return jnp.einsum("eck,ekn->ecn", rows, w_LKN)
+
+    def by_adapter(self, rows, w_LSKN):
+        """rows @ w[expert, slot]: the rows sorted by (expert, slot) through a grouped matmul."""
+        experts, m, k = rows.shape
+        group = (jnp.arange(experts)[:, None] * self.adapters + self.adapter).reshape(-1)
+        order = jnp.argsort(group, stable=True)
+        sizes = jnp.bincount(group, length=experts * self.adapters).astype(jnp.int32)
+        out = grouped_matmul(rows.reshape(experts * m, k)[order], w_LSKN.reshape(-1, k, w_LSKN.shape[-1]), sizes,
+                             implementation=self.kernels.grouped_matmul, interpret=self.kernels.interpret)
+        return jnp.zeros_like(out).at[order].set(out).reshape(experts, m, -1)
+
+
+def _slot_rows(x_ND, token, sorted_expert, sorted_adapter, load, experts, *, num_experts, slots, ep_axis, ep,
+               sum_axes, kernels):
     """Capacity dispatch: each expert takes its first `slots` rows from each device, in fixed
-    buffers moved by all-to-all. Returns (rows' results, kept)."""
+    buffers moved by all-to-all (with their adapter slots, `sorted_adapter`, if not None). Returns
+    (rows' results, kept)."""
     d = x_ND.shape[1]
     local_experts = num_experts // ep
     first = jnp.cumsum(load) - load
     slot = jnp.arange(sorted_expert.shape[0]) - first[jnp.minimum(sorted_expert, num_experts - 1)]
     kept = (slot < slots) & (sorted_expert < num_experts)  # padding tokens pick expert id `num_experts`
     target = jnp.where(kept, sorted_expert * slots + slot, num_experts * slots)
-    send = jnp.zeros((num_experts * slots, d), x_ND.dtype).at[target].set(x_ND[token], mode="drop")
-    buf = send.reshape(ep, local_experts * slots, d)
-    if ep_axis is not None:
-        buf = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [source device] -> slots of my experts
-    rows = buf.reshape(ep, local_experts, slots, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * slots, d)
-    _, _, out = run_experts(experts, rows, lambda x, w: jnp.einsum("eck,ekn->ecn", x, w))
+
+    def to_owners(values):
+        """(E * slots, ...) buffers in sender order -> (L, ep * slots, ...) of my experts."""
+        buf = values.reshape(ep, local_experts * slots, *values.shape[1:])
+        if ep_axis is not None:
+            buf = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [source device] -> slots of my experts
+        buf = buf.reshape(ep, local_experts, slots, *values.shape[1:])
+        return jnp.moveaxis(buf, 0, 1).reshape(local_experts, ep * slots, *values.shape[1:])
+
+    rows = to_owners(jnp.zeros((num_experts * slots, d), x_ND.dtype).at[target].set(x_ND[token], mode="drop"))
+    adapter = None if sorted_adapter is None else to_owners(
+        jnp.zeros((num_experts * slots,), jnp.int32).at[target].set(sorted_adapter, mode="drop"))
+    _, _, out = run_experts(experts, rows, _Buffered(adapter, experts.adapters(), kernels))
     if sum_axes:
         out = jax.lax.psum(out, sum_axes)
     out = out.reshape(local_experts, ep, slots, d).transpose(1, 0, 2, 3).reshape(ep, local_experts * slots, d)
@@ -81,24 +117,29 @@ def _slot_rows(x_ND, token, sorted_expert, load, experts, *, num_experts, slots,
     return jnp.where(kept[:, None], out[jnp.minimum(target, num_experts * slots - 1)], 0), kept
 
 
-def _local_experts(x_ND, expert_NK, weight_NK, experts, *, num_experts, slots, ep_axis, ep, embed_axes, mlp_axes,
-                   token_axes, buffer_factor, kernels):
+def _local_experts(x_ND, expert_NK, weight_NK, adapter_N, experts, *, num_experts, slots, ep_axis, ep, embed_axes,
+                   mlp_axes, token_axes, buffer_factor, kernels):
     """One device's dispatch, expert computation and combine (the body of the shard_map).
 
-    `slots=None` is dropless: rows sorted by expert, grouped matmuls over exactly those rows
-    (`ragged.dropless_rows`); else the capacity dispatch of `slots` per expert and device.
+    `slots=None` is dropless: rows sorted by expert (and adapter slot), grouped matmuls over
+    exactly those rows (`ragged.dropless_rows`); else the capacity dispatch of `slots` per expert
+    and device. `adapter_N` is each token's adapter slot (None: no slots).
     """
     n, d = x_ND.shape
     k = expert_NK.shape[1]
+    per_expert = experts.adapters()
     flat_expert = expert_NK.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
+    flat_adapter = None if adapter_N is None else jnp.repeat(adapter_N.astype(jnp.int32), k)
+    group = flat_expert if slots is not None or flat_adapter is None else flat_expert * per_expert + flat_adapter
+    order = jnp.argsort(group, stable=True)
     sorted_expert = flat_expert[order]
     load = jnp.bincount(flat_expert, length=num_experts)
     token = order // k
     experts, sum_axes = _gather_weights(experts, embed_axes=embed_axes, mlp_axes=mlp_axes, token_axes=token_axes)
     real = sorted_expert < num_experts
     if slots is None:
-        counts = load.reshape(1, ep, num_experts // ep)
+        groups = per_expert if flat_adapter is not None else 1
+        counts = jnp.bincount(group, length=num_experts * groups).reshape(1, ep, num_experts // ep * groups)
         if ep_axis is not None:
             counts = jax.lax.all_gather(counts[0], ep_axis)  # (sender, owner, local expert)
         buffer = buffer_rows(n * k, ep, k, num_experts // ep, buffer_factor)
@@ -107,8 +148,9 @@ def _local_experts(x_ND, expert_NK, weight_NK, experts, *, num_experts, slots, e
                                      sum_axes, one_round, kernels)
         kept = real
     else:
-        out, kept = _slot_rows(x_ND, token, sorted_expert, load, experts, num_experts=num_experts, slots=slots,
-                               ep_axis=ep_axis, ep=ep, sum_axes=sum_axes)
+        out, kept = _slot_rows(x_ND, token, sorted_expert, None if flat_adapter is None else flat_adapter[order], load,
+                               experts, num_experts=num_experts, slots=slots, ep_axis=ep_axis, ep=ep,
+                               sum_axes=sum_axes, kernels=kernels)
         contribution = out * weight_NK.reshape(-1)[order][:, None].astype(out.dtype)
     y = jnp.zeros((n, d), contribution.dtype).at[token].add(contribution)
     dropped = jnp.sum(real & ~kept).astype(jnp.float32)
@@ -119,7 +161,7 @@ def _local_experts(x_ND, expert_NK, weight_NK, experts, *, num_experts, slots, e
 
 
 def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: float, buffer_factor: float,
-                   kernels: Kernels):
+                   kernels: Kernels, adapter_B=None):
     """sum_k weight[k] * expert `expert[k]`(x) for every token, experts run where they live.
 
     Args:
@@ -132,6 +174,7 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: f
         buffer_factor: dropless only: rows per exchange round as a multiple of a device's own
             assignments (see `dropless.buffer_rows`); routing beyond it takes more rounds.
         kernels: the dropless dispatch's grouped matmul and exchange.
+        adapter_B: int (B,) each batch row's adapter slot, for experts with slots (`adapters()`).
 
     Returns:
         (y_BTD, load_E, dropped): the combined expert outputs, the tokens routed to each expert
@@ -143,10 +186,11 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: f
     options = dict(buffer_factor=buffer_factor, kernels=kernels)
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh is None or mesh.empty else dict(mesh.shape)
+    adapter_BT = None if adapter_B is None else jnp.broadcast_to(adapter_B.astype(jnp.int32)[:, None], (b, t))
     if not any(size > 1 for size in sizes.values()):
         y, load, dropped = _local_experts(
             x_BTD.reshape(b * t, d), expert_BTK.reshape(b * t, -1), weight_BTK.reshape(b * t, -1),
-            experts, num_experts=num_experts,
+            None if adapter_BT is None else adapter_BT.reshape(-1), experts, num_experts=num_experts,
             slots=_slots(b * t, expert_BTK.shape[-1], num_experts, capacity_factor), ep_axis=None, ep=1,
             embed_axes=(), mlp_axes=(), token_axes=(), **options,
         )
@@ -164,7 +208,8 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: f
         widths = ((0, pad_b), (0, pad_t), (0, 0))
         y, load, dropped = routed_experts(
             jnp.pad(x_BTD, widths), jnp.pad(expert_BTK, widths, constant_values=num_experts),
-            jnp.pad(weight_BTK, widths), experts, capacity_factor=capacity_factor, **options)
+            jnp.pad(weight_BTK, widths), experts, capacity_factor=capacity_factor,
+            adapter_B=None if adapter_B is None else jnp.pad(adapter_B, (0, pad_b)), **options)
         return y[:b, :t], load, dropped
     expert_axes = axes_of(gate_spec[0])
     token_axes = tuple(a for entry in token_spec for a in axes_of(entry))
@@ -188,15 +233,16 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: f
         token_axes=token_axes, **options,
     )
 
-    def flat(x, expert, weight, experts):
+    def flat(x, expert, weight, experts, *adapter):
         lb, lt = x.shape[:2]
         y, load, dropped = body(x.reshape(lb * lt, d), expert.reshape(lb * lt, -1), weight.reshape(lb * lt, -1),
-                                experts)
+                                adapter[0].reshape(-1) if adapter else None, experts)
         return y.reshape(lb, lt, d), load, dropped
 
+    adapters = () if adapter_BT is None else (adapter_BT,)
     return jax.shard_map(
         flat,
-        in_specs=(x_spec, x_spec, x_spec, specs),
+        in_specs=(x_spec, x_spec, x_spec, specs, *(PartitionSpec(*token_spec) for _ in adapters)),
         out_specs=(x_spec, PartitionSpec(), PartitionSpec()),
         check_vma=body.keywords["slots"] is not None,  # see dropless.dropless_rows
-    )(x_BTD, expert_BTK, weight_BTK, experts)
+    )(x_BTD, expert_BTK, weight_BTK, experts, *adapters)

@@ -11,7 +11,9 @@ grouped matmuls (`kernels.grouped_matmul`), and a second ragged all-to-all puts 
 their senders' rows. Routing no worse than the buffer takes one round; more takes more rounds,
 and nothing is dropped. The backward pass (a custom VJP) keeps round 0's windows at their owners
 and sends only gradients; later rounds send the rows again and the owners recompute their
-projections.
+projections. Experts with adapter slots (`experts.adapters()` = S) make every expert S groups, one
+per slot: rows are sorted and counted by (expert, slot), so an owner knows each row's slot from
+where it lands, as it knows its expert.
 """
 
 from __future__ import annotations
@@ -54,13 +56,37 @@ def _exclusive_cumsum(x, axis):
     return jnp.cumsum(x, axis=axis) - x
 
 
-class _Plan:
-    """Offsets of every round, from the counts `(ep senders, ep owners, L local experts)`."""
+@dataclasses.dataclass(frozen=True)
+class _Grouped:
+    """The experts' matmuls of rows sorted by expert and, within one, by adapter slot: `sizes` rows
+    in each (local expert, slot) group, `adapters` slots per expert."""
 
-    def __init__(self, counts_SJL, axis, buffer: int, kernels: Kernels):
-        self.counts, self.axis, self.buffer, self.kernels = counts_SJL, axis, buffer, kernels
+    sizes: jax.Array
+    adapters: int
+    kernels: Kernels
+
+    def _gmm(self, rows, w, sizes):
+        k = self.kernels
+        return grouped_matmul(rows, w, sizes, implementation=k.grouped_matmul, interpret=k.interpret)
+
+    def __call__(self, rows, w_LKN):
+        """rows @ w[expert]."""
+        return self._gmm(rows, w_LKN, self.sizes.reshape(-1, self.adapters).sum(1, dtype=jnp.int32))
+
+    def by_adapter(self, rows, w_LSKN):
+        """rows @ w[expert, slot]."""
+        return self._gmm(rows, w_LSKN.reshape(-1, *w_LSKN.shape[2:]), self.sizes)
+
+
+class _Plan:
+    """Offsets of every round, from the counts `(ep senders, ep owners, G)`, G = L local experts
+    times `adapters` slots, in (expert, slot) order."""
+
+    def __init__(self, counts_SJG, axis, buffer: int, kernels: Kernels, adapters: int):
+        self.counts, self.axis, self.buffer, self.kernels = counts_SJG, axis, buffer, kernels
+        self.adapters = adapters
         self.me = me = jax.lax.axis_index(axis) if axis is not None else 0
-        sent = counts_SJL.sum(-1)  # (s, j): rows s sends to j
+        sent = counts_SJG.sum(-1)  # (s, j): rows s sends to j
         self.sent = sent
         self.start = _exclusive_cumsum(sent, 1)  # where s's rows for j begin among s's rows
         self.place = _exclusive_cumsum(sent, 0)  # where they begin among j's received rows
@@ -73,10 +99,9 @@ class _Plan:
         return ragged_exchange(operand, output, *offsets_and_sizes, axis=self.axis, chunk=self.buffer,
                                implementation=self.kernels.exchange)
 
-    def matmul(self, sizes):
-        """rows @ w[group] for rows in group order, `sizes[l]` rows in group l: the experts' matmul."""
-        k = self.kernels
-        return lambda rows, w: grouped_matmul(rows, w, sizes, implementation=k.grouped_matmul, interpret=k.interpret)
+    def matmul(self, sizes) -> _Grouped:
+        """The experts' matmuls of rows in group order, `sizes[g]` rows in group g."""
+        return _Grouped(sizes, self.adapters, self.kernels)
 
     def _window(self, r):
         """(s, j) rows of the round's window: first position among j's rows, and how many."""
@@ -97,14 +122,14 @@ class _Plan:
         return (lo[:, me] - r * self.buffer, size[:, me], self.start[:, me] + lo[:, me] - self.place[:, me], size[me])
 
     def groups(self, r):
-        """(order, group sizes): my window's rows in local-expert order, and rows per expert."""
+        """(order, group sizes): my window's rows in (local expert, slot) order, and rows per group."""
         local = self.counts.shape[-1]
-        ends = jnp.cumsum(self.counts[:, self.me].reshape(-1))  # segments (sender, local expert) in order
+        ends = jnp.cumsum(self.counts[:, self.me].reshape(-1))  # segments (sender, group) in order
         position = r * self.buffer + jnp.arange(self.buffer)
         segment = jnp.searchsorted(ends, position, side="right")
-        expert = jnp.where(position < self.received, segment % local, local)
-        order = jnp.argsort(expert, stable=True)
-        sizes = jnp.sum(expert[:, None] == jnp.arange(local), axis=0, dtype=jnp.int32)
+        group = jnp.where(position < self.received, segment % local, local)
+        order = jnp.argsort(group, stable=True)
+        sizes = jnp.sum(group[:, None] == jnp.arange(local), axis=0, dtype=jnp.int32)
         return order, sizes
 
 
@@ -158,10 +183,11 @@ def dropless_rows(rows, row_weights, counts_SJL, experts, axis, buffer, sum_axes
     run on the device owning `e`.
 
     Args:
-        rows: (N, D) my assignments' token vectors, sorted by expert; rows past the counted ones
-            (padding) are not sent and give zeros.
+        rows: (N, D) my assignments' token vectors, sorted by expert (and slot); rows past the
+            counted ones (padding) are not sent and give zeros.
         row_weights: (N,) their combine weights.
-        counts_SJL: int (ep, ep, L): rows device s has for local expert l of device j.
+        counts_SJL: int (ep, ep, L * S): rows device s has for local expert l of device j (and
+            each of its S = `experts.adapters()` slots).
         experts: my experts (`moe.experts`): their weights, or what a feature made around them;
             only their trained arrays get gradients.
         axis: the expert mesh axis (None: one device holds every expert).
@@ -185,7 +211,7 @@ def dropless_rows(rows, row_weights, counts_SJL, experts, axis, buffer, sum_axes
 
 def _forward(rows, counts_SJL, experts, axis, buffer, sum_axes, one_round, kernels):
     """(my rows' unweighted results, round 0's owner-side values)."""
-    plan = _Plan(counts_SJL, axis, buffer, kernels)
+    plan = _Plan(counts_SJL, axis, buffer, kernels, experts.adapters())
 
     def round_(r, out):
         result, _ = _round(plan, r, rows, experts, sum_axes)
@@ -204,7 +230,7 @@ def _dropless_fwd(rows, row_weights, counts_SJL, experts, axis, buffer, sum_axes
 
 def _dropless_bwd(axis, buffer, sum_axes, one_round, kernels, residuals, d_out):
     rows, row_weights, counts_SJL, experts, (window, gate, up, partial, order, sizes) = residuals
-    plan = _Plan(counts_SJL, axis, buffer, kernels)
+    plan = _Plan(counts_SJL, axis, buffer, kernels, experts.adapters())
     width = rows.shape[1]
     if sum_axes:  # the output is the same along these axes: each device got a share of its gradient
         d_out = jax.lax.psum(d_out, sum_axes)

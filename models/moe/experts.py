@@ -5,6 +5,8 @@ An experts object is a pytree of per-expert weights that says how rows pass thro
 einsums over fixed slots in the capacity dispatch), the logical axes of each of its arrays (the
 dispatch gathers their FSDP-sharded dimensions) and which of its arrays are trained. Features that
 change the experts (adapters) are other such objects, made around these after the model is built.
+One with `adapters()` > 1 holds arrays `(E, S, ...)`, one per adapter slot, and multiplies each row
+by its own slot's with `matmul.by_adapter(rows, w)` (the dispatch carries each row's slot).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class SwiGLUExperts:
     def weights(self) -> SwiGLUExperts:
         """The experts' own weights."""
         return self
+
+    def adapters(self) -> int:
+        """Adapter slots whose arrays the rows pick by their slot (1: none)."""
+        return 1
 
     def names(self) -> SwiGLUExperts:
         """The logical axes of each array, in the same structure."""

@@ -35,10 +35,12 @@ def check_work(info: BaseInfo, targets: Sequence[str], work: Work) -> None:
 def serve_targets(model_type: str, *, attn: bool = True, mlp: bool = True, unembed: bool = True) -> tuple[str, ...]:
     """The adapter targets of Tinker's `train_attn` / `train_mlp` / `train_unembed` switches.
     DeepSeek-V3's attention targets are MLA's projections; its MLP targets are the dense and
-    shared-expert MLPs (routed experts take no adapter slots). The LM head's
-    adapter, on a model with tied embeddings, adapts the output projection alone (as PEFT's does)."""
-    attention = ((*MLA_TARGETS, "o_proj") if model_type == "deepseek_v3" else ATTENTION_TARGETS)
-    targets = (*(attention if attn else ()), *(MLP_TARGETS if mlp else ()), *(("lm_head",) if unembed else ()))
+    shared-expert MLPs and the routed experts. The LM head's adapter, on a model with tied
+    embeddings, adapts the output projection alone (as PEFT's does)."""
+    deepseek = model_type == "deepseek_v3"
+    attention = (*MLA_TARGETS, "o_proj") if deepseek else ATTENTION_TARGETS
+    feed_forward = (*MLP_TARGETS, "experts") if deepseek else MLP_TARGETS
+    targets = (*(attention if attn else ()), *(feed_forward if mlp else ()), *(("lm_head",) if unembed else ()))
     if not targets:
         raise ServeError("lora_config: expected at least one of train_attn, train_mlp, train_unembed")
     return targets

@@ -5,6 +5,8 @@ out whole; what cannot take slots is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +18,8 @@ from podtrain.models import ARCHITECTURES
 from podtrain.models.lora import LoRAConfig, LoRAParam, adapters, apply_lora, rows
 from podtrain.models.lora_slots import init_slot, slot_view
 from podtrain.sharding.mesh import build_mesh
-from podtrain.sharding.place import abstract_model
-from podtrain.sharding.rules import DEFAULT_RULES
+from podtrain.sharding.place import abstract_model, state_shardings
+from podtrain.sharding.rules import DEFAULT_RULES, use_rules
 
 MLP_ONLY = ("gate_proj", "up_proj", "down_proj")
 # slot: (rank, targets, seed); slot 2 of a lower rank and other targets than slot 0.
@@ -191,10 +193,6 @@ def test_what_cannot_take_slots_is_refused_by_name():
     tied = config_of("qwen3-tiny").replace(tie_word_embeddings=True)
     with pytest.raises(ValueError, match="embed_tokens"):
         apply_lora(cls(tied, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=("q_proj", "embed_tokens")), slots=2)
-    deepseek = config_of("deepseek-v3-tiny")
-    with pytest.raises(ValueError, match="experts"):
-        apply_lora(ARCHITECTURES["deepseek_v3"].model_class(deepseek, rngs=nnx.Rngs(0)),
-                   LoRAConfig(rank=4, targets=("experts",)), slots=2)
     with pytest.raises(ValueError, match="rank: expected 1 to 4"):
         init_slot(model, 0, 5, SLOT_TARGETS, 0)
 
@@ -219,3 +217,60 @@ def test_mla_cached_decoding_gives_each_row_its_kv_b_adapter():
         reference = base if slot == 2 else singles[slot]
         np.testing.assert_allclose(got[row], np.asarray(reference(ids[row:row + 1])[0])[0], rtol=1e-4, atol=1e-4)
     assert np.abs(got[0] - np.asarray(base(ids[:1])[0])[0]).max() > 1e-3  # slot 1 (kv_b alone) matters
+
+
+@pytest.mark.parametrize("mesh_sizes, capacity, buffer_factor", [
+    ({}, False, 1.25),
+    pytest.param({"ep": 2, "fsdp": 2}, False, 0.25, marks=pytest.mark.slow),  # about 32 rows an owner, 16 a round
+    pytest.param({"ep": 2}, True, 1.25, marks=pytest.mark.slow),
+], ids=["ep1", "ep2_fsdp2_rounds", "ep2_capacity"])
+def test_each_row_takes_its_own_expert_adapters_through_the_dispatch(mesh_sizes, capacity, buffer_factor):
+    """Routed experts with slots: each row's tokens meet its slot's expert adapters wherever their
+    experts live (dropless in one round and in several, and the capacity dispatch with room for
+    every token), for the logits and for each slot's gradients, which equal its single adapter's
+    on its rows alone."""
+    config = config_of("deepseek-v3-tiny")
+    moe = config.moe
+    config = config.replace(moe=dataclasses.replace(
+        moe, capacity_factor=capacity * moe.num_experts / moe.num_experts_per_tok, buffer_factor=buffer_factor))
+    targets = ("q_a_proj", "o_proj", "gate_proj", "experts")
+    chosen = [(4, targets, 1), (8, ("experts",), 2)]
+    model, singles = filled(config, 3, 8, chosen, targets)
+    index, ranks = [1, 0, 2, 0], [4, 8, 8]  # slot 2 is empty: the base model
+    ids = _ids(config, len(index), seq=16, seed=4)
+    graphdef, params, rest = nnx.split(model, LoRAParam, ...)
+    mesh = build_mesh({"fsdp": 1, **mesh_sizes}, jax.devices()[:max(1, int(np.prod(list(mesh_sizes.values()))))])
+
+    def placed(state):
+        return jax.device_put(state, state_shardings(state, mesh, DEFAULT_RULES))
+
+    def loss(params, rest):
+        with rows(*row_arrays(index, ranks)):
+            logits = nnx.merge(graphdef, params, rest)(ids)[0]
+        return jnp.sum(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0]), logits
+
+    with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
+        grads, got = jax.jit(jax.grad(loss, has_aux=True))(placed(params), placed(rest))
+    base = ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(0))
+    for row, slot in enumerate(index):
+        reference = base if slot == 2 else singles[slot]
+        np.testing.assert_allclose(np.asarray(got[row]), np.asarray(reference(ids[row:row + 1])[0])[0], rtol=2e-5,
+                                   atol=2e-5)
+    assert np.abs(np.asarray(got[0]) - np.asarray(base(ids[:1])[0])[0]).max() > 1e-3  # slot 1: experts alone
+    grad_model = nnx.merge(graphdef, nnx.State(grads), rest)
+    for slot, single in enumerate(singles):
+        mine = np.asarray([row for row, s in enumerate(index) if s == slot])
+        s_graph, s_params, s_rest = nnx.split(single, LoRAParam, ...)
+
+        def single_loss(p, s_graph=s_graph, s_rest=s_rest, mine=mine):
+            logits = nnx.merge(s_graph, p, s_rest)(ids[mine])[0]
+            return jnp.sum(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+
+        want = dict(adapters(nnx.merge(s_graph, nnx.State(jax.grad(single_loss)(s_params)), s_rest)))
+        rank, slot_targets, _ = chosen[slot]
+        got_grads = dict(adapters(slot_view(grad_model, slot, rank, ALPHA, slot_targets)))
+        assert got_grads.keys() == want.keys() and any("w_gate_up" in key for key in want)
+        for key, adapter in want.items():
+            for name in ("lora_a", "lora_b"):
+                w, g = np.asarray(getattr(adapter, name)[...]), np.asarray(getattr(got_grads[key], name)[...])
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(w).max()), err_msg=key)

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 from podtrain.models.kernels.exchange import resolve_exchange
 from podtrain.models.kernels.grouped_matmul import resolve_grouped_matmul
-from podtrain.models.lora import LoRAConfig, LoRAParam, apply_lora
+from podtrain.models.lora import LoRAConfig, LoRAParam, apply_lora, rows
 from podtrain.models.lora_experts import AdaptedExperts
 from podtrain.models.moe import MoE, balance_router_bias, dispatch, dropless, route
 from podtrain.models.moe.dispatch import capacity
@@ -299,23 +299,28 @@ def test_routing_is_group_limited_and_weighted_as_configured():
 needs_tpu = pytest.mark.skipif(not __import__("importlib").util.find_spec("libtpu"), reason="needs podtrain[aot]")
 
 
-def _compiled_moe(config, sizes: dict, devices, rules=DEFAULT_RULES, tokens=(8, 128), lora=None):
+def _compiled_moe(config, sizes: dict, devices, rules=DEFAULT_RULES, tokens=(8, 128), lora=None, slots=0):
     """The compiled forward and backward pass of one MoE layer (routed experts only) over
     `tokens`, and the bytes of one device's shard of its expert weights. With `lora` (a
-    `LoRAConfig`) the gradient is the adapters' and the tokens' only, as in a LoRA run."""
+    `LoRAConfig`) the gradient is the adapters' and the tokens' only, as in a LoRA run; with
+    `slots`, the adapters have that many slots and row b takes slot b % slots."""
     platform = devices[0].platform  # the kernels a run's build resolves for these devices
     moe = dataclasses.replace(config.moe, num_shared_experts=0, grouped_matmul=resolve_grouped_matmul("auto", platform),
                               exchange=resolve_exchange("auto", platform))
     config = config.replace(moe=moe, dtype="bfloat16", param_dtype="bfloat16")
     mesh = build_mesh({"fsdp": 1, **sizes}, devices[: int(np.prod(list(sizes.values())))])
-    graphdef, state = abstract_model(lambda: apply_lora(MoE(config, rngs=nnx.Rngs(0)), lora or LoRAConfig()), mesh,
-                                     rules)
+    graphdef, state = abstract_model(
+        lambda: apply_lora(MoE(config, rngs=nnx.Rngs(0)), lora or LoRAConfig(), slots=slots), mesh, rules)
     trained, frozen = nnx.split_state(state, LoRAParam if lora else nnx.Param, ...)
     token_spec = logical_to_spec(("batch", "seq", None), dict(mesh.shape), rules=rules)
     x = jax.ShapeDtypeStruct((*tokens, D), jnp.bfloat16, sharding=NamedSharding(mesh, token_spec))
 
     def loss(trained, x, frozen):
-        return nnx.merge(graphdef, trained, frozen)(x)[0].astype(jnp.float32).sum()
+        if not slots:
+            return nnx.merge(graphdef, trained, frozen)(x)[0].astype(jnp.float32).sum()
+        index = jnp.arange(tokens[0], dtype=jnp.int32) % slots
+        with rows(index, jnp.ones(tokens[0], jnp.float32), jnp.full(tokens[0], lora.rank, jnp.int32)):
+            return nnx.merge(graphdef, trained, frozen)(x)[0].astype(jnp.float32).sum()
 
     with jax.set_mesh(mesh), use_rules(rules):
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(trained, x, frozen).compile()
@@ -373,6 +378,9 @@ def test_expert_adapters_on_tpu_leave_the_frozen_experts_without_weight_gradient
     flops = lora.cost_analysis()["flops"]
     assert 3 * routed <= full <= 3.2 * routed, full
     assert 2 * routed + adapters <= flops <= 2.25 * routed + adapters, (flops, routed, adapters)
+    # With 8 adapter slots (each row its own), the adapters' matmuls are still one adapter's.
+    slotted = _compiled_moe(config, {"ep": 4}, devices, lora=LoRAConfig(rank=rank, targets=("experts",)), slots=8)[0]
+    assert 0.99 <= slotted.cost_analysis()["flops"] / flops <= 1.01, (slotted.cost_analysis()["flops"], flops)
 
 
 @pytest.mark.slow

@@ -178,7 +178,7 @@ def test_lora_targets_follow_the_switches_and_the_model(info):
     assert lora_targets(info, LoraBody(rank=1, train_mlp=False, train_unembed=False)) == attention
     deepseek = replace(info, model_type="deepseek_v3")
     assert lora_targets(deepseek, LoraBody(rank=1, train_unembed=False)) == (
-        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *mlp)
+        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *mlp, "experts")
     with pytest.raises(ServeError, match="at least one of train_attn"):
         lora_targets(info, LoraBody(rank=1, train_attn=False, train_mlp=False, train_unembed=False))
 

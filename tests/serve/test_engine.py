@@ -13,7 +13,7 @@ from flax import nnx
 from serve_fixtures import ADAM, TARGETS, make_engine, padded, reference_loss, reference_losses, sft_datum, single
 
 from podtrain.models.generate import generate
-from podtrain.models.lora import LoRAParam
+from podtrain.models.lora import LoRAParam, adapters
 from podtrain.models.lora_slots import slot_view
 from podtrain.orchestrator.serve.work import (
     Create,
@@ -231,15 +231,16 @@ def test_a_sharded_engine_gives_the_one_device_results(engine):
 
 
 def test_deepseek_v3_with_expert_parallel_experts_trains_and_samples_its_adapters():
-    """MLA and MoE layers, experts over ep=2, the LM head tied to the embedding: two adapters train
-    in one step, and their logprobs and greedy sampling equal those of the adapter alone."""
+    """MLA and MoE layers, experts over ep=2 with adapters, the LM head tied to the embedding: two
+    adapters train in one step, and their logprobs and greedy sampling equal those of the adapter
+    alone."""
     from podtrain.orchestrator.serve.checks import serve_targets
     from podtrain.sharding.rules import use_rules
 
     deepseek = make_engine("deepseek-v3-tiny", devices=4,
                            overrides=("mesh.ep=2", "mesh.fsdp=2", "model.tie_word_embeddings=true"))
     targets = serve_targets("deepseek_v3")
-    assert "lm_head" in targets
+    assert "lm_head" in targets and "experts" in targets
     rng = np.random.default_rng(6)
     vocab = deepseek.info().vocab_size
     data = tuple(sft_datum(rng, 12, vocab) for _ in range(2))
@@ -248,6 +249,8 @@ def test_deepseek_v3_with_expert_parallel_experts_trains_and_samples_its_adapter
     deepseek.run([ForwardBackward("b", data, "cross_entropy"), OptimStep("a", ADAM), OptimStep("b", ADAM)])
     out = deepseek.run([ForwardBackward("a", data, "cross_entropy", backward=False)])[0]
     assert out.metrics["loss:sum"] < before
+    trained = dict(adapters(single(deepseek, "a")))
+    assert any(key.endswith("w_down") and np.asarray(a.lora_b[...]).any() for key, a in trained.items())
     with jax.sharding.set_mesh(deepseek.mesh), use_rules(deepseek.rules):
         want, _ = reference_losses(single(deepseek, "a"), data)
     for got, lp in zip(out.outputs, want, strict=True):
