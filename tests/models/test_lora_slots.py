@@ -132,14 +132,18 @@ def test_empty_slots_and_new_adapters_leave_the_base_unchanged():
         np.testing.assert_allclose(np.asarray(model(ids)[0]), want, rtol=0, atol=0)
 
 
-def test_a_new_slot_is_the_adapter_apply_lora_makes_cut_to_its_rank():
+@pytest.mark.parametrize("preset, slot_targets, targets, exact", [
+    ("llama3-tiny", SLOT_TARGETS, ("q_proj", "down_proj", "embed_tokens"), True),
+    ("deepseek-v3-tiny", ("q_a_proj", "gate_proj", "experts"), ("q_a_proj", "experts"), False),
+])
+def test_a_new_slot_is_the_adapter_apply_lora_makes_cut_to_its_rank(preset, slot_targets, targets, exact):
     """PEFT's init draws every rank alike: a rank-4 slot is the first 4 ranks of the adapter
-    `apply_lora` makes at the slots' rank 8, whether the rank and targets are traced or not."""
-    config = config_of()
-    targets = ("q_proj", "down_proj", "embed_tokens")
-    model = slotted(config, 3, 8)
+    `apply_lora` makes at the slots' rank 8 (routed experts' adapters included), whether the rank
+    and targets are traced or not."""
+    config = config_of(preset)
+    model = slotted(config, 3, 8, slot_targets)
     init_slot(model, 2, 4, targets, seed=7)
-    traced = slotted(config, 3, 8)
+    traced = slotted(config, 3, 8, slot_targets)
     graphdef, params, rest = nnx.split(traced, LoRAParam, ...)
 
     @jax.jit
@@ -148,9 +152,15 @@ def test_a_new_slot_is_the_adapter_apply_lora_makes_cut_to_its_rank():
         init_slot(m, 2, rank, chosen, 7)
         return nnx.state(m, LoRAParam)
 
-    nnx.update(traced, new(params, jnp.int32(4), {t: jnp.asarray(t in targets) for t in SLOT_TARGETS}))
+    nnx.update(traced, new(params, jnp.int32(4), {t: jnp.asarray(t in targets) for t in slot_targets}))
     want = dict(adapters(alone(config, 8, targets, 7)))
-    for got in (dict(adapters(slot_view(m, 2, 4, ALPHA, targets))) for m in (model, traced)):
+    # Compiled, the uniform draw's scale and shift may fuse differently from the eager ops: on the
+    # DeepSeek-V3 stacks some values differ by one float32 ulp of the draw's range, so the traced
+    # init is compared there with the eager one to that ulp.
+    traced_values, eager_values = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.state(m, LoRAParam))])
+                                   for m in (traced, model))
+    np.testing.assert_allclose(traced_values, eager_values, rtol=0, atol=np.spacing(np.abs(eager_values).max()))
+    for got in (dict(adapters(slot_view(m, 2, 4, ALPHA, targets))) for m in (model, traced)[:2 if exact else 1]):
         assert got.keys() == want.keys()
         for key, adapter in want.items():
             a, b = np.asarray(adapter.lora_a[...]), np.asarray(adapter.lora_b[...])
@@ -159,7 +169,7 @@ def test_a_new_slot_is_the_adapter_apply_lora_makes_cut_to_its_rank():
             np.testing.assert_array_equal(np.asarray(got[key].lora_b[...]), np.take(b, range(4), axis=rank_axis),
                                           err_msg=key)
     # The other slots stay empty.
-    for _, adapter in adapters(slot_view(model, 0, 8, ALPHA, SLOT_TARGETS)):
+    for _, adapter in adapters(slot_view(model, 0, 8, ALPHA, slot_targets)):
         assert not np.asarray(adapter.lora_a[...]).any() and not np.asarray(adapter.lora_b[...]).any()
 
 

@@ -47,8 +47,11 @@ class Service:
         command = [sys.executable, "-m", "podtrain.launch.cli", "serve", "-c", str(base), *serve,
                    f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *extra]
         self.log = open(self.log_path, "w+")  # noqa: SIM115 (closed by stop)
-        self.proc = subprocess.Popen(command, cwd=ROOT, env=env(tmp_path, devices), stdout=self.log,
-                                     stderr=subprocess.STDOUT, text=True)
+        # Without JAX's persistent compilation cache: on CPU, a two-device engine whose programs are
+        # loaded from it deadlocks in XLA's in-process collectives (docs/known-gaps.md).
+        uncached = {k: v for k, v in env(tmp_path, devices).items() if k != "JAX_COMPILATION_CACHE_DIR"}
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=dict(uncached, JAX_ENABLE_COMPILATION_CACHE="false"),
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.url = self._wait_url(timeout=240)
 
     def _wait_url(self, timeout: float) -> str:
