@@ -6,6 +6,7 @@ out whole; what cannot take slots is refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +230,36 @@ def test_mla_cached_decoding_gives_each_row_its_kv_b_adapter():
     assert np.abs(got[0] - np.asarray(base(ids[:1])[0])[0]).max() > 1e-3  # slot 1 (kv_b alone) matters
 
 
+EXPERT_TARGETS = ("q_a_proj", "o_proj", "gate_proj", "experts")
+EXPERT_CHOSEN = [(4, EXPERT_TARGETS, 1), (8, ("experts",), 2)]
+EXPERT_ROWS, EXPERT_RANKS = [1, 0, 2, 0], [4, 8, 8]  # slot 2 is empty: the base model
+
+
+@functools.cache
+def _expert_references():
+    """DeepSeek-V3's single adapters of EXPERT_CHOSEN (and the base) on the rows of EXPERT_ROWS:
+    (ids, each row's logits, the base's logits of row 0, each slot's adapter gradients on its rows
+    alone (path key -> (dA, dB))), as NumPy; the dispatch's settings do not change them."""
+    config = config_of("deepseek-v3-tiny")
+    _, singles = filled(config, 3, 8, EXPERT_CHOSEN, EXPERT_TARGETS)
+    ids = _ids(config, len(EXPERT_ROWS), seq=16, seed=4)
+    base = ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(0))
+    logits = [np.asarray((base if slot == 2 else singles[slot])(ids[row:row + 1])[0])[0]
+              for row, slot in enumerate(EXPERT_ROWS)]
+    grads = []
+    for slot, single in enumerate(singles):
+        mine = np.asarray([row for row, s in enumerate(EXPERT_ROWS) if s == slot])
+        s_graph, s_params, s_rest = nnx.split(single, LoRAParam, ...)
+
+        def single_loss(p, s_graph=s_graph, s_rest=s_rest, mine=mine):
+            out = nnx.merge(s_graph, p, s_rest)(ids[mine])[0]
+            return jnp.sum(jax.nn.log_softmax(out.astype(jnp.float32))[..., 0])
+
+        model = nnx.merge(s_graph, nnx.State(jax.jit(jax.grad(single_loss))(s_params)), s_rest)
+        grads.append({key: (np.asarray(a.lora_a[...]), np.asarray(a.lora_b[...])) for key, a in adapters(model)})
+    return ids, logits, np.asarray(base(ids[:1])[0])[0], grads
+
+
 @pytest.mark.parametrize("mesh_sizes, capacity, buffer_factor", [
     ({}, False, 1.25),
     pytest.param({"ep": 2, "fsdp": 2}, False, 0.25, marks=pytest.mark.slow),  # about 32 rows an owner, 16 a round
@@ -243,11 +274,8 @@ def test_each_row_takes_its_own_expert_adapters_through_the_dispatch(mesh_sizes,
     moe = config.moe
     config = config.replace(moe=dataclasses.replace(
         moe, capacity_factor=capacity * moe.num_experts / moe.num_experts_per_tok, buffer_factor=buffer_factor))
-    targets = ("q_a_proj", "o_proj", "gate_proj", "experts")
-    chosen = [(4, targets, 1), (8, ("experts",), 2)]
-    model, singles = filled(config, 3, 8, chosen, targets)
-    index, ranks = [1, 0, 2, 0], [4, 8, 8]  # slot 2 is empty: the base model
-    ids = _ids(config, len(index), seq=16, seed=4)
+    model, _ = filled(config, 3, 8, EXPERT_CHOSEN, EXPERT_TARGETS)
+    ids, want_logits, base_first, want_grads = _expert_references()
     graphdef, params, rest = nnx.split(model, LoRAParam, ...)
     mesh = build_mesh({"fsdp": 1, **mesh_sizes}, jax.devices()[:max(1, int(np.prod(list(mesh_sizes.values()))))])
 
@@ -255,32 +283,21 @@ def test_each_row_takes_its_own_expert_adapters_through_the_dispatch(mesh_sizes,
         return jax.device_put(state, state_shardings(state, mesh, DEFAULT_RULES))
 
     def loss(params, rest):
-        with rows(*row_arrays(index, ranks)):
+        with rows(*row_arrays(EXPERT_ROWS, EXPERT_RANKS)):
             logits = nnx.merge(graphdef, params, rest)(ids)[0]
         return jnp.sum(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0]), logits
 
     with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):
         grads, got = jax.jit(jax.grad(loss, has_aux=True))(placed(params), placed(rest))
-    base = ARCHITECTURES[config.model_type].model_class(config, rngs=nnx.Rngs(0))
-    for row, slot in enumerate(index):
-        reference = base if slot == 2 else singles[slot]
-        np.testing.assert_allclose(np.asarray(got[row]), np.asarray(reference(ids[row:row + 1])[0])[0], rtol=2e-5,
-                                   atol=2e-5)
-    assert np.abs(np.asarray(got[0]) - np.asarray(base(ids[:1])[0])[0]).max() > 1e-3  # slot 1: experts alone
+    for row, want in enumerate(want_logits):
+        np.testing.assert_allclose(np.asarray(got[row]), want, rtol=2e-5, atol=2e-5)
+    assert np.abs(want_logits[0] - base_first).max() > 1e-3  # row 0's slot 1 (experts alone) matters
     grad_model = nnx.merge(graphdef, nnx.State(grads), rest)
-    for slot, single in enumerate(singles):
-        mine = np.asarray([row for row, s in enumerate(index) if s == slot])
-        s_graph, s_params, s_rest = nnx.split(single, LoRAParam, ...)
-
-        def single_loss(p, s_graph=s_graph, s_rest=s_rest, mine=mine):
-            logits = nnx.merge(s_graph, p, s_rest)(ids[mine])[0]
-            return jnp.sum(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
-
-        want = dict(adapters(nnx.merge(s_graph, nnx.State(jax.grad(single_loss)(s_params)), s_rest)))
-        rank, slot_targets, _ = chosen[slot]
+    for slot, want in enumerate(want_grads):
+        rank, slot_targets, _ = EXPERT_CHOSEN[slot]
         got_grads = dict(adapters(slot_view(grad_model, slot, rank, ALPHA, slot_targets)))
         assert got_grads.keys() == want.keys() and any("w_gate_up" in key for key in want)
-        for key, adapter in want.items():
-            for name in ("lora_a", "lora_b"):
-                w, g = np.asarray(getattr(adapter, name)[...]), np.asarray(getattr(got_grads[key], name)[...])
-                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(w).max()), err_msg=key)
+        for key, (a, b) in want.items():
+            for w, g in ((a, got_grads[key].lora_a[...]), (b, got_grads[key].lora_b[...])):
+                np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(w).max()),
+                                           err_msg=key)
