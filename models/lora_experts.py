@@ -47,14 +47,19 @@ class AdaptedExperts:
         """The base experts, which get no gradient."""
         return jax.tree.map(jax.lax.stop_gradient, self.base)
 
+    def adapter_matmul(self, matmul):
+        """How rows meet the adapters' matrices: by their expert's."""
+        return matmul
+
     def in_projections(self, rows, matmul):
         gate, up = self.frozen().in_projections(rows, matmul)
-        experts, rank, _, f = self.gate_up_b.shape
-        update = matmul(matmul(rows, self.gate_up_a), self.gate_up_b.reshape(experts, rank, 2 * f))
+        low_rank, f = self.adapter_matmul(matmul), self.gate_up_b.shape[-1]
+        update = low_rank(low_rank(rows, self.gate_up_a), self.gate_up_b.reshape(*self.gate_up_b.shape[:-2], 2 * f))
         return gate + update[..., :f], up + update[..., f:]
 
     def out_projection(self, hidden, matmul):
-        return self.frozen().out_projection(hidden, matmul) + matmul(matmul(hidden, self.down_a), self.down_b)
+        low_rank = self.adapter_matmul(matmul)
+        return self.frozen().out_projection(hidden, matmul) + low_rank(low_rank(hidden, self.down_a), self.down_b)
 
     def split(self):
         return self.base, (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
@@ -79,16 +84,9 @@ class SlotAdaptedExperts(AdaptedExperts):
                                   ("experts", "lora_adapters", "mlp", "lora_rank"),
                                   ("experts", "lora_adapters", "lora_rank", "embed"))
 
-    def in_projections(self, rows, matmul):
-        gate, up = self.frozen().in_projections(rows, matmul)
-        experts, slots, rank, _, f = self.gate_up_b.shape
-        low = matmul.by_adapter(rows, self.gate_up_a)
-        update = matmul.by_adapter(low, self.gate_up_b.reshape(experts, slots, rank, 2 * f))
-        return gate + update[..., :f], up + update[..., f:]
-
-    def out_projection(self, hidden, matmul):
-        low = matmul.by_adapter(hidden, self.down_a)
-        return self.frozen().out_projection(hidden, matmul) + matmul.by_adapter(low, self.down_b)
+    def adapter_matmul(self, matmul):
+        """By their expert's and their slot's."""
+        return matmul.by_adapter
 
 
 class LoRAExperts(nnx.Module):
