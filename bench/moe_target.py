@@ -44,7 +44,7 @@ if __package__ in (None, ""):
 
 import jax  # noqa: E402
 
-from podtrain.orchestrator.plan.platforms import start_jax  # noqa: E402
+from podtrain.orchestrator.common.platforms import start_jax  # noqa: E402
 
 start_jax(compile_only=True)  # the CPU alone: the target's devices are compile-only
 jax.config.update("jax_num_cpu_devices", 8)  # for --cpu; compile-only TPU devices do not use them

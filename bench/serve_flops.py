@@ -8,7 +8,7 @@ Defaults: llama3-tiny on v5p-8 at rank 32, 16 rows x 256 tokens.
 
 import argparse
 
-from podtrain.orchestrator.plan.platforms import start_jax
+from podtrain.orchestrator.common.platforms import start_jax
 
 
 def main() -> None:

@@ -6,8 +6,8 @@ import time
 
 import jax
 
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.plan.report import format_plan, make_plan
 from podtrain.orchestrator.train.build import build_training
 from podtrain.orchestrator.train.synthetic import random_batch

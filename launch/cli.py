@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     import importlib
 
-    from podtrain.orchestrator.config.errors import ConfigError
-    from podtrain.orchestrator.plan.platforms import start_jax
+    from podtrain.orchestrator.common.errors import ConfigError
+    from podtrain.orchestrator.common.platforms import start_jax
 
     if args.command == "goodput":  # reads a file: no JAX
         from podtrain.launch.goodput import run_command

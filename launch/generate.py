@@ -22,8 +22,8 @@ import jax
 
 from podtrain.launch.command_keys import command_overrides, text_value
 from podtrain.models.generate import generate
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config, override_keys
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import GenerateConfig
 from podtrain.orchestrator.data.tokenizers import check_vocab
 from podtrain.orchestrator.inference.load import load_checkpoint_tokenizer, load_model, with_peft_adapter

@@ -34,7 +34,7 @@ def _serve(args) -> int:
     """The serve engine compiled for `--target`, and how many adapters fit (exit code 1 when the
     configured count does not)."""
     from podtrain.launch.serve import serve_config
-    from podtrain.orchestrator.config.errors import ConfigError
+    from podtrain.orchestrator.common.errors import ConfigError
     from podtrain.orchestrator.plan.serve_plan import adapters_that_fit, format_serve, plan_serve_on_target
     from podtrain.orchestrator.plan.targets import compile_devices, parse_target
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from podtrain.orchestrator.checkpoint.rundir import RunLock, resolve_run_dir
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config, resolve_preset
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.config.validate import validate
 

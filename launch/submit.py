@@ -15,8 +15,8 @@ import shlex
 import time
 from pathlib import Path
 
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config, resolve_preset
-from podtrain.orchestrator.config.errors import ConfigError
 
 EXCLUDES = [".venv", "venv", ".git", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", "*.egg-info"]
 STOP_MARGIN_S = 30  # beyond cluster.stop_grace_s: the driver's own clean-up after the workers exit

@@ -6,8 +6,9 @@ import logging
 import sys
 
 from podtrain.orchestrator.checkpoint.rundir import RunLock, resolve_run_dir
+from podtrain.orchestrator.common.protocol import EXIT_PREEMPTED
 from podtrain.orchestrator.config.compose import load_config, resolve_preset
-from podtrain.orchestrator.train.loop import EXIT_PREEMPTED, run
+from podtrain.orchestrator.train.loop import run
 from podtrain.orchestrator.train.preflight import check_inputs
 
 

@@ -13,14 +13,6 @@ from jax.sharding import AxisType, Mesh
 from podtrain.sharding.rules import MESH_AXES
 
 
-def current_platform() -> str:
-    """The platform of the devices being traced for: the active mesh's (compile-only TPU devices
-    included), else JAX's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
-    return device.platform if device is not None and device.platform else jax.default_backend()
-
-
 def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int, *, key: str = "mesh") -> dict[str, int]:
     """Fills in the one axis given as -1 and checks that the product equals `num_devices`.
 

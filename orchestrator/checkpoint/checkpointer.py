@@ -80,8 +80,8 @@ from podtrain.orchestrator.checkpoint.integrity import (
     verdict,
 )
 from podtrain.orchestrator.checkpoint.resume import has_item, read_item, resume_step
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import to_yaml
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import CheckpointConfig, Config
 from podtrain.sharding.mesh import describe_mesh
 

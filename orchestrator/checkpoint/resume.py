@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 from etils import epath
 
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import flatten_keys
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 
 # What a damaged JSON item raises: a missing file an OSError, broken JSON a ValueError.

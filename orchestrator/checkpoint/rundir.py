@@ -24,7 +24,7 @@ import os
 import socket
 from pathlib import Path
 
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 
 LOCK_FILE = "podtrain.lock"

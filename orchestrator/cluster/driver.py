@@ -46,7 +46,6 @@ from pathlib import Path
 
 from podtrain.orchestrator.checkpoint.resume import committed_steps
 from podtrain.orchestrator.checkpoint.rundir import RunLock, checkpoint_directory
-from podtrain.orchestrator.cluster import protocol as p
 from podtrain.orchestrator.cluster.outcomes import (
     FAILURE_CLASSES,
     PREEMPTION_CLASSES,
@@ -57,8 +56,9 @@ from podtrain.orchestrator.cluster.outcomes import (
     Outcome,
 )
 from podtrain.orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
+from podtrain.orchestrator.common import protocol as p
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import to_yaml
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.config.validate import validate
 from podtrain.orchestrator.plan.launch_check import check_before_launch

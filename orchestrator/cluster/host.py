@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from podtrain.orchestrator.cluster import protocol as p
+from podtrain.orchestrator.common import protocol as p
 
 # Lock files libtpu leaves behind when its process is killed; the next process would wait on them.
 TPU_LOCK_FILES = ("/tmp/libtpu_lockfile", "/tmp/tpu_logs/libtpu_lockfile")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from podtrain.orchestrator.cluster import protocol as p
+from podtrain.orchestrator.common import protocol as p
 
 
 class Ending(enum.StrEnum):

@@ -15,8 +15,8 @@ import os
 from typing import Any
 
 from podtrain.orchestrator.cluster.host import HostActor
-from podtrain.orchestrator.cluster.protocol import ENV_LOCAL_DEVICE_IDS
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.errors import ConfigError
+from podtrain.orchestrator.common.protocol import ENV_LOCAL_DEVICE_IDS
 from podtrain.orchestrator.config.schema import ClusterConfig
 from podtrain.orchestrator.plan.targets import ray_tpu_version, tpu_chips, tpu_topology
 

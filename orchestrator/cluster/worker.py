@@ -3,7 +3,7 @@
     python -m podtrain.orchestrator.cluster.worker    (everything else comes from PODTRAIN_* variables)
 
 The host actor sets the environment (JAX platform and device flags, TPU and MEGASCALE variables,
-the PODTRAIN_* names in `orchestrator.cluster.protocol`) before this module runs, so it is in
+the PODTRAIN_* names in `orchestrator.common.protocol`) before this module runs, so it is in
 place before JAX is imported. The worker then joins the JAX world with
 `jax.distributed.initialize`, trains with `orchestrator.train.loop.run`, reports every completed step
 through its heartbeat file, and leaves with a status the driver classifies (see `protocol`).
@@ -21,8 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
-from podtrain.orchestrator.cluster import protocol as p
 from podtrain.orchestrator.cluster.host import port_is_free
+from podtrain.orchestrator.common import protocol as p
 
 # What `jax.distributed.initialize` says when the coordinator's port is taken (jax 0.10: "UNKNOWN: Failed to
 # start RPC server", with gRPC's "Failed to add port to server" on stderr).
@@ -100,9 +100,9 @@ def main() -> int:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    from podtrain.orchestrator.common.errors import ConfigError
+    from podtrain.orchestrator.common.platforms import start_jax
     from podtrain.orchestrator.config.compose import load_config
-    from podtrain.orchestrator.config.errors import ConfigError
-    from podtrain.orchestrator.plan.platforms import start_jax
 
     start_jax()
 

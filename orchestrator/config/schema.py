@@ -13,9 +13,9 @@ from typing import Any
 from podtrain.models.config import ModelConfig
 from podtrain.models.generate import Sampling
 from podtrain.models.lora import LoRAConfig
+from podtrain.orchestrator.common.chips import CHIPS
 from podtrain.orchestrator.config.serve import ServeConfig
 from podtrain.orchestrator.config.trackers import MetricsConfig, MlflowConfig, WandbConfig  # noqa: F401 (the schema's)
-from podtrain.orchestrator.plan.chips import CHIPS
 from podtrain.sharding.rules import DEFAULT_RULES, check_rules
 
 
@@ -294,7 +294,7 @@ class ClusterConfig:
       `devices_per_host` CPU devices (the default, and the test path).
     - `tpu`: `num_slices` whole pod slices of `tpu_type` (e.g. v5p-64), one process per TPU VM.
     - `gpu`: `num_nodes` nodes of `gpus_per_node` GPUs, one process per node owning all its GPUs;
-      `gpu_type` (a GPU of `plan.chips`: h100, h200, a100-80gb, a100-40gb) names them for the plan
+      `gpu_type` (a GPU of `common.chips`: h100, h200, a100-80gb, a100-40gb) names them for the plan
       check before launch (`plan`).
     - `none`: no orchestrator: train in this process on its own devices (what each worker runs).
 

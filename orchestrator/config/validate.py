@@ -7,7 +7,7 @@ import dataclasses
 
 from podtrain.models.kernels.attention import check_backend
 from podtrain.models.lora import check_targets
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.sharding.mesh import resolve_axis_sizes
 from podtrain.sharding.rules import logical_to_spec, sharded_over

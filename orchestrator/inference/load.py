@@ -24,7 +24,7 @@ from podtrain.models.runner import only_layer
 from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
 from podtrain.orchestrator.checkpoint.integrity import content_hash
 from podtrain.orchestrator.checkpoint.resume import lora_differences, model_differences, model_key_differences
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.data.tokenizers import Tokenizer, hf_directory_tokenizer, load_tokenizer
 from podtrain.orchestrator.train.build import PlacedModel, model_factory, place_model, resolve_kernels

@@ -16,8 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import to_yaml
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.plan.targets import AOT_INSTALL, cluster_target, verdict_line
 

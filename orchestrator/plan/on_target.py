@@ -23,8 +23,8 @@ from flax import nnx
 from podtrain.models import flops_per_token
 from podtrain.models.kernels.attention import resolve_backend
 from podtrain.models.runner import REMAT
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import apply_overrides
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.plan.hlo_comm import as_rows, collectives, summarize
 from podtrain.orchestrator.plan.targets import Target, compile_devices

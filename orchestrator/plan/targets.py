@@ -1,5 +1,5 @@
 """The machines a run can target: target names (`v5p-128`, `2xv5p-64`, `4xh100x8`) over the chips of
-`plan.chips`, and compile-only devices of a target (TPU through libtpu, CUDA through XLA's GPU
+`common.chips`, and compile-only devices of a target (TPU through libtpu, CUDA through XLA's GPU
 compiler), so that the real train step compiles for it on any machine.
 
 A target names what `cluster.kind=tpu|gpu` reserves: TPU slices by their GCP type (v4 and v5p types
@@ -14,9 +14,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from podtrain.orchestrator.config.errors import ConfigError
-from podtrain.orchestrator.plan.chips import CHIPS, Chip
-from podtrain.orchestrator.plan.platforms import register_cuda_compiler
+from podtrain.orchestrator.common.chips import CHIPS, Chip
+from podtrain.orchestrator.common.errors import ConfigError
+from podtrain.orchestrator.common.platforms import register_cuda_compiler
 
 AOT_INSTALL = "pip install 'podtrain[aot]'"
 

@@ -32,7 +32,7 @@ from podtrain.models.lora import LoRAConfig, LoRAParam, with_base
 from podtrain.models.lora_slots import slot_view
 from podtrain.models.peft import to_peft
 from podtrain.models.runner import only_layer
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.data.tokenizers import Tokenizer
 from podtrain.orchestrator.inference.load import load_base, load_checkpoint_tokenizer
 from podtrain.orchestrator.serve import losses

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
-from podtrain.orchestrator.cluster import protocol as p
+from podtrain.orchestrator.common import protocol as p
 from podtrain.orchestrator.serve.checks import check_work
 from podtrain.orchestrator.serve.work import BaseInfo, EngineLost, EngineRestarted, ServeError, Work
 

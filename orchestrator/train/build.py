@@ -18,7 +18,7 @@ from podtrain.models.kernels.exchange import resolve_exchange
 from podtrain.models.kernels.grouped_matmul import resolve_grouped_matmul
 from podtrain.models.lora import LoRAConfig, LoRAParam, apply_lora, with_base
 from podtrain.models.runner import only_layer
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.config.validate import validate
 from podtrain.orchestrator.train.optimizer import make_optimizer, make_schedule

@@ -28,9 +28,9 @@ from podtrain.models import flops_per_token
 from podtrain.models.generate import generate
 from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer, run_metadata
 from podtrain.orchestrator.checkpoint.rundir import checkpoint_directory
-from podtrain.orchestrator.cluster import protocol
+from podtrain.orchestrator.common import protocol
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import to_yaml
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.data.pipeline import (
     SkippedRows,
@@ -52,10 +52,6 @@ from podtrain.sharding.mesh import describe_mesh
 from podtrain.sharding.rules import use_rules
 
 logger = logging.getLogger(__name__)
-
-# Exit status of a run that stopped on a preemption notice after committing a checkpoint
-# (EX_TEMPFAIL): the orchestrator restarts it without charging the failure budget.
-EXIT_PREEMPTED = protocol.EXIT_PREEMPTED
 
 
 @dataclasses.dataclass

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.chips import chip_of_device_kind
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.trackers import MetricsConfig
-from podtrain.orchestrator.plan.chips import chip_of_device_kind
 from podtrain.orchestrator.train.trackers import remote_trackers
 
 
@@ -33,7 +33,7 @@ def measure_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
 
 
 def peak_flops_per_device(configured: float = 0.0) -> tuple[float, str]:
-    """The peak used for MFU and where it came from: the config, the chip table (`plan.chips`), or a
+    """The peak used for MFU and where it came from: the config, the chip table (`common.chips`), or a
     CPU measurement."""
     if configured > 0:
         return configured, "configured (train.peak_flops_per_device)"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from podtrain.orchestrator.checkpoint.resume import check_resume_matches, committed_steps, resume_step
 from podtrain.orchestrator.checkpoint.rundir import checkpoint_directory
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.data.chat import chat_row, load_chat_template
 from podtrain.orchestrator.data.corpus import document_indices, open_corpus

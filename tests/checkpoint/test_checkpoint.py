@@ -24,8 +24,8 @@ from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer, run_meta
 from podtrain.orchestrator.checkpoint.integrity import DamagedStepError
 from podtrain.orchestrator.checkpoint.resume import model_differences
 from podtrain.orchestrator.checkpoint.rundir import checkpoint_directory
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.schema import CheckpointConfig
 from podtrain.orchestrator.train.build import build_training, make_mesh, model_factory
 from podtrain.orchestrator.train.synthetic import random_batch

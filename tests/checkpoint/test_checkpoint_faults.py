@@ -21,7 +21,7 @@ from checkpoint_fixtures import (
 from xla_flags import xla_flags
 
 from podtrain.orchestrator.checkpoint.checkpointer import CheckpointWriteError, NoRestorableCheckpointError
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.errors import ConfigError
 
 pytestmark = EVENT_LOOP_CLOSED
 
@@ -153,7 +153,7 @@ import jax
 jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=2, process_id=int(sys.argv[2]),
                            initialization_timeout=60)
 from podtrain.orchestrator.checkpoint.checkpointer import _check_shared
-from podtrain.orchestrator.config.errors import ConfigError
+from podtrain.orchestrator.common.errors import ConfigError
 try:
     _check_shared(sys.argv[3])
     print("shared")

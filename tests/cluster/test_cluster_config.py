@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from podtrain.orchestrator.cluster import driver
-from podtrain.orchestrator.cluster import protocol as p
 from podtrain.orchestrator.cluster.driver import _normalise, next_attempt, worker_config
 from podtrain.orchestrator.cluster.outcomes import Budgets
 from podtrain.orchestrator.cluster.reserve import (
@@ -25,8 +24,9 @@ from podtrain.orchestrator.cluster.reserve import (
     tpu_topology,
 )
 from podtrain.orchestrator.cluster.worker import port_taken
+from podtrain.orchestrator.common import protocol as p
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.config.errors import ConfigError
 
 ROOT = Path(__file__).parents[2]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from podtrain.launch.cli import main
+from podtrain.orchestrator.common.errors import ConfigError
+from podtrain.orchestrator.common.platforms import has_accelerator
 from podtrain.orchestrator.config.compose import closest_key, list_presets, load_config, override_keys, parse_overrides
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.validate import validate
-from podtrain.orchestrator.plan.platforms import has_accelerator
 
 REQUIRED_PRESETS = {
     "llama3-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b", "deepseek-v3-tiny",

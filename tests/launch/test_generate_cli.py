@@ -17,8 +17,8 @@ from podtrain.launch.cli import main
 from podtrain.models import from_hf
 from podtrain.models.generate import generate
 from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.data.tokenizers import ByteTokenizer, hf_directory_tokenizer
 from podtrain.orchestrator.train.build import build_training
 from podtrain.sharding.mesh import build_mesh, resolve_axis_sizes

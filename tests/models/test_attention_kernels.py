@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from podtrain.models.attention import make_mask, self_attention
 from podtrain.models.kernels.attention import resolve_backend
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.train.build import build_training, resolve_kernels
 from podtrain.orchestrator.train.step import TrainState
 from podtrain.sharding.rules import use_rules

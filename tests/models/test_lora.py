@@ -111,7 +111,7 @@ def test_bad_lora_settings_name_the_key():
     with pytest.raises(ValueError, match=r"^lora.targets: the LM head's adapter of a model with tied embeddings "
                                          r"cannot be merged"):
         merged(apply_lora(cls(tied, rngs=nnx.Rngs(0)), LoRAConfig(rank=4, targets=("lm_head",))))
-    from podtrain.orchestrator.config.errors import ConfigError
+    from podtrain.orchestrator.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^lora.targets: experts adapts routed experts, and this llama model has "
                                           r"none; remove it from lora.targets"):

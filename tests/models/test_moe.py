@@ -21,8 +21,8 @@ from podtrain.models.moe import MoE, balance_router_bias, dispatch, dropless, ro
 from podtrain.models.moe.dispatch import capacity
 from podtrain.models.moe.dropless import Kernels, buffer_rows
 from podtrain.models.moe.experts import EXPERT_DOWN_NAMES, EXPERT_GATE_NAMES, SwiGLUExperts
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.config.validate import validate
 from podtrain.orchestrator.train.build import build_training
 from podtrain.orchestrator.train.synthetic import random_batch

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from podtrain.launch import cli
-from podtrain.orchestrator.config.errors import ConfigError
-from podtrain.orchestrator.plan.chips import CHIPS
+from podtrain.orchestrator.common.chips import CHIPS
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.plan.targets import parse_target, verdict_line
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from podtrain.orchestrator.cluster import protocol as p
+from podtrain.orchestrator.common import protocol as p
 from podtrain.orchestrator.serve.gang import GangBackend
 from podtrain.orchestrator.serve.work import BaseInfo, EngineLost, EngineRestarted, ServeError
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.config.errors import ConfigError
 from podtrain.orchestrator.train.build import build_training
 from podtrain.orchestrator.train.loop import evaluate
 from podtrain.orchestrator.train.optimizer import make_schedule
