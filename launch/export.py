@@ -23,7 +23,7 @@ from pathlib import Path
 
 from podtrain.launch.command_keys import command_overrides, text_value
 from podtrain.models import to_hf
-from podtrain.models.peft import to_peft
+from podtrain.models.lora import to_peft
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
 from podtrain.orchestrator.config.schema import Config, ExportConfig

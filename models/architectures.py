@@ -19,7 +19,6 @@ class Architecture:
     Attributes:
         name: how messages name it.
         model_class: the module (`model_class(config, rngs=...)`).
-        validate: `validate(config, prefix)` checks the config sections it reads (ValueError naming the key).
         flops_per_token: model FLOPs of one training token at a sequence length.
         hf_class: the transformers class config.json's `architectures` names.
         hf_fields: `hf_fields(config_json, source)`: the ModelConfig fields its config.json sets
@@ -31,7 +30,6 @@ class Architecture:
 
     name: str
     model_class: type[llama.Llama]
-    validate: Callable
     flops_per_token: Callable
     hf_class: str
     hf_fields: Callable
@@ -41,15 +39,23 @@ class Architecture:
 
 
 ARCHITECTURES = {
-    "llama": Architecture("Llama 3", llama.Llama, llama.validate_config, llama.flops_per_token, "LlamaForCausalLM",
-                          llama.llama_from_hf, llama.llama_to_hf, LLAMA3),
-    "qwen3": Architecture("Qwen3", llama.Llama, llama.validate_config, llama.flops_per_token, "Qwen3ForCausalLM",
-                          llama.qwen3_from_hf, llama.qwen3_to_hf, QWEN3),
+    "llama": Architecture("Llama 3", llama.Llama, llama.flops_per_token, "LlamaForCausalLM", llama.llama_from_hf,
+                          llama.llama_to_hf, LLAMA3),
+    "qwen3": Architecture("Qwen3", llama.Llama, llama.flops_per_token, "Qwen3ForCausalLM", llama.qwen3_from_hf,
+                          llama.qwen3_to_hf, QWEN3),
     # peft takes the MLP module names to mean the routed experts' fused projections.
-    "deepseek_v3": Architecture("DeepSeek-V3", deepseek.DeepseekV3, deepseek.validate_config, deepseek.flops_per_token,
-                                "DeepseekV3ForCausalLM", deepseek.deepseek_from_hf, deepseek.deepseek_to_hf,
-                                DEEPSEEK_V3, peft_unwritable=MLP_MODULES),
+    "deepseek_v3": Architecture("DeepSeek-V3", deepseek.DeepseekV3, deepseek.flops_per_token, "DeepseekV3ForCausalLM",
+                                deepseek.deepseek_from_hf, deepseek.deepseek_to_hf, DEEPSEEK_V3,
+                                peft_unwritable=MLP_MODULES),
 }
+
+
+def validate_model(config, prefix: str = "model") -> None:
+    """Raises ValueError naming the key when `config` (a ModelConfig) is not one podtrain builds:
+    an unknown `model_type`, a field out of range, or a section its architecture reads."""
+    if config.model_type not in ARCHITECTURES:
+        raise ValueError(f"{prefix}.model_type: expected one of {list(ARCHITECTURES)}, found {config.model_type!r}")
+    ARCHITECTURES[config.model_type].model_class.check_config(config, prefix)
 
 
 def flops_per_token(config, seq_len: int) -> float:

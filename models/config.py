@@ -187,11 +187,8 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def validate(self, prefix: str = "model") -> None:
-        """Raises ValueError naming the key when a field is out of range."""
-        from podtrain.models.architectures import ARCHITECTURES  # the registry imports the model modules
-
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"{prefix}.model_type: expected one of {list(ARCHITECTURES)}, found {self.model_type!r}")
+        """Raises ValueError naming the key when a field every architecture reads is out of range
+        (`architectures.validate_model` checks the model type and the sections it reads too)."""
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -215,7 +212,6 @@ class ModelConfig:
             raise ValueError(
                 f"{prefix}.attention: expected one of {list(ATTENTION_BACKENDS)}, found {self.attention!r}")
         self._validate_rope(f"{prefix}.rope")
-        ARCHITECTURES[self.model_type].validate(self, prefix)  # the sections its architecture reads
 
     def _validate_rope(self, prefix: str) -> None:
         rope = self.rope

@@ -35,7 +35,8 @@ DEEPSEEK_HF_DEFAULTS = {
 
 
 def validate_config(config: ModelConfig, prefix: str = "model") -> None:
-    """DeepSeek-V3 reads its `mla` and `moe` sections."""
+    """The fields every architecture reads, and DeepSeek-V3's `mla` and `moe` sections."""
+    config.validate(prefix)
     config.mla.validate(f"{prefix}.mla", config.num_heads, config.num_kv_heads)
     config.moe.validate(f"{prefix}.moe", config.num_layers)
 
@@ -99,6 +100,8 @@ class DeepseekV3(Llama):
 
     Multi-token-prediction modules of the released checkpoints are not part of the model.
     """
+
+    check_config = staticmethod(validate_config)
 
     def _build_stacks(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         def attention(r):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from podtrain.models.architectures import ARCHITECTURES
+from podtrain.models.architectures import ARCHITECTURES, validate_model
 from podtrain.models.config import DTYPES, ROPE_TYPES, ModelConfig, RopeConfig
 
 # ModelConfig field -> config.json key, for the fields that carry over unchanged.
@@ -94,7 +94,7 @@ def config_from_hf(hf_config: dict, *, dtype=None, source: str = "config.json") 
     fields |= ARCHITECTURES[model_type].hf_fields(hf, source)
     config = ModelConfig(model_type=model_type, rope=_rope_from_hf(hf, source), param_dtype=_dtype_name(dtype, what),
                          **fields)
-    config.validate()
+    validate_model(config)
     return config
 
 

@@ -18,7 +18,9 @@ from podtrain.sharding.rules import constrain
 
 
 def validate_config(config: ModelConfig, prefix: str = "model") -> None:
-    """Llama 3 and Qwen3 have no routed experts (and read no `mla` section)."""
+    """The fields every architecture reads; Llama 3 and Qwen3 have no routed experts (and read no
+    `mla` section)."""
+    config.validate(prefix)
     if config.moe.num_experts:
         raise ValueError(f"{prefix}.moe.num_experts: a {config.model_type} model has no routed experts; "
                          f"expected 0, found {config.moe.num_experts}")
@@ -72,8 +74,10 @@ class Llama(nnx.Module):
     embedding, positions, masks, cache handling and head are shared.
     """
 
+    check_config = staticmethod(validate_config)  # ValueError naming the key of a config it cannot build
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        config.validate()
+        self.check_config(config)
         self.config = config
         pdt = dtype_of(config.param_dtype)
         init = nnx.initializers.normal(config.initializer_range)

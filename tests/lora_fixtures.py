@@ -8,8 +8,7 @@ import numpy as np
 from flax import nnx
 
 from podtrain.models import ARCHITECTURES
-from podtrain.models.lora import LoRAConfig, apply_lora
-from podtrain.models.lora_slots import init_slot, set_slot
+from podtrain.models.lora import LoRAConfig, apply_lora, init_slot, set_slot
 from podtrain.orchestrator.config.compose import load_config
 
 # Every target a slot can hold on llama3-tiny (untied head): attention, MLP, embedding and head.

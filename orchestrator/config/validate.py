@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from podtrain.models.architectures import validate_model
 from podtrain.models.kernels.attention import check_backend
 from podtrain.models.lora import check_targets
 from podtrain.orchestrator.common.errors import ConfigError
@@ -28,7 +29,7 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
         The resolved mesh axis sizes when `num_devices` is given.
     """
     try:
-        config.model.validate()
+        validate_model(config.model)
         config.lora.validate()
         check_targets(config.lora, config.model)
         config.data.validate()

@@ -18,8 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from podtrain.models import ModelConfig, from_hf
-from podtrain.models.lora import LoRAParam, apply_lora, merged, with_base
-from podtrain.models.peft import load_peft, read_peft_config
+from podtrain.models.lora import LoRAParam, apply_lora, load_peft, merged, read_peft_config, with_base
 from podtrain.models.runner import only_layer
 from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
 from podtrain.orchestrator.checkpoint.integrity import content_hash

@@ -28,9 +28,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from podtrain.models import ARCHITECTURES
-from podtrain.models.lora import LoRAConfig, LoRAParam, with_base
-from podtrain.models.lora_slots import slot_view
-from podtrain.models.peft import to_peft
+from podtrain.models.lora import LoRAConfig, LoRAParam, slot_view, to_peft, with_base
 from podtrain.models.runner import only_layer
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.data.tokenizers import Tokenizer

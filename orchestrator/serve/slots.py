@@ -17,8 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from podtrain.models.lora import LoRAParam
-from podtrain.models.lora_slots import init_slot
+from podtrain.models.lora import LoRAParam, init_slot
 from podtrain.orchestrator.serve.engine import AdamState, axes_tree
 
 

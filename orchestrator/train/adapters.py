@@ -6,7 +6,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from podtrain.models.peft import load_peft, read_peft_config
+from podtrain.models.lora import load_peft, read_peft_config
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.train.build import Training
 

@@ -16,8 +16,7 @@ from flax import nnx
 from lora_fixtures import ALPHA, SLOT_TARGETS, alone, config_of, filled, row_arrays, slotted
 
 from podtrain.models import ARCHITECTURES
-from podtrain.models.lora import LoRAConfig, LoRAParam, adapters, apply_lora, rows
-from podtrain.models.lora_slots import init_slot, slot_view
+from podtrain.models.lora import LoRAConfig, LoRAParam, adapters, apply_lora, init_slot, rows, slot_view
 from podtrain.sharding.mesh import build_mesh
 from podtrain.sharding.place import abstract_model, state_shardings
 from podtrain.sharding.rules import DEFAULT_RULES, use_rules

@@ -15,8 +15,7 @@ from jax.sharding import NamedSharding
 
 from podtrain.models.kernels.exchange import resolve_exchange
 from podtrain.models.kernels.grouped_matmul import resolve_grouped_matmul
-from podtrain.models.lora import LoRAConfig, LoRAParam, apply_lora, rows
-from podtrain.models.lora_experts import AdaptedExperts
+from podtrain.models.lora import AdaptedExperts, LoRAConfig, LoRAParam, apply_lora, rows
 from podtrain.models.moe import MoE, balance_router_bias, dispatch, dropless, route
 from podtrain.models.moe.dispatch import capacity
 from podtrain.models.moe.dropless import Kernels, buffer_rows

@@ -14,8 +14,7 @@ from hf_fixtures import hf_logits, make_hf_model
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from podtrain.models import from_hf
-from podtrain.models.lora import Adapter, LoRAConfig, apply_lora
-from podtrain.models.peft import load_peft, read_peft_config, to_peft
+from podtrain.models.lora import Adapter, LoRAConfig, apply_lora, load_peft, read_peft_config, to_peft
 
 TARGETS = {
     "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"),

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from podtrain.models.lora_slots import slot_view
+from podtrain.models.lora import slot_view
 from podtrain.orchestrator.config.compose import load_config
 from podtrain.orchestrator.serve.backend import Engine
 from podtrain.orchestrator.serve.checks import serve_targets

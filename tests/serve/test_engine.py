@@ -13,8 +13,7 @@ from flax import nnx
 from serve_fixtures import ADAM, TARGETS, make_engine, padded, reference_loss, reference_losses, sft_datum, single
 
 from podtrain.models.generate import generate
-from podtrain.models.lora import LoRAParam, adapters
-from podtrain.models.lora_slots import slot_view
+from podtrain.models.lora import LoRAParam, adapters, slot_view
 from podtrain.orchestrator.serve.work import (
     Create,
     ForwardBackward,

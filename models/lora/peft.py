@@ -33,7 +33,9 @@ from safetensors.numpy import load_file, save_file
 from podtrain.models.architectures import ARCHITECTURES
 from podtrain.models.config import ModelConfig
 from podtrain.models.hf_mapping import Axes
-from podtrain.models.lora import Adapter, LoRAConfig, adapters
+from podtrain.models.lora.adapter import Adapter
+from podtrain.models.lora.apply import adapters
+from podtrain.models.lora.config import LoRAConfig
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PREFIX = "base_model.model."

@@ -12,13 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from podtrain.models.lora import _STREAM, AdaptedWeight, Adapter, LoRAEmbedding, _adapter_values, adapters
-from podtrain.models.lora_experts import LoRAExperts
-
-
-def _slot_axis(adapter: Adapter) -> int:
-    """The adapter axis of an adapter with slots (after its layer axis, if stacked)."""
-    return adapter.lora_a.get_metadata()["out_sharding"].index("lora_adapters")
+from podtrain.models.lora.adapter import AdaptedWeight, Adapter, LoRAEmbedding, adapter_stream, initial_values
+from podtrain.models.lora.apply import adapters
+from podtrain.models.lora.experts import LoRAExperts
 
 
 def _slot_adapters(model: nnx.Module):
@@ -38,18 +34,18 @@ def init_slot(model: nnx.Module, slot, rank, targets: Sequence[str] | Mapping[st
     target names to booleans, the choice of targets may be traced, so that one compiled program
     makes any new adapter."""
     chosen = dict(targets) if isinstance(targets, Mapping) else {target: True for target in targets}
-    stream = jax.random.fold_in(jax.random.key(seed), _STREAM)
+    stream = adapter_stream(seed)
     for key, adapter in _slot_adapters(model):
-        axis, a_all = _slot_axis(adapter), adapter.lora_a[...]
+        axis, a_all = adapter.slot_axis(), adapter.lora_a[...]
         max_rank = a_all.shape[-1]
         if isinstance(rank, int | np.integer) and not 0 < rank <= max_rank:
             raise ValueError(f"rank: expected 1 to {max_rank}, found {rank}")
         in_shape = a_all.shape[axis + 1:-1]
         out_shape = adapter.lora_b.shape[axis + 2:]
         layers = 1 if adapter.lora_a.get_metadata()["out_sharding"][0] == "layers" else 0
-        a, b = _adapter_values(jax.random.fold_in(stream, zlib.crc32(key.encode())), in_shape, out_shape,
-                               a_all.shape[0] if layers else 0, a_all.dtype, max_rank,
-                               embedding=isinstance(adapter, LoRAEmbedding), batch=a_all.shape[layers:axis])
+        a, b = initial_values(jax.random.fold_in(stream, zlib.crc32(key.encode())), in_shape, out_shape,
+                              a_all.shape[0] if layers else 0, a_all.dtype, max_rank,
+                              embedding=isinstance(adapter, LoRAEmbedding), batch=a_all.shape[layers:axis])
         keep = (jnp.arange(max_rank) < rank) & jnp.asarray(chosen.get(adapter.target, False))
         a = jnp.where(keep, a, 0)
         b = jnp.where(keep.reshape([1] * axis + [max_rank] + [1] * (b.ndim - axis - 1)), b, 0)
@@ -66,7 +62,7 @@ def _padded_rank(a: jax.Array, b: jax.Array, lead: int, max_rank: int) -> tuple[
 def set_slot_arrays(adapter: Adapter, slot: int, a: jax.Array, b: jax.Array) -> None:
     """Sets slot `slot` of `adapter` to `(A, B)` (shaped without the adapter axis, ranks up to the
     built one), each array keeping its sharding (when not traced)."""
-    axis = _slot_axis(adapter)
+    axis = adapter.slot_axis()
     for param, value in ((adapter.lora_a, a), (adapter.lora_b, b)):
         whole = param[...]
         index = (slice(None),) * axis + (slot,)
@@ -78,7 +74,7 @@ def set_slot_arrays(adapter: Adapter, slot: int, a: jax.Array, b: jax.Array) -> 
 
 def _one_slot(adapter: Adapter, slot: int, rank: int, alpha: float) -> tuple[tuple, dict]:
     """The constructor arguments of slot `slot`'s adapter alone, cut to `rank`."""
-    axis = _slot_axis(adapter)
+    axis = adapter.slot_axis()
     keep = (slice(None),) * axis
     a = adapter.lora_a[...][(*keep, slot)][..., :rank]
     b = adapter.lora_b[...][(*keep, slot, slice(0, rank))]
@@ -116,7 +112,7 @@ def set_slot(model: nnx.Module, slot: int, single: nnx.Module) -> None:
     with one adapter of rank up to the slots' (`slot_view`'s shape); targets `single` lacks are zeroed."""
     given = dict(adapters(single))
     for key, adapter in _slot_adapters(model):
-        axis = _slot_axis(adapter)
+        axis = adapter.slot_axis()
         a_shape = adapter.lora_a.shape[:axis] + adapter.lora_a.shape[axis + 1:]
         b_shape = adapter.lora_b.shape[:axis] + adapter.lora_b.shape[axis + 1:]
         if key not in given:

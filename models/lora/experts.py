@@ -1,4 +1,4 @@
-"""DeepSeek-V3's routed experts with adapters (`models.lora`'s "experts" target): one adapter per
+"""DeepSeek-V3's routed experts with adapters (the "experts" target): one adapter per
 expert on the fused gate and up projections and one on the down projection, applied inside the
 expert dispatch beside each grouped matmul. With adapter slots, every expert holds one adapter per
 slot and each row's tokens take their row's slot's (`SlotAdaptedExperts`)."""
@@ -6,18 +6,15 @@ slot and each row's tokens take their row's slot's (`SlotAdaptedExperts`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.models.lora_rows import current_rows
+from podtrain.models.lora.adapter import Adapter
+from podtrain.models.lora.rows import current_rows
 from podtrain.models.moe.block import MoE
 from podtrain.models.moe.experts import SwiGLUExperts
-
-if TYPE_CHECKING:
-    from podtrain.models.lora import Adapter
 
 
 @jax.tree_util.register_dataclass
@@ -103,11 +100,8 @@ class LoRAExperts(nnx.Module):
             scale = jnp.asarray(self.gate_up.scale, dtype)
             experts = AdaptedExperts(self.base.experts(), a_gate_up, b_gate_up * scale, a_down, b_down * scale)
             return self.base(x_BTD, experts=experts)
-        # Each slot's scale and rank, as its rows give them (padding rows, of scale 0, add nothing).
-        current, slots, rank = current_rows(), self.gate_up.slots, a_down.shape[-1]
-        scale = jnp.zeros((slots,), jnp.float32).at[current.index].max(current.scale)
-        ranks = jnp.zeros((slots,), jnp.int32).at[current.index].max(current.rank)
-        keep = ((jnp.arange(rank) < ranks[:, None]) * scale[:, None]).astype(dtype)  # (S, r)
+        current = current_rows()
+        keep = current.by_slot(self.gate_up.slots).mask(a_down.shape[-1], dtype)  # (S, r)
         experts = SlotAdaptedExperts(self.base.experts(), a_gate_up, b_gate_up * keep[None, :, :, None, None], a_down,
                                      b_down * keep[None, :, :, None])
         return self.base(x_BTD, experts=experts, adapter_B=current.index)
