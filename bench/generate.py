@@ -6,7 +6,7 @@ The model (Llama, vocab 4096, hidden 256, ffn 1024, 8 layers, 8 query / 4 KV hea
 float32), 64-token prompts, no stop tokens, so every run makes exactly `--new-tokens` tokens.
 
 - `podtrain`: `models.generate.generate`, prefill and a `lax.while_loop` decode in one jitted
-  program over the stacked cache; attention reads only the filled cache slots.
+  program over the stacked cache; attention reads only the filled cache entries.
 - `baseline`: written here, the naive scheme a public JAX project fell back to: per-layer weights
   in a Python list, one (k, v) cache pair per layer, a jitted step that loops over the layers in
   Python (unrolled in the trace) and attends to all `max_len` slots under a mask, called once per
@@ -76,7 +76,7 @@ def per_layer_weights(model: Llama) -> dict:
             "head": model.head()}
 
 
-def attend_all_slots(q_BTHD, k_cache_BSKD, v_cache_BSKD, positions_T, scale):
+def attend_all_entries(q_BTHD, k_cache_BSKD, v_cache_BSKD, positions_T, scale):
     """GQA of the new tokens to every slot of one layer's cache; slot s holds position s, so slots
     after a token's position (later tokens, or never written) are masked out."""
     b, t, heads, d = q_BTHD.shape
@@ -110,7 +110,7 @@ def baseline_forward(weights: dict, caches: list, ids_BT: jax.Array, start: jax.
         v = dense(x, layer["wv"])
         k_cache = jax.lax.dynamic_update_slice(k_cache, k, (zero, start, zero, zero))
         v_cache = jax.lax.dynamic_update_slice(v_cache, v, (zero, start, zero, zero))
-        h = h + dense(attend_all_slots(q, k_cache, v_cache, positions_T, scale), layer["wo"], n_in=2)
+        h = h + dense(attend_all_entries(q, k_cache, v_cache, positions_T, scale), layer["wo"], n_in=2)
         x = rms_norm(h, layer["post_attn_norm"], eps)
         h = h + dense(jax.nn.silu(dense(x, layer["w_gate"])) * dense(x, layer["w_up"]), layer["w_down"])
         new_caches.append((k_cache, v_cache))

@@ -29,7 +29,7 @@ from podtrain.orchestrator.config.compose import load_config
 from podtrain.orchestrator.config.schema import Config, ExportConfig
 from podtrain.orchestrator.data.chat import load_chat_template
 from podtrain.orchestrator.data.tokenizers import HFTokenizer, load_tokenizer
-from podtrain.orchestrator.inference.load import checkpoint_step, restore_model
+from podtrain.orchestrator.placed.restore import checkpoint_step, restore_model
 
 USAGE = "podtrain export -c <preset> checkpoint=<dir> out=<dir> [step=N] [adapter=true]"
 KEYS = tuple(f.name for f in dataclasses.fields(ExportConfig))

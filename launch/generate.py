@@ -3,7 +3,7 @@
 The command's keys are the `generate` section of the config (`GenerateConfig`); `checkpoint=`,
 `prompt=` (repeatable, collected into `generate.prompts`), `max_new_tokens=` and the others are
 short for `generate.<key>=`, and `stop=2,7` for `generate.stop=[2,7]`. `checkpoint=` is a podtrain
-run, checkpoint or step directory or a Hugging Face directory (see `orchestrator.inference.load`). All
+run, checkpoint or step directory or a Hugging Face directory (see `orchestrator/inference/load.py`). All
 prompts, with those of `prompts_file=` (one per line), go through one batched
 `models.generate.generate` call, BOS first when `data.add_bos` says so or, for an HF directory,
 when its tokenizer.json puts BOS first (as Llama 3's does) or its tokenizer_config.json's
@@ -25,8 +25,9 @@ from podtrain.models.generate import generate
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config, override_keys
 from podtrain.orchestrator.config.schema import GenerateConfig
-from podtrain.orchestrator.data.tokenizers import check_vocab
-from podtrain.orchestrator.inference.load import load_checkpoint_tokenizer, load_model, with_peft_adapter
+from podtrain.orchestrator.data.tokenizers import check_vocab, checkpoint_tokenizer
+from podtrain.orchestrator.inference.load import load_model
+from podtrain.orchestrator.placed.restore import with_peft_adapter
 from podtrain.sharding.rules import use_rules
 
 USAGE = ("podtrain generate -c <preset> checkpoint=<dir> prompt=<text> [prompt=...] [prompts_file=<path>] "
@@ -72,7 +73,7 @@ def run_command(args) -> int:
     config = load_config(args.config, overrides, hint_keys=[*KEYS, "prompt"])
     request = config.generate
     texts = read_prompts(request)
-    tokenizer, stop, add_bos = load_checkpoint_tokenizer(config, request.checkpoint)
+    tokenizer, stop, add_bos = checkpoint_tokenizer(request.checkpoint, config.data)
     model_keys = [key.removeprefix("model.") for key in override_keys(overrides) if key.startswith("model.")]
     model, mesh, vocab_size = load_model(config, request.checkpoint, request.step, model_keys)
     if request.adapter:

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from podtrain.models.hf_read import is_hf_directory, read_json_object
 from podtrain.orchestrator.checkpoint.rundir import RunLock, resolve_run_dir
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config, resolve_preset
@@ -28,30 +29,21 @@ from podtrain.orchestrator.config.validate import validate
 API_KEY_ENV = "PODTRAIN_SERVE_API_KEY"
 
 
-def _is_hf_directory(path: str) -> bool:
-    return Path(path).expanduser().is_dir() and (Path(path).expanduser() / "config.json").is_file()
-
-
 def serve_config(source: str, overrides: list[str]) -> tuple[Config, str]:
-    """(the service's config, its run name) from `-c` and the overrides. Its rows are
-    `serve.max_seq_len` long, which the kernels are chosen for (as `train.seq_len`). The base is
-    frozen, so it is stored in the compute dtype (`model.dtype`) unless `model.param_dtype` is
-    given; the adapters and their Adam states are float32 either way."""
+    """(the service's config, its run name) from `-c` and the overrides, validated as a service's
+    (`serve.*` sets its lengths and seed; the `train` section is not read). The base is frozen, so
+    it is stored in the compute dtype (`model.dtype`) unless `model.param_dtype` is given; the
+    adapters and their Adam states are float32 either way."""
     config, name = _compose(source, overrides)
     if not any(o.split("=", 1)[0].strip() == "model.param_dtype" for o in overrides):
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, param_dtype=config.model.dtype))
-    limit = config.model.max_position_embeddings
-    if config.serve.max_seq_len > limit:
-        raise ConfigError(f"serve.max_seq_len: expected at most model.max_position_embeddings={limit}, the positions "
-                          f"the model is made for, found {config.serve.max_seq_len}")
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=config.serve.max_seq_len))
-    validate(config)
+    validate(config, serving=True)
     return config, name
 
 
 def _compose(source: str, overrides: list[str]) -> tuple[Config, str]:
-    if not _is_hf_directory(source):
-        config = load_config(source, overrides)
+    if not is_hf_directory(source):
+        config = load_config(source, overrides, serving=True)
         name = resolve_preset(source).stem
         serve = config.serve
         if not serve.base_model:
@@ -60,7 +52,6 @@ def _compose(source: str, overrides: list[str]) -> tuple[Config, str]:
             serve = dataclasses.replace(serve, tokenizer=serve.base)
         return dataclasses.replace(config, serve=serve), name
     from podtrain.models.hf_config import config_from_hf
-    from podtrain.models.hf_read import read_json_object
 
     directory = Path(source).expanduser().absolute()
     try:
@@ -71,7 +62,7 @@ def _compose(source: str, overrides: list[str]) -> tuple[Config, str]:
     if fixed:
         raise ConfigError(f"{fixed[0]}: {directory / 'config.json'} describes the model of -c {source}; it cannot "
                           "be overridden")
-    config = load_config(None, [*overrides, "train.seq_len=8"])  # the rows' length is set from serve.max_seq_len
+    config = load_config(None, overrides, serving=True)
     serve = config.serve
     serve = dataclasses.replace(serve, base=str(directory), base_model=serve.base_model or directory.name,
                                 tokenizer=serve.tokenizer or str(directory))
@@ -108,17 +99,17 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
     import uvicorn
 
     from podtrain.orchestrator.serve.api import create_app
-    from podtrain.orchestrator.serve.backend import service_tokenizer
+    from podtrain.orchestrator.serve.engine import service_tokenizer
     from podtrain.orchestrator.serve.store import Store
 
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, eos = service_tokenizer(config)
     if config.cluster.kind == "none":
-        from podtrain.orchestrator.serve.backend import Engine
+        from podtrain.orchestrator.serve.engine import Engine
 
         backend, gang = Engine(config, eos_token_ids=eos), None
     else:
-        from podtrain.orchestrator.serve.backend import serve_info
+        from podtrain.orchestrator.serve.engine import serve_info
         from podtrain.orchestrator.serve.gang import GangBackend
 
         info, targets = serve_info(config, eos)

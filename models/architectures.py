@@ -13,6 +13,19 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
+class AdapterTargets:
+    """The HF module names (LoRA targets) that adapt an architecture's attention, its feed-forward
+    layers and its LM head: what a service's `train_attn`, `train_mlp` and `train_unembed` choose."""
+
+    attention: tuple[str, ...]
+    mlp: tuple[str, ...]
+    unembed: tuple[str, ...] = ("lm_head",)
+
+    def chosen(self, *, attn: bool = True, mlp: bool = True, unembed: bool = True) -> tuple[str, ...]:
+        return (*(self.attention if attn else ()), *(self.mlp if mlp else ()), *(self.unembed if unembed else ()))
+
+
+@dataclass(frozen=True)
 class Architecture:
     """One architecture's pieces.
 
@@ -25,6 +38,7 @@ class Architecture:
             beyond the keys every architecture shares.
         hf_keys: `hf_keys(config, shared)`: its config.json from the shared keys.
         hf_mapping: its HF checkpoint's tensor names and layouts.
+        adapter_targets: the LoRA targets of its attention, feed-forward layers and LM head.
         peft_unwritable: adapter targets PEFT would read as other modules (refused on export).
     """
 
@@ -35,17 +49,23 @@ class Architecture:
     hf_fields: Callable
     hf_keys: Callable
     hf_mapping: HFMapping
+    adapter_targets: AdapterTargets
     peft_unwritable: tuple[str, ...] = ()
 
 
+LLAMA_TARGETS = AdapterTargets(("q_proj", "k_proj", "v_proj", "o_proj"), MLP_MODULES)
+# Latent attention's projections; the dense and shared-expert MLPs and the routed experts.
+DEEPSEEK_TARGETS = AdapterTargets(("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+                                  (*MLP_MODULES, "experts"))
+
 ARCHITECTURES = {
     "llama": Architecture("Llama 3", llama.Llama, llama.flops_per_token, "LlamaForCausalLM", llama.llama_from_hf,
-                          llama.llama_to_hf, LLAMA3),
+                          llama.llama_to_hf, LLAMA3, LLAMA_TARGETS),
     "qwen3": Architecture("Qwen3", llama.Llama, llama.flops_per_token, "Qwen3ForCausalLM", llama.qwen3_from_hf,
-                          llama.qwen3_to_hf, QWEN3),
+                          llama.qwen3_to_hf, QWEN3, LLAMA_TARGETS),
     # peft takes the MLP module names to mean the routed experts' fused projections.
     "deepseek_v3": Architecture("DeepSeek-V3", deepseek.DeepseekV3, deepseek.flops_per_token, "DeepseekV3ForCausalLM",
-                                deepseek.deepseek_from_hf, deepseek.deepseek_to_hf, DEEPSEEK_V3,
+                                deepseek.deepseek_from_hf, deepseek.deepseek_to_hf, DEEPSEEK_V3, DEEPSEEK_TARGETS,
                                 peft_unwritable=MLP_MODULES),
 }
 

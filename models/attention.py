@@ -26,7 +26,7 @@ from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
 
 def causal_mask(q_positions_BT, kv_positions_BS, q_segments_BT=None, kv_segments_BS=None) -> jax.Array:
-    """Boolean (B, T, S) mask: causal by position, no empty slot or padding (position < 0), same segment."""
+    """Boolean (B, T, S) mask: causal by position, no empty entry or padding (position < 0), same segment."""
     mask = (kv_positions_BS[:, None, :] <= q_positions_BT[:, :, None]) & (kv_positions_BS[:, None, :] >= 0)
     if q_segments_BT is not None:
         mask &= q_segments_BT[:, :, None] == kv_segments_BS[:, None, :]
@@ -102,7 +102,7 @@ def self_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, scale: float) -> jax.A
 
 def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, layer, positions_BT,
                      key_positions_BT, cache_positions_BS, cache_used, block: int = 128) -> jax.Array:
-    """Attention of T new tokens to themselves and to the filled slots of one layer of a stacked cache.
+    """Attention of T new tokens to themselves and to the filled entries of one layer of a stacked cache.
 
     Args:
         queries: per key part, the scaled queries (B, T, H, Dp). GQA has one part; MLA two (its
@@ -110,17 +110,17 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
         new_keys: per part, the new tokens' keys (B, T, K, Dp); `new_values` (B, T, K, E).
         key_caches: per part, the stacked cache (L, B, S, K, Dp); `value_cache` (L, B, S, K, E).
             Only read, never written: the caller writes the new tokens after all layers ran.
-        layer: the layer (traced or static) whose slots are read.
+        layer: the layer (traced or static) whose entries are read.
         positions_BT: the new tokens' positions; `key_positions_BT` the same with -1 at padding.
-        cache_positions_BS: the position held in each slot (-1: empty or padding).
-        cache_used: slots filled before these tokens (a traced scalar).
-        block: slots per step of the running softmax.
+        cache_positions_BS: the position held in each entry (-1: empty or padding).
+        cache_used: entries filled before these tokens (a traced scalar).
+        block: entries per step of the running softmax.
 
-    The new tokens are attended first (causally, by position); then the cache's slots below
+    The new tokens are attended first (causally, by position); then the cache's entries below
     `cache_used`, `block` at a time, straight from the stacked cache with a running softmax: a
     token's cost grows with the filled length, not with `max_len`, prefill and decode alike.
     Every product is batched over (batch, kv head): with the kv heads sharded (tensor
-    parallelism) each device reads only its own heads' slots and nothing crosses devices.
+    parallelism) each device reads only its own heads' entries and nothing crosses devices.
     Returns (B, T, H, E) in the values' dtype.
     """
     b, t, heads, _ = queries[0].shape
@@ -166,22 +166,22 @@ def cached_attention(queries, new_keys, new_values, key_caches, value_cache, *, 
 
 
 def _read_block(cache, layer, start, block):
-    """Slots `start`..`start + block` of layer `layer` of a stacked cache (L, B, S, ...): (B, block, ...)."""
+    """Entries `start`..`start + block` of layer `layer` of a stacked cache (L, B, S, ...): (B, block, ...)."""
     zero = jnp.zeros((), jnp.int32)
     size = (1, cache.shape[1], block, *cache.shape[3:])
     return jax.lax.dynamic_slice(cache, (layer, zero, start) + (zero,) * (cache.ndim - 3), size)[0]
 
 
 def _block_valid(j, start, block, cache_positions_BS, positions_BT, cache_used):
-    """(B, T, block): which slots of the block at `start` (loop step `j`) each new token attends to.
+    """(B, T, block): which entries of the block at `start` (loop step `j`) each new token attends to.
 
-    The last block may overlap the one before it (`start` is clamped to fit the cache): its slots
+    The last block may overlap the one before it (`start` is clamped to fit the cache): its entries
     below `j * block` were already read.
     """
-    slot_pos = jax.lax.dynamic_slice_in_dim(cache_positions_BS, start, block, axis=1)
-    slot = start + jnp.arange(block)
-    return ((slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= positions_BT[:, :, None])
-            & (slot >= j * block) & (slot < cache_used))
+    entry_pos = jax.lax.dynamic_slice_in_dim(cache_positions_BS, start, block, axis=1)
+    entry = start + jnp.arange(block)
+    return ((entry_pos[:, None, :] >= 0) & (entry_pos[:, None, :] <= positions_BT[:, :, None])
+            & (entry >= j * block) & (entry < cache_used))
 
 
 
@@ -227,7 +227,7 @@ class Attention(nnx.Module):
 
         Returns:
             (out_BTD, new_kv): new_kv is the new tokens' (k, v), each (B, T, K, D), to be written
-            into the cache at its next slots; None without a cache.
+            into the cache at its next entries; None without a cache.
         """
         inv_freq = np.asarray(self.inv_freq, np.float32)
         q = checkpoint_name(self._biased(self.wq(x_BTD), self.bq), "query")

@@ -38,6 +38,11 @@ INDEX_FILE = "model.safetensors.index.json"
 FP8_SCALE_SUFFIX = "_scale_inv"
 
 
+def is_hf_directory(path: str | os.PathLike) -> bool:
+    """Whether `path` is a Hugging Face model directory (it holds config.json)."""
+    return (Path(path).expanduser() / "config.json").is_file()
+
+
 def read_json_object(file: Path) -> dict:
     """A JSON object file; ValueError naming the file when it is not one."""
     try:

@@ -11,7 +11,7 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    """Keys and values of every layer, stacked per layer stack, plus the position held in each slot.
+    """Keys and values of every layer, stacked per layer stack, plus the position held in each entry.
 
     A model with one stack (Llama, Qwen3) has one pair; DeepSeek-V3 has two (dense layers, then
     MoE layers). `split()` hands each stack its own pair and `join()` puts updated pairs back, so
@@ -21,9 +21,9 @@ class KVCache:
         k: per stack, (num_layers, batch, max_len, kv_heads, key_dim). MLA stores its latent here.
         v: per stack, (num_layers, batch, max_len, kv_heads, value_dim). MLA stores the shared
             rotary key here.
-        positions: (batch, max_len) int32, the token position held in each slot; -1 marks an
-            empty slot (never written, or written by a padding token) that nothing attends to.
-        index: int32 scalar, the next slot to write.
+        positions: (batch, max_len) int32, the token position held in each entry; -1 marks an
+            empty entry (never written, or written by a padding token) that nothing attends to.
+        index: int32 scalar, the next entry to write.
     """
 
     k: tuple[jax.Array, ...]
@@ -66,7 +66,7 @@ class KVCache:
 
 
 def write_tokens(stacked: jax.Array, new_LBT: jax.Array, index) -> jax.Array:
-    """`stacked` (L, B, S, ...) with the new tokens' entries `new_LBT` (L, B, T, ...) in slots `index`..`index + T`.
+    """`stacked` (L, B, S, ...) with the new tokens' entries `new_LBT` (L, B, T, ...) in entries `index`..`index + T`.
 
     One `dynamic_update_slice` of the new tokens only: on a loop carry (the decode loop) or a
     donated buffer XLA updates the cache in place.

@@ -107,7 +107,7 @@ class Llama(nnx.Module):
 
         Args:
             input_ids: int token ids (B, T).
-            positions: token positions (B, T); defaults to 0..T-1 (after the cache's filled slots).
+            positions: token positions (B, T); defaults to 0..T-1 (after the cache's filled entries).
             segment_ids: packed-document ids (B, T); tokens attend only within their segment.
             cache: a stacked `KVCache`; the new keys and values are written at `cache.index`.
             attention_mask: 1 for real tokens, 0 for padding (B, T); padding is never attended to.
@@ -169,8 +169,8 @@ class Llama(nnx.Module):
                                        for stacked, new in zip(pair, new_entries, strict=True)))
             stats |= outputs
         if cache is not None:
-            slot_positions = jax.lax.dynamic_update_slice_in_dim(cache.positions, key_positions, cache.index, axis=1)
-            cache = cache.join(new_pairs, positions=slot_positions, index=cache.index + t)
+            entry_positions = jax.lax.dynamic_update_slice_in_dim(cache.positions, key_positions, cache.index, axis=1)
+            cache = cache.join(new_pairs, positions=entry_positions, index=cache.index + t)
         return self.final_norm(h), cache, stats
 
     def head(self, *, stored: bool = False) -> jax.Array:
@@ -184,7 +184,7 @@ class Llama(nnx.Module):
         return head if stored else gathered(head.astype(dtype_of(self.config.dtype)), names)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty cache of `max_len` slots per sequence, in the compute dtype unless `dtype` says."""
+        """An empty cache of `max_len` entries per sequence, in the compute dtype unless `dtype` says."""
         c = self.config
         return KVCache.init(
             stack_layers=[c.num_layers], batch=batch, max_len=max_len, kv_heads=c.num_kv_heads,

@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from podtrain.models.kernels.attention import NEG_INF
 from podtrain.models.linear import dense, gather_specs
@@ -35,29 +36,21 @@ def causal_lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax
     return _weighted_sum(nll, weights) / jnp.maximum(num_tokens, 1.0), num_tokens
 
 
-def _weighted_sum(nll, weights):
-    """sum(nll * weights), where an ignored position adds 0 even if its nll is NaN (an out-of-range
-    target, which `take_along_axis` reads as NaN)."""
-    return jnp.sum(jnp.where(weights != 0, nll * weights, 0.0))
+def vocab_slices(tokens: int, loss_chunk: int) -> int:
+    """How many vocabulary slices the head is applied in for `tokens` positions per row, each
+    slice's logits as large as those of `loss_chunk` positions (0: one slice, the whole logits)."""
+    return max(1, -(-tokens // loss_chunk)) if loss_chunk else 1
 
 
 def chunked_causal_lm_loss(
     h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array | None = None, *,
     chunk: int,
 ):
-    """`causal_lm_loss(h @ head, ...)` without materialising the (B, T, vocab) logits.
+    """`causal_lm_loss(h @ head, ...)` without materialising the (B, T, vocab) logits: the weighted
+    mean of `sliced_target_logprobs` with T / `chunk` vocabulary slices, so each slice's logits are
+    as large as those of `chunk` positions over the whole vocabulary.
 
-    The vocabulary is cut into n = T / `chunk` slices (slice j: columns j, j + n, j + 2n, ...), so
-    each slice's logits are as large as those of `chunk` positions over the whole vocabulary. A
-    first pass over the slices keeps each token's running log-partition and its target logit; the
-    backward pass recomputes one slice's logits at a time. A slice's gradient is complete after that
-    one pass over all tokens, so with the head sharded over the batch axes (FSDP) each slice is
-    gathered and its gradient reduce-scattered once, and nothing of the head's size is ever held
-    whole. (Chunking the sequence instead sums the head's gradient over the chunks: reduced in every
-    chunk, or a whole unreduced copy per device.)
-
-    `head_DV` is the head in its own sharding and dtype, logical axes ("embed", "vocab"); each slice
-    is cast to the dtype of `h_BTD` for its matmuls.
+    `head_DV` is the head in its own sharding and dtype, logical axes ("embed", "vocab").
 
     Returns:
         (loss, num_tokens), as `causal_lm_loss`.
@@ -66,9 +59,36 @@ def chunked_causal_lm_loss(
     if t % chunk:
         raise ValueError(f"train.loss_chunk={chunk} must divide the sequence length {t}")
     weights_BT = jnp.ones((b, t), jnp.float32) if weights_BT is None else weights_BT.astype(jnp.float32)
-    total = _sliced_nll_sum(h_BTD, head_DV, targets_BT, weights_BT, t // chunk)
+    total = _weighted_sum(-sliced_target_logprobs(h_BTD, head_DV, targets_BT, slices=t // chunk), weights_BT)
     num_tokens = jnp.sum(weights_BT)
     return total / jnp.maximum(num_tokens, 1.0), num_tokens
+
+
+def sliced_target_logprobs(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, slices: int,
+                           low_BTR: jax.Array | None = None, b_BRV: jax.Array | None = None) -> jax.Array:
+    """log p(target) (B, T) in float32 of the logits `h @ head` (plus each row's low-rank term
+    `low[b] @ B[b]`, an adapter on the head that each batch row picks), without materialising the
+    (B, T, vocab) logits.
+
+    The vocabulary is cut into n = `slices` slices (slice j: columns j, j + n, j + 2n, ...). A
+    first pass over the slices keeps each token's running log-partition and its target logit; the
+    backward pass recomputes one slice's logits at a time. A slice's gradient is complete after that
+    one pass over all tokens, so with the head sharded over the batch axes (FSDP) each slice is
+    gathered and its gradient reduce-scattered once, and nothing of the head's size is ever held
+    whole. (Chunking the sequence instead sums the head's gradient over the chunks: reduced in every
+    chunk, or a whole unreduced copy per device.) The head's gradient is computed only when the
+    head is differentiated: a frozen head (the service's, a LoRA run's) costs no backward matmul.
+
+    Each slice of `head_DV` (and of `B`) is cast to the dtype of `h_BTD` for its matmuls.
+    """
+    extra = None if low_BTR is None else (low_BTR, b_BRV)
+    return _sliced_logprobs(h_BTD, head_DV, targets_BT, extra, slices)
+
+
+def _weighted_sum(nll, weights):
+    """sum(nll * weights), where an ignored position adds 0 even if its nll is NaN (an out-of-range
+    target, which `take_along_axis` reads as NaN)."""
+    return jnp.sum(jnp.where(weights != 0, nll * weights, 0.0))
 
 
 def _slices(head_DV, n):
@@ -100,54 +120,6 @@ def _target_hits(targets_BT, j, n, width):
     return (targets_BT % n == j)[..., None] & (jnp.arange(width) == (targets_BT // n)[..., None])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _sliced_nll_sum(h_BTD, head_DV, targets_BT, weights_BT, n):
-    """sum(weights * nll) of the logits h @ head, a vocabulary slice at a time (see the caller)."""
-    return _sliced_fwd(h_BTD, head_DV, targets_BT, weights_BT, n)[0]
-
-
-def _sliced_fwd(h_BTD, head_DV, targets_BT, weights_BT, n):
-    lp, (*_, log_z) = _sliced_logprobs_fwd(h_BTD, head_DV, targets_BT, None, n)
-    return _weighted_sum(-lp, weights_BT), (h_BTD, head_DV, targets_BT, weights_BT, log_z)
-
-
-def _sliced_bwd(n, residuals, d_total):
-    h_BTD, head_DV, targets_BT, weights_BT, log_z = residuals
-    head = _slices(head_DV, n)
-    coef = jnp.where(weights_BT != 0, weights_BT * d_total, 0.0)[..., None]
-    h_2d = h_BTD.reshape(-1, h_BTD.shape[-1])
-
-    def one_slice(d_h, j):
-        logits, w = _slice_logits(h_BTD, head, j, head_DV.shape[1])
-        hits = _target_hits(targets_BT, j, n, logits.shape[-1])
-        d_logits = ((jnp.exp(logits - log_z[..., None]) - hits) * coef).astype(h_BTD.dtype)
-        d_h = d_h + jnp.einsum("btv,dv->btd", d_logits, w, preferred_element_type=jnp.float32)
-        d_w = h_2d.T @ d_logits.reshape(-1, d_logits.shape[-1])
-        return d_h, constrain(d_w, _HEAD_NAMES)
-
-    d_h, d_head = jax.lax.scan(one_slice, jnp.zeros(h_BTD.shape, jnp.float32), jnp.arange(n))
-    d, v = head_DV.shape
-    d_head = d_head.transpose(1, 2, 0).reshape(d, -1)[:, :v].astype(head_DV.dtype)
-    return d_h.astype(h_BTD.dtype), d_head, None, None
-
-
-_sliced_nll_sum.defvjp(_sliced_fwd, _sliced_bwd)
-
-
-def sliced_target_logprobs(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, slices: int,
-                           low_BTR: jax.Array | None = None, b_BRV: jax.Array | None = None) -> jax.Array:
-    """log p(target) (B, T) in float32 of the logits `h @ head` (plus each row's low-rank term
-    `low[b] @ B[b]`, an adapter on the head that each batch row picks), `slices` vocabulary slices
-    at a time (slice j: columns j, j + n, ...), so no (B, T, vocab) array is ever made; the
-    backward pass recomputes one slice's logits at a time, as `chunked_causal_lm_loss` does.
-
-    `head_DV` is frozen: it gets a zero gradient (a caller that trains the head uses
-    `chunked_causal_lm_loss`); `h`, `low` and `B` get theirs.
-    """
-    extra = None if low_BTR is None else (low_BTR, b_BRV)
-    return _sliced_logprobs(h_BTD, head_DV, targets_BT, extra, slices)
-
-
 def _row_slice(b_BRV, n, j):
     """Slice j of each row's head update `B` (B, r, V/n), zero columns appended up to a multiple of n."""
     pad = -b_BRV.shape[-1] % n
@@ -168,10 +140,12 @@ def _logits_with_rows(h_BTD, head_DSN, extra, j, vocab):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _sliced_logprobs(h_BTD, head_DV, targets_BT, extra, n):
-    return _sliced_logprobs_fwd(h_BTD, head_DV, targets_BT, extra, n)[0]
+    """log p(target) of h @ head (+ the rows' low-rank terms `extra`), a vocabulary slice at a time."""
+    return _sliced_forward(h_BTD, head_DV, targets_BT, extra, n)[0]
 
 
-def _sliced_logprobs_fwd(h_BTD, head_DV, targets_BT, extra, n):
+def _sliced_forward(h_BTD, head_DV, targets_BT, extra, n):
+    """(log p(target), log-partition): one pass over the slices with a running max and sum."""
     head = _slices(head_DV, n)
     b, t, _ = h_BTD.shape
 
@@ -186,13 +160,26 @@ def _sliced_logprobs_fwd(h_BTD, head_DV, targets_BT, extra, n):
     init = (jnp.full((b, t), NEG_INF, jnp.float32), jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.float32))
     (row_max, row_sum, target_logit), _ = jax.lax.scan(one_slice, init, jnp.arange(n))
     log_z = row_max + jnp.log(row_sum)
-    return target_logit - log_z, (h_BTD, head_DV, targets_BT, extra, log_z)
+    return target_logit - log_z, log_z
 
 
-def _sliced_logprobs_bwd(n, residuals, d_lp):
-    h_BTD, head_DV, targets_BT, extra, log_z = residuals
+def _sliced_fwd(h_BTD, head_DV, targets_BT, extra, n):
+    # `symbolic_zeros`: each differentiable argument comes as a CustomVJPPrimal that says whether it
+    # is differentiated. Whether the head is rides in the residuals' structure (() or None), which
+    # the backward pass reads while tracing.
+    h, head, targets = h_BTD.value, head_DV.value, targets_BT.value
+    extra_values = None if extra is None else tuple(x.value for x in extra)
+    lp, log_z = _sliced_forward(h, head, targets, extra_values, n)
+    return lp, (h, head, targets, extra_values, log_z, () if head_DV.perturbed else None)
+
+
+def _sliced_bwd(n, residuals, d_lp):
+    h_BTD, head_DV, targets_BT, extra, log_z, head_grad = residuals
+    if isinstance(d_lp, SymbolicZero):  # the log-probabilities were not used
+        d_lp = jnp.zeros(log_z.shape, jnp.float32)
     head = _slices(head_DV, n)
     coef = d_lp.astype(jnp.float32)[..., None]
+    h_2d = h_BTD.reshape(-1, h_BTD.shape[-1])
 
     def one_slice(carry, j):
         d_h, d_low = carry
@@ -200,21 +187,28 @@ def _sliced_logprobs_bwd(n, residuals, d_lp):
         hits = _target_hits(targets_BT, j, n, logits.shape[-1])
         d_logits = ((hits - jnp.exp(logits - log_z[..., None])) * coef).astype(h_BTD.dtype)
         d_h = d_h + jnp.einsum("btv,dv->btd", d_logits, w, preferred_element_type=jnp.float32)
-        if extra is None:
-            return (d_h, d_low), None
-        d_low = d_low + jnp.einsum("btv,brv->btr", d_logits, b_j, preferred_element_type=jnp.float32)
-        d_b = jnp.einsum("btr,btv->brv", extra[0].astype(h_BTD.dtype), d_logits, preferred_element_type=jnp.float32)
-        return (d_h, d_low), d_b
+        per_slice = {}
+        if head_grad is not None:
+            per_slice["head"] = constrain(h_2d.T @ d_logits.reshape(-1, d_logits.shape[-1]), _HEAD_NAMES)
+        if extra is not None:
+            d_low = d_low + jnp.einsum("btv,brv->btr", d_logits, b_j, preferred_element_type=jnp.float32)
+            per_slice["b"] = jnp.einsum("btr,btv->brv", extra[0].astype(h_BTD.dtype), d_logits,
+                                        preferred_element_type=jnp.float32)
+        return (d_h, d_low), per_slice
 
     d_low0 = None if extra is None else jnp.zeros(extra[0].shape, jnp.float32)
-    (d_h, d_low), d_b = jax.lax.scan(one_slice, (jnp.zeros(h_BTD.shape, jnp.float32), d_low0), jnp.arange(n))
+    (d_h, d_low), per_slice = jax.lax.scan(one_slice, (jnp.zeros(h_BTD.shape, jnp.float32), d_low0), jnp.arange(n))
+    d_head = None
+    if head_grad is not None:
+        d, v = head_DV.shape
+        d_head = per_slice["head"].transpose(1, 2, 0).reshape(d, -1)[:, :v].astype(head_DV.dtype)
     d_extra = None
     if extra is not None:
         low, b = extra
         rows, rank, v = b.shape
-        d_b = d_b.transpose(1, 2, 3, 0).reshape(rows, rank, -1)[..., :v]
+        d_b = per_slice["b"].transpose(1, 2, 3, 0).reshape(rows, rank, -1)[..., :v]
         d_extra = (d_low.astype(low.dtype), d_b.astype(b.dtype))
-    return d_h.astype(h_BTD.dtype), jnp.zeros_like(head_DV), None, d_extra
+    return d_h.astype(h_BTD.dtype), d_head, None, d_extra
 
 
-_sliced_logprobs.defvjp(_sliced_logprobs_fwd, _sliced_logprobs_bwd)
+_sliced_logprobs.defvjp(_sliced_fwd, _sliced_bwd, symbolic_zeros=True)

@@ -72,7 +72,7 @@ class MLAttention(nnx.Module):
         The cache holds (L, B, S, 1, kv_lora_rank) normed latents and (L, B, S, 1, qk_rope_head_dim)
         rotary keys. With a cache the key and value up-projections are absorbed into the queries
         and the output (scores = (q_nope W_uk) . latent + q_rope . rope_key; out = (p . latent) W_uv),
-        so no per-head key or value is ever built for the cached slots. Other arguments as in
+        so no per-head key or value is ever built for the cached entries. Other arguments as in
         `models.attention.Attention`.
 
         Returns:

@@ -119,8 +119,8 @@ def run_layers(
         remat: a name from `REMAT`; "none" keeps every intermediate for the backward pass.
         scan: True runs one `lax.scan`; False unrolls a Python loop (the reference, and the
             baseline the benchmarks compare against).
-        kv: optional stacked cache arrays, each `(num_layers, batch, slots, ...)`, read only:
-            layer `i` gets `kv=kv, layer=i` and reads its own slots straight from the stacks
+        kv: optional stacked cache arrays, each `(num_layers, batch, entries, ...)`, read only:
+            layer `i` gets `kv=kv, layer=i` and reads its own entries straight from the stacks
             (closed over by the scan, so never sliced into per-layer copies), and returns its new
             tokens' entries as `outputs["kv"]`; the caller writes them into the cache after the
             scan, in place (`models.kv_cache.write_tokens`). Writing inside the scan would make

@@ -40,8 +40,10 @@ def resolve_backend(name: str, platform: str, dtype: str = "bfloat16", seq_len: 
     return "xla"
 
 
-def check_backend(name: str, platform: str, dtype: str, seq_len: int | None = None, key: str = "model.attention"):
-    """Raises ValueError naming `key` when backend `name` cannot run on `platform` at `dtype`."""
+def check_backend(name: str, platform: str, dtype: str, seq_len: int | None = None, key: str = "model.attention",
+                  seq_key: str = "train.seq_len"):
+    """Raises ValueError naming `key` when backend `name` cannot run on `platform` at `dtype`, or
+    on sequences of `seq_len` tokens (the config key `seq_key`)."""
     if name not in BACKENDS:
         raise ValueError(f"{key}: expected one of {list(BACKENDS)}, found {name!r}")
     if name == "cudnn":
@@ -52,7 +54,7 @@ def check_backend(name: str, platform: str, dtype: str, seq_len: int | None = No
     if name == "splash" and platform not in ("tpu", "cpu"):
         raise ValueError(f"{key}=splash: splash attention runs on TPU (interpreted on CPU), found {platform} devices")
     if name in ("splash", "cudnn") and seq_len is not None and seq_len % FLASH_SEQ_MULTIPLE:
-        raise ValueError(f"{key}={name}: train.seq_len must be a multiple of {FLASH_SEQ_MULTIPLE}, "
+        raise ValueError(f"{key}={name}: {seq_key} must be a multiple of {FLASH_SEQ_MULTIPLE}, "
                          f"found {seq_len}")
 
 

@@ -3,8 +3,8 @@
 Expert weights `(E, ...)` are sharded over the mesh axis the rule for "experts" names (`ep` by
 default); tokens are sharded over the batch axes, which must include it. Inside one `shard_map`
 each device sorts its token-expert assignments by expert, packs them into a per-expert buffer of
-`capacity` slots, and an all-to-all over the expert axis hands every device the slots of its own
-experts from every device. It runs only its `E / ep` experts on them (all-gathering the weight
+`capacity` places, and an all-to-all over the expert axis hands every device the places of its
+own experts from every device. It runs only its `E / ep` experts on them (all-gathering the weight
 dimensions sharded over `fsdp`, summing partial results over `tp`), and a second all-to-all
 brings the results home, where they are weighted and summed per token. Partial results are summed
 only over mesh axes that split the expert hidden dimension but not the tokens (devices along such
@@ -30,7 +30,7 @@ from podtrain.sharding.rules import axes_of, logical_to_spec
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Slots per expert for `tokens` tokens of one shard.
+    """Buffer places per expert for `tokens` tokens of one shard.
 
     Dropless (`capacity_factor == 0`): `tokens`, as a token picks an expert at most once.
     Otherwise `ceil(capacity_factor * tokens * top_k / num_experts)`, at most `tokens`.
@@ -40,8 +40,8 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) 
     return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
 
 
-def _slots(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int | None:
-    """The capacity dispatch's slots per expert, or None for the dropless dispatch."""
+def _places(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int | None:
+    """The capacity dispatch's places per expert, or None for the dropless dispatch."""
     return capacity(tokens, top_k, num_experts, capacity_factor) if capacity_factor > 0 else None
 
 
@@ -84,45 +84,45 @@ class _Buffered:
         return jnp.zeros_like(out).at[order].set(out).reshape(experts, m, -1)
 
 
-def _slot_rows(x_ND, token, sorted_expert, sorted_adapter, load, experts, *, num_experts, slots, ep_axis, ep,
-               sum_axes, kernels):
-    """Capacity dispatch: each expert takes its first `slots` rows from each device, in fixed
+def _capacity_rows(x_ND, token, sorted_expert, sorted_adapter, load, experts, *, num_experts, places, ep_axis, ep,
+                   sum_axes, kernels):
+    """Capacity dispatch: each expert takes its first `places` rows from each device, in fixed
     buffers moved by all-to-all (with their adapter slots, `sorted_adapter`, if not None). Returns
     (rows' results, kept)."""
     d = x_ND.shape[1]
     local_experts = num_experts // ep
     first = jnp.cumsum(load) - load
-    slot = jnp.arange(sorted_expert.shape[0]) - first[jnp.minimum(sorted_expert, num_experts - 1)]
-    kept = (slot < slots) & (sorted_expert < num_experts)  # padding tokens pick expert id `num_experts`
-    target = jnp.where(kept, sorted_expert * slots + slot, num_experts * slots)
+    place = jnp.arange(sorted_expert.shape[0]) - first[jnp.minimum(sorted_expert, num_experts - 1)]
+    kept = (place < places) & (sorted_expert < num_experts)  # padding tokens pick expert id `num_experts`
+    target = jnp.where(kept, sorted_expert * places + place, num_experts * places)
 
     def to_owners(values):
-        """(E * slots, ...) buffers in sender order -> (L, ep * slots, ...) of my experts."""
-        buf = values.reshape(ep, local_experts * slots, *values.shape[1:])
+        """(E * places, ...) buffers in sender order -> (L, ep * places, ...) of my experts."""
+        buf = values.reshape(ep, local_experts * places, *values.shape[1:])
         if ep_axis is not None:
-            buf = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [source device] -> slots of my experts
-        buf = buf.reshape(ep, local_experts, slots, *values.shape[1:])
-        return jnp.moveaxis(buf, 0, 1).reshape(local_experts, ep * slots, *values.shape[1:])
+            buf = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [source device] -> places of my experts
+        buf = buf.reshape(ep, local_experts, places, *values.shape[1:])
+        return jnp.moveaxis(buf, 0, 1).reshape(local_experts, ep * places, *values.shape[1:])
 
-    rows = to_owners(jnp.zeros((num_experts * slots, d), x_ND.dtype).at[target].set(x_ND[token], mode="drop"))
+    rows = to_owners(jnp.zeros((num_experts * places, d), x_ND.dtype).at[target].set(x_ND[token], mode="drop"))
     adapter = None if sorted_adapter is None else to_owners(
-        jnp.zeros((num_experts * slots,), jnp.int32).at[target].set(sorted_adapter, mode="drop"))
+        jnp.zeros((num_experts * places,), jnp.int32).at[target].set(sorted_adapter, mode="drop"))
     _, _, out = run_experts(experts, rows, _Buffered(adapter, experts.adapters(), kernels))
     if sum_axes:
         out = jax.lax.psum(out, sum_axes)
-    out = out.reshape(local_experts, ep, slots, d).transpose(1, 0, 2, 3).reshape(ep, local_experts * slots, d)
+    out = out.reshape(local_experts, ep, places, d).transpose(1, 0, 2, 3).reshape(ep, local_experts * places, d)
     if ep_axis is not None:
         out = jax.lax.all_to_all(out, ep_axis, 0, 0)  # results back to the devices that sent the tokens
-    out = out.reshape(num_experts * slots, d)
-    return jnp.where(kept[:, None], out[jnp.minimum(target, num_experts * slots - 1)], 0), kept
+    out = out.reshape(num_experts * places, d)
+    return jnp.where(kept[:, None], out[jnp.minimum(target, num_experts * places - 1)], 0), kept
 
 
-def _local_experts(x_ND, expert_NK, weight_NK, adapter_N, experts, *, num_experts, slots, ep_axis, ep, embed_axes,
+def _local_experts(x_ND, expert_NK, weight_NK, adapter_N, experts, *, num_experts, places, ep_axis, ep, embed_axes,
                    mlp_axes, token_axes, buffer_factor, kernels):
     """One device's dispatch, expert computation and combine (the body of the shard_map).
 
-    `slots=None` is dropless: rows sorted by expert (and adapter slot), grouped matmuls over
-    exactly those rows (`ragged.dropless_rows`); else the capacity dispatch of `slots` per expert
+    `places=None` is dropless: rows sorted by expert (and adapter slot), grouped matmuls over
+    exactly those rows (`ragged.dropless_rows`); else the capacity dispatch of `places` per expert
     and device. `adapter_N` is each token's adapter slot (None: no slots).
     """
     n, d = x_ND.shape
@@ -130,14 +130,14 @@ def _local_experts(x_ND, expert_NK, weight_NK, adapter_N, experts, *, num_expert
     per_expert = experts.adapters()
     flat_expert = expert_NK.reshape(-1)
     flat_adapter = None if adapter_N is None else jnp.repeat(adapter_N.astype(jnp.int32), k)
-    group = flat_expert if slots is not None or flat_adapter is None else flat_expert * per_expert + flat_adapter
+    group = flat_expert if places is not None or flat_adapter is None else flat_expert * per_expert + flat_adapter
     order = jnp.argsort(group, stable=True)
     sorted_expert = flat_expert[order]
     load = jnp.bincount(flat_expert, length=num_experts)
     token = order // k
     experts, sum_axes = _gather_weights(experts, embed_axes=embed_axes, mlp_axes=mlp_axes, token_axes=token_axes)
     real = sorted_expert < num_experts
-    if slots is None:
+    if places is None:
         groups = per_expert if flat_adapter is not None else 1
         counts = jnp.bincount(group, length=num_experts * groups).reshape(1, ep, num_experts // ep * groups)
         if ep_axis is not None:
@@ -148,9 +148,9 @@ def _local_experts(x_ND, expert_NK, weight_NK, adapter_N, experts, *, num_expert
                                      sum_axes, one_round, kernels)
         kept = real
     else:
-        out, kept = _slot_rows(x_ND, token, sorted_expert, None if flat_adapter is None else flat_adapter[order], load,
-                               experts, num_experts=num_experts, slots=slots, ep_axis=ep_axis, ep=ep,
-                               sum_axes=sum_axes, kernels=kernels)
+        out, kept = _capacity_rows(x_ND, token, sorted_expert, None if flat_adapter is None else flat_adapter[order],
+                                   load, experts, num_experts=num_experts, places=places, ep_axis=ep_axis, ep=ep,
+                                   sum_axes=sum_axes, kernels=kernels)
         contribution = out * weight_NK.reshape(-1)[order][:, None].astype(out.dtype)
     y = jnp.zeros((n, d), contribution.dtype).at[token].add(contribution)
     dropped = jnp.sum(real & ~kept).astype(jnp.float32)
@@ -170,7 +170,7 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: f
         weight_BTK: their combine weights (B, T, K).
         experts: the experts (`moe.experts.SwiGLUExperts`, or what a feature made around them),
             in the compute dtype; only their trained arrays get gradients.
-        capacity_factor: 0 for dropless, else the per-expert slot budget (see `capacity`).
+        capacity_factor: 0 for dropless, else the per-expert budget of buffer places (see `capacity`).
         buffer_factor: dropless only: rows per exchange round as a multiple of a device's own
             assignments (see `dropless.buffer_rows`); routing beyond it takes more rounds.
         kernels: the dropless dispatch's grouped matmul and exchange.
@@ -191,7 +191,7 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: f
         y, load, dropped = _local_experts(
             x_BTD.reshape(b * t, d), expert_BTK.reshape(b * t, -1), weight_BTK.reshape(b * t, -1),
             None if adapter_BT is None else adapter_BT.reshape(-1), experts, num_experts=num_experts,
-            slots=_slots(b * t, expert_BTK.shape[-1], num_experts, capacity_factor), ep_axis=None, ep=1,
+            places=_places(b * t, expert_BTK.shape[-1], num_experts, capacity_factor), ep_axis=None, ep=1,
             embed_axes=(), mlp_axes=(), token_axes=(), **options,
         )
         return y.reshape(b, t, d), load, dropped
@@ -227,8 +227,8 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: f
     local_tokens = (b * t) // math.prod(sizes[a] for a in token_axes)
     x_spec = PartitionSpec(*token_spec, None)
     body = functools.partial(
-        _local_experts, num_experts=num_experts, slots=_slots(local_tokens, expert_BTK.shape[-1], num_experts,
-                                                              capacity_factor),
+        _local_experts, num_experts=num_experts, places=_places(local_tokens, expert_BTK.shape[-1], num_experts,
+                                                                capacity_factor),
         ep_axis=ep_axis, ep=ep, embed_axes=axes_of(gate_spec[1]), mlp_axes=axes_of(gate_spec[2]),
         token_axes=token_axes, **options,
     )
@@ -244,5 +244,5 @@ def routed_experts(x_BTD, expert_BTK, weight_BTK, experts, *, capacity_factor: f
         flat,
         in_specs=(x_spec, x_spec, x_spec, specs, *(PartitionSpec(*token_spec) for _ in adapters)),
         out_specs=(x_spec, PartitionSpec(), PartitionSpec()),
-        check_vma=body.keywords["slots"] is not None,  # see dropless.dropless_rows
+        check_vma=body.keywords["places"] is not None,  # see dropless.dropless_rows
     )(x_BTD, expert_BTK, weight_BTK, experts, *adapters)

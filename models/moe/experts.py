@@ -2,8 +2,8 @@
 
 An experts object is a pytree of per-expert weights that says how rows pass through them given a
 `matmul(rows, w)` of rows by one weight of every expert (grouped matmuls in the dropless dispatch,
-einsums over fixed slots in the capacity dispatch), the logical axes of each of its arrays (the
-dispatch gathers their FSDP-sharded dimensions) and which of its arrays are trained. Features that
+einsums over fixed buffer places in the capacity dispatch), the logical axes of each of its arrays
+(the dispatch gathers their FSDP-sharded dimensions) and which of its arrays are trained. Features that
 change the experts (adapters) are other such objects, made around these after the model is built.
 One with `adapters()` > 1 holds arrays `(E, S, ...)`, one per adapter slot, and multiplies each row
 by its own slot's with `matmul.by_adapter(rows, w)` (the dispatch carries each row's slot).

@@ -37,8 +37,9 @@ def has_item(directory: str, step: int, item: str) -> bool:
 # Model keys that change how the model runs, is initialised or is trained, not what its weights
 # are: a run may resume with other values (DeepSeek-V3 stops its router-bias updates late in
 # training), and export and generate take any.
-RUNTIME_MODEL_KEYS = frozenset({"attention", "dtype", "remat", "scan_layers", "initializer_range",
-                                "moe.bias_update_rate", "moe.capacity_factor", "moe.buffer_factor"})
+RUNTIME_MODEL_KEYS = frozenset({"attention", "interpret_kernels", "dtype", "remat", "scan_layers",
+                                "initializer_range", "moe.bias_update_rate", "moe.capacity_factor",
+                                "moe.buffer_factor", "moe.grouped_matmul", "moe.exchange"})
 
 
 def model_differences(meta: Mapping, model: Any, shown: int = 3) -> str:

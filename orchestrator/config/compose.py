@@ -194,8 +194,10 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f" at line {mark.line + 1}, column {mark.column + 1}: {e.problem}{context}"
 
 
-def load_config(preset: str | None, overrides: list[str] = (), *, hint_keys: Iterable[str] = ()) -> Config:
-    """Schema defaults, then the preset YAML, then the overrides; then `validate` (without devices).
+def load_config(preset: str | None, overrides: list[str] = (), *, hint_keys: Iterable[str] = (),
+                serving: bool = False) -> Config:
+    """Schema defaults, then the preset YAML, then the overrides; then `validate` (without devices;
+    as a service's config with `serving`).
 
     `hint_keys` are a command's own `key=` arguments (taken out of the overrides before): an unknown
     key may be suggested as one of them.
@@ -213,15 +215,15 @@ def load_config(preset: str | None, overrides: list[str] = (), *, hint_keys: Ite
         merged = _merge(merged, layer, keys, f"config file {path}")
     merged = _merge(merged, parse_overrides(list(overrides)), keys, "override", hint_keys)
     config = OmegaConf.to_object(merged)
-    validate(config)
+    validate(config, serving=serving)
     return config
 
 
-def apply_overrides(config: Config, overrides: list[str]) -> Config:
+def apply_overrides(config: Config, overrides: list[str], *, serving: bool = False) -> Config:
     """`config` with `overrides` applied as on the command line, validated again."""
     merged = _merge(OmegaConf.structured(config), parse_overrides(list(overrides)), _schema_keys(Config), "override")
     result = OmegaConf.to_object(merged)
-    validate(result)
+    validate(result, serving=serving)
     return result
 
 

@@ -15,7 +15,8 @@ class ServeConfig:
             directory's `serve.json`). Any host but loopback needs an API key.
         api_key: the key clients send (`X-API-Key`); empty: the environment variable
             PODTRAIN_SERVE_API_KEY, else none (loopback only).
-        base: the base model's HF directory (None: the preset's model made from `train.seed`).
+        base: the base model's HF directory (None: the preset's model made from `seed`).
+        seed: the seed the base model's weights are drawn from when there is no `base`.
         base_model: the name clients ask for (empty: the HF directory's name, else the preset's).
         tokenizer: what clients load as the tokenizer (`get_info`): an HF id or directory (None:
             `base`).
@@ -42,6 +43,7 @@ class ServeConfig:
     port: int = 8000
     api_key: str = ""
     base: str | None = None
+    seed: int = 0
     base_model: str = ""
     tokenizer: str | None = None
     max_adapters: int = 8
@@ -61,6 +63,8 @@ class ServeConfig:
 
     def validate(self, prefix: str = "serve") -> None:
         """Raises ValueError naming the key when a field is out of range."""
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"{prefix}.seed: expected an integer in [0, 2**63), found {self.seed}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"{prefix}.port: expected 0 (any free port) to 65535, found {self.port}")
         for key in ("max_adapters", "max_rank", "max_seq_len", "max_rows", "max_request_bytes", "max_sample_tokens"):

@@ -22,8 +22,11 @@ def cluster_platform(cluster) -> str | None:
     return {"tpu": "tpu", "gpu": "gpu", "local": "cpu"}.get(cluster.kind)
 
 
-def validate(config: Config, num_devices: int | None = None) -> dict[str, int] | None:
-    """Cross-field rules; with `num_devices`, also the mesh against the devices present.
+def validate(config: Config, num_devices: int | None = None, *, serving: bool = False) -> dict[str, int] | None:
+    """Each section's rules and the rules between sections; with `num_devices`, also the mesh
+    against the devices present. A training run's config is checked for its `train` section (its
+    sequences against the model, its batch against the mesh); a service's (`serving`) for its
+    `serve` section instead, which sets its own lengths.
 
     Returns:
         The resolved mesh axis sizes when `num_devices` is given.
@@ -46,10 +49,12 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
     except ValueError as e:
         raise ConfigError(str(e)) from None
     m, mesh = config.model, config.mesh
+    seq_len, seq_key = ((config.serve.max_seq_len, "serve.max_seq_len") if serving
+                        else (config.train.seq_len, "train.seq_len"))
     platform = cluster_platform(config.cluster)
     if platform is not None:
         try:
-            check_backend(m.attention, platform, m.dtype, config.train.seq_len)
+            check_backend(m.attention, platform, m.dtype, seq_len, seq_key=seq_key)
         except ValueError as e:
             raise ConfigError(f"{e} (cluster.kind={config.cluster.kind})") from None
     if mesh.tp > 0:
@@ -59,27 +64,38 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
                     f"model.{name}={getattr(m, name)} is not divisible by mesh.tp={mesh.tp}; "
                     f"choose mesh.tp dividing {getattr(m, name)}"
                 )
-    train = config.train
+    if serving:
+        if config.serve.max_seq_len > m.max_position_embeddings:
+            raise ConfigError(f"serve.max_seq_len: expected at most model.max_position_embeddings="
+                              f"{m.max_position_embeddings}, the positions the model is made for, found "
+                              f"{config.serve.max_seq_len}")
+    else:
+        _check_training(config)
+    if num_devices is None:
+        return None
+    sizes = mesh_sizes(config, num_devices)
+    if not serving:
+        check_batch(config, sizes)
+    return sizes
+
+
+def _check_training(config: Config) -> None:
+    m, train = config.model, config.train
     if train.seq_len > m.max_position_embeddings:
         raise ConfigError(f"train.seq_len={train.seq_len} is longer than model.max_position_embeddings="
                           f"{m.max_position_embeddings}, the positions the model is made for; raise "
                           "model.max_position_embeddings (and its RoPE scaling) to train longer sequences")
     opt = config.optimizer
-    if opt.warmup_steps < 0 or opt.warmup_steps > config.train.steps:
-        raise ConfigError(f"optimizer.warmup_steps={opt.warmup_steps} must be in [0, train.steps={config.train.steps}]")
-    if num_devices is None:
-        return None
+    if opt.warmup_steps < 0 or opt.warmup_steps > train.steps:
+        raise ConfigError(f"optimizer.warmup_steps={opt.warmup_steps} must be in [0, train.steps={train.steps}]")
+
+
+def mesh_sizes(config: Config, num_devices: int) -> dict[str, int]:
+    """The mesh's axis sizes on `num_devices` devices, checked against the model (what training
+    and serving share)."""
+    m = config.model
     try:
-        sizes = resolve_axis_sizes(dataclasses.asdict(mesh), num_devices)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        logical_to_spec(("batch",), sizes, shape=(config.train.batch_size,), rules=config.sharding.rules,
-                        what="train.batch_size")
-        if config.train.grad_accum > 1:  # each micro-batch is sharded as the batch is
-            micro = config.train.batch_size // config.train.grad_accum
-            logical_to_spec(("batch",), sizes, shape=(micro,), rules=config.sharding.rules,
-                            what=f"the micro-batch of train.batch_size / train.grad_accum={config.train.grad_accum}")
+        sizes = resolve_axis_sizes(dataclasses.asdict(config.mesh), num_devices)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if m.num_moe_layers:
@@ -96,3 +112,17 @@ def validate(config: Config, num_devices: int | None = None) -> dict[str, int] |
                 f"(mesh axes {list(axes)}); choose mesh.ep dividing {m.moe.num_experts}"
             )
     return sizes
+
+
+def check_batch(config: Config, sizes: dict[str, int]) -> None:
+    """A ConfigError when `train.batch_size` (or a micro-batch of it) cannot be sharded over the
+    mesh of `sizes` as the rules shard the batch."""
+    try:
+        logical_to_spec(("batch",), sizes, shape=(config.train.batch_size,), rules=config.sharding.rules,
+                        what="train.batch_size")
+        if config.train.grad_accum > 1:  # each micro-batch is sharded as the batch is
+            micro = config.train.batch_size // config.train.grad_accum
+            logical_to_spec(("batch",), sizes, shape=(micro,), rules=config.sharding.rules,
+                            what=f"the micro-batch of train.batch_size / train.grad_accum={config.train.grad_accum}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

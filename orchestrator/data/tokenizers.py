@@ -16,7 +16,8 @@ import numpy as np
 import tokenizers
 from tokenizers import processors
 
-from podtrain.models.hf_read import read_json_object
+from podtrain.models.hf_read import is_hf_directory, read_json_object
+from podtrain.orchestrator.common.errors import ConfigError
 
 
 class Tokenizer(Protocol):
@@ -186,3 +187,25 @@ def hf_directory_tokenizer(directory: Path) -> tuple[HFTokenizer, tuple[int, ...
     tokenizer = HFTokenizer(directory / "tokenizer.json", eos_token=eos, bos_token=bos)
     add_bos = special.get("add_bos_token") is True or tokenizer.adds_bos()
     return tokenizer, tuple(dict.fromkeys([tokenizer.eos_id, *ids["eos"]])), add_bos
+
+
+def checkpoint_tokenizer(checkpoint: str, data) -> tuple[Tokenizer, tuple[int, ...], bool]:
+    """(tokenizer, default stop ids, add BOS?) for a model read from `checkpoint`: an HF
+    directory's own tokenizer.json (with the EOS and BOS its tokenizer_config.json / config.json
+    name), else the tokenizer `data` (the config's data section) names."""
+    directory = Path(checkpoint).expanduser()
+    if checkpoint and is_hf_directory(checkpoint) and (directory / "tokenizer.json").is_file():
+        try:
+            tokenizer, stop, add_bos = hf_directory_tokenizer(directory)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint={directory}: {e}") from None
+        add_bos = add_bos or data.add_bos
+        if add_bos and tokenizer.bos_id is None:
+            raise ConfigError(f"data.add_bos: the tokenizer of checkpoint={directory} names no BOS token "
+                              "(tokenizer_config.json bos_token or config.json bos_token_id); unset data.add_bos")
+        return tokenizer, stop, add_bos
+    try:
+        tokenizer = load_tokenizer(data.tokenizer, eos_token=data.eos_token, bos_token=data.bos_token)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return tokenizer, (tokenizer.eos_id,), data.add_bos

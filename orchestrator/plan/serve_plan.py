@@ -25,9 +25,9 @@ from podtrain.orchestrator.config.compose import apply_overrides
 from podtrain.orchestrator.plan.hlo_comm import collectives, summarize
 from podtrain.orchestrator.plan.on_target import compile_or_oom, shard_bytes
 from podtrain.orchestrator.plan.targets import Target, compile_devices
-from podtrain.orchestrator.serve.backend import ADAM_KEYS, MIN_TOKENS
-from podtrain.orchestrator.serve.engine import adam_steps, bucket, forward_backward, sample_rows
+from podtrain.orchestrator.serve.engine import ADAM_KEYS, MIN_TOKENS
 from podtrain.orchestrator.serve.layout import EngineLayout, engine_layout
+from podtrain.orchestrator.serve.programs import adam_steps, bucket, forward_backward, sample_rows
 from podtrain.sharding.rules import use_rules
 
 PROGRAMS = ("forward_backward", "adam_steps", "sample")
@@ -141,8 +141,8 @@ def adapters_that_fit(config, target: Target, devices=None, *, report: dict | No
             whole = [k for k in plans if len(plans[k]["programs"]) == len(PROGRAMS)]
             nearest = plans[min(whole, key=lambda k: abs(k - n))]["programs"] if whole else {}
             order = sorted(PROGRAMS, key=lambda p: -nearest.get(p, {}).get("peak_bytes", 0))
-            plans[n] = plan_serve_on_target(apply_overrides(config, [f"serve.max_adapters={n}"]), target, devices,
-                                            programs=order)
+            sized = apply_overrides(config, [f"serve.max_adapters={n}"], serving=True)
+            plans[n] = plan_serve_on_target(sized, target, devices, programs=order)
         return plans[n]["fits"]
 
     first = config.serve.max_adapters

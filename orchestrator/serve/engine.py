@@ -1,305 +1,494 @@
-"""The service's engine: one base model, sharded as in training, with `serve.max_adapters` LoRA
-adapter slots, and the pure jitted programs that run a step of many adapters' rows.
+"""`Engine`: the service's backend on one JAX process (every host's worker runs one, in lockstep).
 
-Every batch row carries its adapter's slot, scale and rank (`models.lora.rows`). Rows are padded
-to a few fixed shapes (rows and tokens rounded up to powers of two), so steady work never
-recompiles; a padded row or token has no loss and no gradient.
+It holds the base model with its adapter slots, each slot's pending gradient and Adam state, and
+which adapter (model id) sits in which slot. `run` takes the front end's ordered work items and
+packs them: each model's items keep their order, and the next items of all models that are
+forward/backward passes (or samples) run as one padded batch, so many clients' rows share a step.
 
-- `forward_backward`: target logprobs, each row's own loss (`losses.token_losses`), and the
-  gradient of the trained rows' summed loss with respect to every slot: a slot's gradient is that
-  of its rows alone, since a row reads only its own slot.
-- `adam_steps`: one Adam step of any set of slots at once, each with its own hyperparameters
-  (optax's Adam with decoupled weight decay mapped over the adapter axis, clipped by that slot's
-  gradient norm); the other slots' parameters and moments are not touched.
-- `sample_rows`: prefill then decode in one program over the stacked KV cache, each row with its
-  own adapter, temperature, top-k, top-p, seed, stop sequences and token budget.
+Saved adapters are a directory: `adapter.safetensors` (the slot's A and B, and with the optimizer
+its Adam moments, each cut to the adapter's rank) beside `adapter_state.json` (rank, alpha,
+targets, Adam step); `save_weights_for_sampler` adds the PEFT files (`adapter_model.safetensors`,
+`adapter_config.json`) where PEFT can name the targets.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from dataclasses import dataclass
+import json
+import os
+import shutil
+import zlib
+from collections import OrderedDict
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.experimental import multihost_utils
+from safetensors.numpy import load_file, save_file
 
-from podtrain.models import lora
-from podtrain.models.generate import greedy
+from podtrain.models import ARCHITECTURES
+from podtrain.models.lora import LoRAConfig, LoRAParam, slot_view, to_peft
+from podtrain.orchestrator.common.errors import ConfigError
+from podtrain.orchestrator.data.tokenizers import Tokenizer, checkpoint_tokenizer
+from podtrain.orchestrator.placed.restore import load_base
+from podtrain.orchestrator.serve import losses
+from podtrain.orchestrator.serve.checks import check_adapter, check_work, slot_targets
+from podtrain.orchestrator.serve.layout import engine_layout
+from podtrain.orchestrator.serve.programs import (
+    Batch,
+    SampleBatch,
+    adam_steps,
+    bucket,
+    forward_backward,
+    init_adam,
+    sample_rows,
+    to_host,
+)
+from podtrain.orchestrator.serve.slots import (
+    clear_slot,
+    cut_rank,
+    flat_names,
+    new_slot,
+    pad_rank,
+    read_slot,
+    write_slot,
+)
+from podtrain.orchestrator.serve.warm import RowWarmer
+from podtrain.orchestrator.serve.work import (
+    BaseInfo,
+    Create,
+    ForwardBackward,
+    ForwardBackwardResult,
+    Load,
+    LoadResult,
+    OptimStep,
+    OptimStepResult,
+    Sample,
+    SampledSequence,
+    SampleResult,
+    Save,
+    ServeError,
+    Unload,
+    Work,
+)
+from podtrain.sharding.rules import use_rules
 
-
-def to_host(x: jax.Array) -> np.ndarray:
-    """A program's output as a NumPy array on every process. A part held by other processes is
-    gathered from them: a collective, which every process of the gang reaches at the same point of
-    the same step."""
-    if x.is_fully_addressable or x.is_fully_replicated:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def bucket(n: int, smallest: int = 1) -> int:
-    """`n` rounded up to a power of two (at least `smallest`): the padded size of a batch axis."""
-    size = smallest
-    while size < n:
-        size *= 2
-    return size
-
-
-def token_losses(lp, weights, sampling_lp, advantages, loss_index, low, high, beta):
-    """Elementwise losses (B, T) float32 of rows whose loss is `NAMES[loss_index[b]]` with config
-    `low`/`high`/`beta` (B,): `lp` the target logprobs under the adapter, the rest each row's inputs.
-
-    A row's other losses are computed too and dropped; their ratio is taken against `lp` itself
-    (not the row's, possibly absent, sampling logprobs), so what is dropped cannot make NaNs.
-    """
-    rl = loss_index[:, None] > 0
-    q = jnp.where(rl, sampling_lp, jax.lax.stop_gradient(lp))
-    ratio = jnp.exp(lp - q)
-    clipped = jnp.clip(ratio, low[:, None], high[:, None])
-    losses = jnp.stack([
-        -weights * lp,
-        -ratio * advantages,
-        -jnp.minimum(ratio * advantages, clipped * advantages),
-        -jax.lax.stop_gradient(clipped) * lp * advantages,
-        -(lp * advantages - 0.5 * beta[:, None] * (lp - q) ** 2),
-    ])
-    return jnp.take_along_axis(losses, loss_index[None, :, None], axis=0)[0]
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class Batch:
-    """A padded training batch of B rows of T tokens. Per token: `tokens` (int32), `targets`
-    (int32), `weights`, `sampling_lp` (the sampler's logprobs) and `advantages` (float32), and
-    `real` (1 for the row's tokens, 0 for padding). Per row: its adapter `slot`, `scale` and
-    `rank`; its loss (`loss`, an index into `losses.NAMES`) with `low`, `high` and `beta`; and
-    `train`, 1 when its gradient is kept (`forward_backward`), 0 for a forward only."""
-
-    tokens: jax.Array
-    targets: jax.Array
-    weights: jax.Array
-    sampling_lp: jax.Array
-    advantages: jax.Array
-    real: jax.Array
-    slot: jax.Array
-    scale: jax.Array
-    rank: jax.Array
-    loss: jax.Array
-    low: jax.Array
-    high: jax.Array
-    beta: jax.Array
-    train: jax.Array
+STATE_FILE, ARRAYS_FILE = "adapter_state.json", "adapter.safetensors"
+ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+# The smallest padded token count of a training row or a prompt.
+MIN_TOKENS = 16
 
 
-def vocab_slices(tokens: int, loss_chunk: int) -> int:
-    """How many vocabulary slices the head is applied in for `tokens` positions per row, each
-    slice's logits as large as those of `loss_chunk` positions (0: one slice, the whole logits)."""
-    return max(1, -(-tokens // loss_chunk)) if loss_chunk else 1
+def serve_info(config, eos_token_ids: tuple[int, ...] | None = None) -> tuple[BaseInfo, tuple[str, ...]]:
+    """(what clients see of the base model, every adapter target the service holds) of a serve
+    config; the same in the driver and on every worker. `eos_token_ids`: those of
+    `service_tokenizer`, when the caller has loaded it already."""
+    s, m = config.serve, config.model
+    targets = slot_targets(m)
+    eos = service_tokenizer(config)[1] if eos_token_ids is None else eos_token_ids
+    info = BaseInfo(base_model=s.base_model, tokenizer_id=s.tokenizer or "", model_type=m.model_type,
+                    vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
+                    max_adapters=s.max_adapters, eos_token_ids=eos,
+                    max_sample_tokens=s.sample_tokens())
+    return info, targets
 
 
-def batch_losses(model: nnx.Module, batch: Batch, loss_chunk: int) -> tuple[jax.Array, jax.Array]:
-    """(target logprobs, elementwise losses), each (B, T) float32 and zero on padding."""
-    with lora.rows(batch.slot, batch.scale, batch.rank):
-        hidden = model.hidden_states(batch.tokens)[0]
-        lp = model.target_logprobs(hidden, batch.targets, slices=vocab_slices(batch.tokens.shape[1], loss_chunk))
-    losses = token_losses(lp, batch.weights, batch.sampling_lp, batch.advantages, batch.loss, batch.low, batch.high,
-                          batch.beta)
-    real = batch.real > 0
-    return jnp.where(real, lp, 0.0), jnp.where(real, losses, 0.0)
+def service_tokenizer(config) -> tuple[Tokenizer | None, tuple[int, ...]]:
+    """(tokenizer, its EOS ids): the one clients load (an HF directory's), else `data.tokenizer`;
+    (None, ()) if neither can be read."""
+    try:
+        tokenizer, stop, _ = checkpoint_tokenizer(config.serve.tokenizer or "", config.data)
+    except ConfigError:
+        return None, ()
+    return tokenizer, tuple(int(i) for i in stop if i is not None)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss_chunk"), donate_argnums=(3,))
-def forward_backward(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, grads: nnx.State, batch: Batch,
-                     *, loss_chunk: int):
-    """(`grads` plus the gradient of the trained rows' summed loss for every slot, logprobs (B, T),
-    losses (B, T)). A batch of forward passes only leaves `grads` exactly as they were. The head
-    is applied a vocabulary slice at a time (`vocab_slices`), so no (B, T, vocab) logits are made."""
+@dataclasses.dataclass
+class LoadedAdapter:
+    """An adapter in the engine: its slot `index`, rank, targets and optimizer steps taken."""
 
-    def objective(adapters):
-        lp, losses = batch_losses(nnx.merge(graphdef, adapters, rest), batch, loss_chunk)
-        return jnp.sum(losses * batch.train[:, None]), (lp, losses)
-
-    new, (lp, losses) = jax.grad(objective, has_aux=True)(adapters)
-    trained = jnp.any(batch.train > 0)
-    return jax.tree.map(lambda g, n: jnp.where(trained, g + n.astype(g.dtype), g), grads, new), lp, losses
+    index: int
+    rank: int
+    targets: tuple[str, ...]
+    steps: int = 0
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class AdamState:
-    """Every slot's Adam moments, slot-major (`mu`, `nu`: the adapters' leaves with their adapter
-    axis moved first), and each slot's step count (N,)."""
+class Engine:
+    """The Backend of one process: see the module docstring."""
 
-    mu: nnx.State
-    nu: nnx.State
-    count: jax.Array
+    def __init__(self, config, devices=None, eos_token_ids: tuple[int, ...] | None = None):
+        self._info, _ = serve_info(config, eos_token_ids)
+        layout = engine_layout(config, devices)
+        placed = layout.placed
+        self.config, self.mesh, self.rules = config, placed.mesh, placed.rules
+        self.targets = placed.spec.lora.targets  # every target the slots hold
+        with use_rules(self.rules):
+            base = load_base(placed)
+            frozen = placed.create(nnx.Not(LoRAParam)) if base is None else placed.from_base(base)
+            adapters = placed.create(LoRAParam)
+        self.model = nnx.merge(placed.graphdef, adapters, frozen)
+        self.graphdef, self.adapters, self.rest = nnx.split(self.model, LoRAParam, ...)
+        self.axes = layout.axes
+        self.grads = jax.tree.map(jnp.zeros_like, self.adapters)
+        self.adam = init_adam(self.adapters, self.axes, self._info.max_adapters)
+        self._layout = jax.tree.map(lambda x: x.sharding, self.adapters)
+        self._adam_layout = layout.adam_shardings()
+        self._pin()
+        self._warmer = RowWarmer(self.mesh, self.rules, self.graphdef, (self.adapters, self.rest, self.grads),
+                                 loss_chunk=self.config.serve.loss_chunk,
+                                 max_rows=self.config.serve.max_rows if self.config.serve.compile_ahead else 0)
+        self.loaded: dict[str, LoadedAdapter] = {}
+        self.sample_count = 0
 
+    def _pin(self) -> None:
+        """Every slot array back in the layout the engine was built with (the moments in their
+        adapters' layout, adapter axis first), so that the compiled programs see the same shardings
+        whatever changed the arrays (an eager update, a step's outputs) and never compile again."""
+        self.adapters = jax.device_put(self.adapters, self._layout)
+        self.grads = jax.device_put(self.grads, self._layout)
+        self.adam = jax.device_put(self.adam, self._adam_layout)
+        nnx.update(self.model, self.adapters)
 
-def slot_axes(adapters: nnx.State) -> tuple[int, ...]:
-    """Each adapter leaf's adapter axis (its position in the leaf's logical axes), in leaf order."""
-    variables = jax.tree.leaves(adapters, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return tuple(v.get_metadata()["out_sharding"].index("lora_adapters") for v in variables)
+    # -- the Backend interface --
 
+    def info(self) -> BaseInfo:
+        return self._info
 
-def axes_tree(adapters, axes: tuple[int, ...]):
-    return jax.tree.unflatten(jax.tree.structure(adapters), axes)
+    def generation(self) -> int:
+        return 0  # this process's engine is the only one
 
+    def check(self, work: Work) -> None:
+        check_work(self._info, self.targets, work)
 
-def init_adam(adapters: nnx.State, axes: tuple[int, ...], slots: int) -> AdamState:
-    """Zero moments and counts for every slot."""
-    def zeros(x, axis):
-        return jnp.zeros((x.shape[axis], *x.shape[:axis], *x.shape[axis + 1:]), jnp.float32)
+    def run(self, works: list[Work], generation: int | None = None) -> list[object]:
+        """Each model's items in order; the next forward/backward passes (or samples) of all
+        models in one padded batch. The items were checked before they were queued (`check`);
+        what needs the engine's state (a free slot, a loaded adapter, a saved one) is checked here."""
+        results: list[object] = [None] * len(works)
+        queues: OrderedDict[str, list[int]] = OrderedDict()
+        for i, work in enumerate(works):
+            queues.setdefault(work.model_id or "", []).append(i)
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            while queues:
+                heads = [q[0] for q in queues.values()]
+                kind = type(works[heads[0]])
+                if kind in (ForwardBackward, Sample, OptimStep):
+                    group = []
+                    for q in queues.values():
+                        # An adapter's passes (or samples) may share a batch; its steps follow one another.
+                        while q and type(works[q[0]]) is kind and (kind is not OptimStep or not any(
+                                works[i].model_id == works[q[0]].model_id for i in group)):
+                            group.append(q.pop(0))
+                    run = {ForwardBackward: self._passes, Sample: self._samples, OptimStep: self._optim_steps}[kind]
+                    self._guarded(run, works, group, results)
+                else:
+                    index = heads[0]
+                    queues[works[index].model_id or ""].pop(0)
+                    self._guarded(self._single, works, [index], results)
+                for key in [k for k, q in queues.items() if not q]:
+                    del queues[key]
+        return results
 
-    mu = jax.tree.map(zeros, adapters, axes_tree(adapters, axes))
-    return AdamState(mu, jax.tree.map(jnp.zeros_like, mu), jnp.zeros((slots,), jnp.int32))
+    def _slot(self, model_id: str) -> LoadedAdapter:
+        slot = self.loaded.get(model_id)
+        if slot is None:
+            raise ServeError(f"model_id: no adapter {model_id!r} is loaded", status=404)
+        return slot
 
+    def _guarded(self, fn, works, group, results) -> None:
+        """Runs `fn` on the items `group`; a ServeError of the whole group goes to each of them."""
+        try:
+            fn(works, group, results)
+        except ServeError as e:
+            for index in group:
+                if results[index] is None:
+                    results[index] = e
 
-def _slot_major(tree, axes):
-    return jax.tree.map(lambda x, axis: jnp.moveaxis(x, axis, 0), tree, axes)
+    # -- one item --
 
+    def _single(self, works, group, results) -> None:
+        index = group[0]
+        work = works[index]
+        if isinstance(work, Create):
+            results[index] = self._create(work)
+        elif isinstance(work, Save):
+            results[index] = self._save(work)
+        elif isinstance(work, Load):
+            results[index] = self._load(work)
+        elif isinstance(work, Unload):
+            slot = self._slot(work.model_id)
+            self._clear(slot.index)
+            del self.loaded[work.model_id]
 
-def _slot_minor(tree, like, axes):
-    return jax.tree.map(lambda v, x, axis: jnp.moveaxis(v, 0, axis).astype(x.dtype), tree, like, axes)
+    def _free_slot(self) -> int:
+        used = {s.index for s in self.loaded.values()}
+        free = [i for i in range(self._info.max_adapters) if i not in used]
+        if not free:
+            raise ServeError(f"no free adapter slot: all {self._info.max_adapters} (serve.max_adapters) hold "
+                             "adapters; unload one first", status=429)
+        return free[0]
 
+    def _create(self, work: Create) -> None:
+        if work.model_id in self.loaded:
+            raise ServeError(f"model_id: {work.model_id!r} already exists", status=409)
+        index = self._free_slot()
+        self._clear(index)
+        chosen = {target: jnp.asarray(target in work.targets) for target in self.targets}
+        self.adapters = new_slot(self.graphdef, self.adapters, self.rest, jnp.int32(index), jnp.int32(work.seed),
+                                 jnp.int32(work.rank), chosen)
+        self._pin()
+        self.loaded[work.model_id] = LoadedAdapter(index, work.rank, tuple(work.targets))
 
-@functools.partial(jax.jit, static_argnames=("axes",), donate_argnums=(0, 1, 2))
-def adam_steps(adapters: nnx.State, grads: nnx.State, state: AdamState, hyper: dict, *, axes):
-    """One Adam step of every slot whose `hyper["active"]` (N,) is set, each on its own gradient
-    with its own hyperparameters (Tinker's AdamParams, each an (N,) array: learning_rate, beta1,
-    beta2, eps, weight_decay, grad_clip_norm (0: none)): optax's Adam with decoupled weight decay,
-    mapped over the adapter axis, the gradient clipped by the slot's own norm. Inactive slots keep
-    their parameters, moments, count and gradient exactly. Returns (adapters, grads with the
-    active slots' zeroed, state, every slot's gradient norm before clipping (N,))."""
-    axes = axes_tree(adapters, axes)
-    params = jax.tree.map(lambda p: p.astype(jnp.float32), _slot_major(adapters, axes))
-    grad = jax.tree.map(lambda g: g.astype(jnp.float32), _slot_major(grads, axes))
+    def _clear(self, index: int) -> None:
+        """Slot `index` empty: zero adapters, gradient and Adam state."""
+        self.adapters, self.grads, self.adam = clear_slot(self.adapters, self.grads, self.adam, jnp.int32(index),
+                                                          axes=self.axes)
+        self._pin()
 
-    def one(p, g, mu, nu, count, h):
-        norm = optax.tree.norm(g)
-        clip = h["grad_clip_norm"]
-        g = optax.tree.scale(jnp.where((clip > 0) & (norm > clip), clip / norm, 1.0), g)
-        tx = optax.chain(optax.scale_by_adam(b1=h["beta1"], b2=h["beta2"], eps=h["eps"]),
-                         optax.add_decayed_weights(h["weight_decay"]), optax.scale_by_learning_rate(h["learning_rate"]))
-        updates, (moments, _, _) = tx.update(g, (optax.ScaleByAdamState(count, mu, nu), optax.EmptyState(),
-                                                 optax.EmptyState()), p)
-        return optax.apply_updates(p, updates), moments.mu, moments.nu, moments.count, norm
+    def _optim_steps(self, works, group, results) -> None:
+        """One Adam step of each item's adapter, all in one program, each with its own AdamParams."""
+        n = self._info.max_adapters
+        hyper = {key: np.zeros(n, np.float32) for key in ADAM_KEYS}
+        active = np.zeros(n, bool)
+        stepped = []
+        for index in group:
+            try:
+                slot = self._slot(works[index].model_id)
+            except ServeError as e:
+                results[index] = e
+                continue
+            for key in ADAM_KEYS:
+                hyper[key][slot.index] = float(works[index].adam[key])
+            active[slot.index] = True
+            stepped.append((index, slot))
+        if not stepped:
+            return
+        hyper = {key: jnp.asarray(value) for key, value in hyper.items()} | {"active": jnp.asarray(active)}
+        self.adapters, self.grads, self.adam, norms = adam_steps(self.adapters, self.grads, self.adam, hyper,
+                                                                 axes=self.axes)
+        self._pin()
+        norms = to_host(norms)
+        for index, slot in stepped:
+            slot.steps += 1
+            results[index] = OptimStepResult({"grad_norm:mean": float(norms[slot.index])})
 
-    new, mu, nu, count, norm = jax.vmap(one)(params, grad, state.mu, state.nu, state.count, hyper)
-    active = hyper["active"]
+    # -- forward/backward passes of many adapters --
 
-    def keep(new, old):
-        return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
+    def _passes(self, works, group, results) -> None:
+        rows = []  # (item index, datum index, datum)
+        for index in group:
+            work = works[index]
+            try:
+                self._slot(work.model_id)
+            except ServeError as e:
+                results[index] = e
+                continue
+            rows.extend((index, j, datum) for j, datum in enumerate(work.data))
+        outputs: dict[int, list] = {index: [None] * len(works[index].data) for index in group if results[index] is None}
+        width = self.config.serve.max_rows
+        for start in range(0, len(rows), width):
+            chunk = rows[start:start + width]
+            lp, loss = self._run_batch(works, chunk)
+            for r, (index, j, datum) in enumerate(chunk):
+                n = len(datum.tokens)
+                outputs[index][j] = {"logprobs": lp[r, :n], "elementwise_loss": loss[r, :n]}
+        for index, per_datum in outputs.items():
+            total = float(sum(float(o["elementwise_loss"].sum()) for o in per_datum))
+            results[index] = ForwardBackwardResult(tuple(per_datum), {"loss:sum": total})
 
-    new = jax.tree.map(keep, new, params)
-    state = AdamState(jax.tree.map(keep, mu, state.mu), jax.tree.map(keep, nu, state.nu),
-                      jnp.where(active, count, state.count))
-    grad = jax.tree.map(lambda g: keep(jnp.zeros_like(g), g), grad)
-    return _slot_minor(new, adapters, axes), _slot_minor(grad, grads, axes), state, norm
+    def _run_batch(self, works, chunk) -> tuple[np.ndarray, np.ndarray]:
+        b = bucket(len(chunk))
+        t = bucket(max(len(d.tokens) for _, _, d in chunk), MIN_TOKENS)
+        arrays = {name: np.zeros((b, t), np.float32) for name in ("weights", "sampling_lp", "advantages", "real")}
+        tokens, targets = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+        per_row = {name: np.zeros(b, np.float32) for name in ("scale", "low", "high", "beta", "train")}
+        slot_ix, rank, loss_ix = np.zeros(b, np.int32), np.ones(b, np.int32), np.zeros(b, np.int32)
+        per_row["scale"][:] = 1.0
+        for r, (index, _, datum) in enumerate(chunk):
+            work, n = works[index], len(datum.tokens)
+            slot = self.loaded[work.model_id]
+            config = losses.loss_config(work.loss_fn, work.loss_fn_config)
+            tokens[r, :n], targets[r, :n] = datum.tokens, datum.inputs["target_tokens"]
+            arrays["weights"][r, :n] = datum.inputs.get("weights", 1.0) if work.loss_fn == "cross_entropy" else 0.0
+            arrays["sampling_lp"][r, :n] = datum.inputs.get("logprobs", 0.0)
+            arrays["advantages"][r, :n] = datum.inputs.get("advantages", 0.0)
+            arrays["real"][r, :n] = 1.0
+            slot_ix[r], rank[r], loss_ix[r] = slot.index, slot.rank, losses.NAMES.index(work.loss_fn)
+            per_row["scale"][r] = self.config.serve.lora_alpha / slot.rank
+            per_row["low"][r] = config.get("clip_low_threshold", 0.0)
+            per_row["high"][r] = config.get("clip_high_threshold", 0.0)
+            per_row["beta"][r] = config.get("beta", 0.0)
+            per_row["train"][r] = 1.0 if work.backward else 0.0
+        batch = Batch(tokens=tokens, targets=targets, slot=slot_ix, rank=rank, loss=loss_ix, **arrays, **per_row)
+        batch = jax.tree.map(jnp.asarray, batch)
+        self._warmer.ready(batch)
+        self.grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, self.grads, batch,
+                                                 loss_chunk=self.config.serve.loss_chunk)
+        self._pin()
+        return to_host(lp), to_host(loss)
 
+    # -- sampling --
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class SampleBatch:
-    """B prompts right-padded to P (`prompt`, `length`), each row's adapter (`slot`, `scale`,
-    `rank`), sampling (`temperature` (0: greedy), `top_k` (0: all), `top_p`, `seed`), its stop
-    sequences `stop` (B, S, L: each right-aligned, -1 before it; a stop token is a sequence of one;
-    all -1: none) and its token budget `max_tokens`."""
+    def _samples(self, works, group, results) -> None:
+        rows = []  # (item index, sample number)
+        for index in group:
+            work = works[index]
+            try:
+                if work.model_id is not None:
+                    self._slot(work.model_id)
+            except ServeError as e:
+                results[index] = e
+                continue
+            rows.extend((index, k) for k in range(work.num_samples))
+        sequences: dict[int, list] = {index: [] for index in group if results[index] is None}
+        prompt_lps: dict[int, np.ndarray] = {}
+        width = self.config.serve.max_rows
+        for start in range(0, len(rows), width):
+            chunk = rows[start:start + width]
+            self._sample_batch(works, chunk, sequences, prompt_lps)
+        for index, seqs in sequences.items():
+            results[index] = SampleResult(tuple(seqs), prompt_lps.get(index))
 
-    prompt: jax.Array
-    length: jax.Array
-    slot: jax.Array
-    scale: jax.Array
-    rank: jax.Array
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    seed: jax.Array
-    stop: jax.Array
-    max_tokens: jax.Array
+    def _sample_batch(self, works, chunk, sequences, prompt_lps) -> None:
+        b = bucket(len(chunk))
+        p = bucket(max(len(works[i].prompt) for i, _ in chunk), MIN_TOKENS)
+        budget = max(works[i].max_tokens for i, _ in chunk)
+        new = bucket(budget, MIN_TOKENS)
+        row_stops = {i: works[i].all_stops() for i, _ in chunk}
+        stops = bucket(max([len(v) for v in row_stops.values()] + [1]), 8)
+        longest = bucket(max([len(q) for v in row_stops.values() for q in v] + [1]))
+        prompt = np.zeros((b, p), np.int32)
+        length, slot_ix, rank, top_k = (np.ones(b, np.int32) for _ in range(4))
+        slot_ix[:], top_k[:] = 0, 0
+        scale, temperature, top_p = np.zeros(b, np.float32), np.zeros(b, np.float32), np.ones(b, np.float32)
+        seed, stop, max_tokens = np.zeros(b, np.int32), np.full((b, stops, longest), -1, np.int32), np.ones(b, np.int32)
+        for r, (index, k) in enumerate(chunk):
+            work = works[index]
+            n = len(work.prompt)
+            prompt[r, :n], length[r] = work.prompt, n
+            if work.model_id is not None:
+                slot = self.loaded[work.model_id]
+                slot_ix[r], rank[r], scale[r] = slot.index, slot.rank, self.config.serve.lora_alpha / slot.rank
+            temperature[r], top_p[r] = work.temperature, work.top_p
+            top_k[r] = max(work.top_k, 0)
+            seed[r] = self._seed(work, k)
+            for j, sequence in enumerate(row_stops[index]):
+                stop[r, j, longest - len(sequence):] = sequence
+            max_tokens[r] = work.max_tokens
+        filtered = bool(np.any(top_k[:len(chunk)] > 0) or np.any(top_p[:len(chunk)] < 1))
+        want_prompt_lp = any(works[i].prompt_logprobs for i, _ in chunk)
+        batch = SampleBatch(prompt=prompt, length=length, slot=slot_ix, scale=scale, rank=rank,
+                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                            max_tokens=max_tokens)
+        tokens, logprobs, _, prompt_lp = sample_rows(self.graphdef, self.adapters, self.rest,
+                                                     jax.tree.map(jnp.asarray, batch), new_tokens=new,
+                                                     filtered=filtered, prompt_logprobs=want_prompt_lp,
+                                                     loss_chunk=self.config.serve.loss_chunk)
+        tokens, logprobs = to_host(tokens), to_host(logprobs)
+        prompt_lp = None if prompt_lp is None else to_host(prompt_lp)
+        for r, (index, k) in enumerate(chunk):
+            work = works[index]
+            row = tokens[r, :work.max_tokens].tolist()
+            end = next((i for i in range(1, len(row) + 1) if any(
+                i >= len(q) and tuple(row[i - len(q):i]) == q for q in row_stops[index])), None)
+            end, reason = (len(row), "length") if end is None else (end, "stop")
+            sequences[index].append(SampledSequence(np.asarray(row[:end], np.int32),
+                                                    logprobs[r, :end].astype(np.float32), reason))
+            if work.prompt_logprobs and k == 0:
+                prompt_lps[index] = prompt_lp[r, :len(work.prompt)].astype(np.float32)
 
+    def _seed(self, work: Sample, k: int) -> int:
+        """Sample `k`'s seed: from the request's seed, else from the count of samples drawn (the
+        same on every host, which all run the same items)."""
+        if work.seed is None:
+            self.sample_count += 1
+            return zlib.crc32(f"sample-{self.sample_count}".encode()) & 0x7FFFFFFF
+        return zlib.crc32(f"{work.seed}-{k}".encode()) & 0x7FFFFFFF
 
-def ends_with_stop(tokens_BN: jax.Array, step, stop_BSL: jax.Array) -> jax.Array:
-    """(B,) whether each row's tokens through `step` end with one of its stop sequences."""
-    length = stop_BSL.shape[-1]
-    at = step - (length - 1) + jnp.arange(length)
-    window = jnp.where(at >= 0, jnp.take(tokens_BN, jnp.maximum(at, 0), axis=1), -2)  # -2: before the first
-    matched = jnp.all((stop_BSL == -1) | (stop_BSL == window[:, None, :]), axis=-1)
-    return jnp.any(matched & jnp.any(stop_BSL >= 0, axis=-1), axis=-1)
+    # -- saving and loading --
 
+    def _slot_arrays(self, slot: LoadedAdapter, *, optimizer: bool) -> dict[str, np.ndarray]:
+        """The slot's adapters (and moments), each cut to its rank, as host arrays by name."""
+        values, moments = read_slot(self.adapters, self.adam, jnp.int32(slot.index), axes=self.axes,
+                                    optimizer=optimizer)
+        named = [("adapter", values)] + ([] if moments is None else list(zip(("mu", "nu"), moments, strict=True)))
+        names = flat_names(self.adapters)
+        return {f"{prefix}.{name}": cut_rank(np.asarray(value), name, axis, slot.rank)
+                for prefix, tree in named
+                for name, value, axis in zip(names, jax.tree.leaves(tree), self.axes, strict=True)}
 
-def pick_tokens(logits_BV: jax.Array, keys: jax.Array, batch: SampleBatch, *, filtered: bool):
-    """(token, its logprob) per row: greedy where the temperature is 0; else drawn from the logits
-    divided by the temperature, restricted (`filtered`) to the row's top-k and then top-p tokens.
-    The logprob is under the distribution the token was drawn from."""
-    logits = logits_BV.astype(jnp.float32)
-    hot = batch.temperature > 0
-    scaled = logits / jnp.where(hot, batch.temperature, 1.0)[:, None]
-    if filtered:
-        vocab = logits.shape[-1]
-        order = jnp.argsort(-scaled, axis=-1, stable=True)
-        ranked = jnp.take_along_axis(scaled, order, axis=-1)
-        in_k = jnp.arange(vocab)[None] < jnp.where(batch.top_k > 0, batch.top_k, vocab)[:, None]
-        probs = jax.nn.softmax(jnp.where(in_k, ranked, -jnp.inf), axis=-1)
-        keep_ranked = in_k & ((jnp.cumsum(probs, axis=-1) - probs) < batch.top_p[:, None])
-        keep = jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
-        scaled = jnp.where(keep, scaled, -jnp.inf)
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled).astype(jnp.int32)
-    token = jnp.where(hot, drawn, greedy(logits))
-    logprobs = jax.nn.log_softmax(jnp.where(hot[:, None], scaled, logits), axis=-1)
-    return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    def _save(self, work: Save) -> None:
+        """Every process reads the slot (the reads are collective); process 0 alone writes, into a
+        partial directory renamed over `work.path` when whole."""
+        slot = self._slot(work.model_id)
+        arrays = self._slot_arrays(slot, optimizer=work.optimizer)
+        state = {"rank": slot.rank, "alpha": self.config.serve.lora_alpha, "targets": list(slot.targets),
+                 "steps": slot.steps, "optimizer": work.optimizer,
+                 "adam_count": int(self.adam.count[slot.index]) if work.optimizer else 0,
+                 "model_type": self.config.model.model_type, "base_model": self._info.base_model}
+        writer = jax.process_index() == 0
+        final = Path(work.path)
+        partial = final.with_name(final.name + ".partial")
+        if writer:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            save_file(arrays, str(partial / ARRAYS_FILE))
+            (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        if not work.optimizer and not set(slot.targets) & set(ARCHITECTURES[self.config.model.model_type]
+                                                               .peft_unwritable):
+            lora = LoRAConfig(rank=slot.rank, alpha=self.config.serve.lora_alpha, targets=slot.targets)
+            view = slot_view(self.model, slot.index, slot.rank, lora.alpha, slot.targets)
+            to_peft(view, self.config.model, lora, partial, base=self._info.base_model)  # process 0 writes
+        if writer:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
 
+    def _load(self, work: Load) -> LoadResult:
+        path = Path(work.path)
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+            arrays = load_file(str(path / ARRAYS_FILE))
+        except (OSError, ValueError) as e:
+            raise ServeError(f"path: no saved adapter state at {work.path} ({e})", status=404) from None
+        if state["model_type"] != self.config.model.model_type:
+            raise ServeError(f"path: {work.path} holds a {state['model_type']} adapter; this service serves "
+                             f"{self.config.model.model_type}")
+        if work.optimizer and not state["optimizer"]:
+            raise ServeError(f"path: {work.path} holds weights only (save_weights_for_sampler); load it without "
+                             "the optimizer")
+        rank, targets = int(state["rank"]), tuple(state["targets"])
+        check_adapter(self._info, self.targets, rank, targets)
+        names, structure = flat_names(self.adapters), jax.tree.structure(self.adapters)
+        shapes = [x.shape[:axis] + x.shape[axis + 1:] for x, axis in zip(jax.tree.leaves(self.adapters), self.axes,
+                                                                       strict=True)]
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "new_tokens", "filtered", "prompt_logprobs", "loss_chunk"))
-def sample_rows(graphdef: nnx.GraphDef, adapters: nnx.State, rest: nnx.State, batch: SampleBatch, *,
-                new_tokens: int, filtered: bool, prompt_logprobs: bool, loss_chunk: int = 0):
-    """Prefill then decode up to `new_tokens` tokens per row, as one program. Returns (tokens
-    (B, new_tokens), their logprobs, steps made, prompt logprobs (B, P) or None); a row's tokens
-    end at a stop sequence (included) or its budget, the rest is padding. Prompt logprobs apply the
-    head a vocabulary slice at a time, as the loss does."""
-    model = nnx.merge(graphdef, adapters, rest)
-    model.config = dataclasses.replace(model.config, scan_layers=True)
-    rows_b, prompt_len = batch.prompt.shape
-    base_keys = jax.vmap(jax.random.key)(batch.seed)
+        def tree(prefix):
+            leaves = []
+            for name, axis, shape in zip(names, self.axes, shapes, strict=True):
+                key = f"{prefix}.{name}"
+                if key not in arrays:
+                    raise ServeError(f"path: {work.path} lacks {key} ({ARRAYS_FILE})")
+                try:
+                    leaves.append(pad_rank(arrays[key], name, axis, self._info.max_rank))
+                except ValueError as e:
+                    raise ServeError(str(e)) from None
+                if leaves[-1].shape != shape:
+                    raise ServeError(f"path: {work.path}: {key} has shape {arrays[key].shape}, this service's "
+                                     f"adapters {shape} (at rank {self._info.max_rank})")
+            return jax.tree.unflatten(structure, leaves)
 
-    def choose(hidden_BD, step, done, tokens, logprobs):
-        """The next token of every row written at `step`; rows that end with it are done."""
-        logits = model.logits(hidden_BD)
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, step)
-        token, logprob = pick_tokens(logits, keys, batch, filtered=filtered)
-        token, logprob = jnp.where(done, 0, token), jnp.where(done, 0.0, logprob)
-        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
-        logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, logprob[:, None], step, axis=1)
-        stopped = ends_with_stop(tokens, step, batch.stop) | (step + 1 >= batch.max_tokens)
-        return token, tokens, logprobs, done | stopped
+        values = tree("adapter")
+        moments = (tree("mu"), tree("nu")) if work.optimizer else None
+        slot = self.loaded.get(work.model_id)
+        if slot is None:
+            slot = LoadedAdapter(self._free_slot(), rank, targets)
+        self._clear(slot.index)
+        slot.rank, slot.targets, slot.steps = rank, targets, int(state["steps"])
+        self.adapters, self.adam = write_slot(self.adapters, self.adam, jnp.int32(slot.index), values, moments,
+                                              jnp.int32(state["adam_count"]), axes=self.axes)
+        self._pin()
+        self.loaded[work.model_id] = slot
+        return LoadResult(rank, targets, slot.steps)
 
-    with lora.rows(batch.slot, batch.scale, batch.rank):
-        cache = model.init_cache(rows_b, prompt_len + new_tokens)
-        real = jnp.arange(prompt_len)[None] < batch.length[:, None]
-        hidden, cache, _ = model.hidden_states(batch.prompt, cache=cache, attention_mask=real)
-        prompt_lp = None
-        if prompt_logprobs:
-            lp = model.target_logprobs(hidden[:, :-1], batch.prompt[:, 1:],
-                                       slices=vocab_slices(prompt_len - 1, loss_chunk))
-            prompt_lp = jnp.concatenate([jnp.full((rows_b, 1), jnp.nan), lp], axis=1)
-        token, tokens, logprobs, done = choose(hidden[jnp.arange(rows_b), batch.length - 1], 0,
-                                               jnp.zeros((rows_b,), bool), jnp.zeros((rows_b, new_tokens), jnp.int32),
-                                               jnp.zeros((rows_b, new_tokens), jnp.float32))
-
-        def cond(carry):
-            step, _, _, _, _, done = carry
-            return (step < new_tokens) & ~jnp.all(done)
-
-        def body(carry):
-            step, cache, token, tokens, logprobs, done = carry
-            positions = (batch.length + step - 1)[:, None]
-            hidden, cache, _ = model.hidden_states(token[:, None], positions=positions, cache=cache)
-            token, tokens, logprobs, done = choose(hidden[:, 0], step, done, tokens, logprobs)
-            return step + 1, cache, token, tokens, logprobs, done
-
-        carry = (jnp.ones((), jnp.int32), cache, token, tokens, logprobs, done)
-        steps, _, _, tokens, logprobs, _ = jax.lax.while_loop(cond, body, carry)
-    return tokens, logprobs, steps, prompt_lp

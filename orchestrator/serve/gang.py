@@ -219,7 +219,7 @@ def serve_steps(engine, env, heartbeat: str | None, grace_s: float = 120.0) -> i
 
 def worker_main(config, run_dir: Path, env, heartbeat: str | None) -> int:
     """A serve worker: build the engine on this process's devices, then run steps."""
-    from podtrain.orchestrator.serve.backend import Engine
+    from podtrain.orchestrator.serve.engine import Engine
 
     engine = Engine(config)
     return serve_steps(engine, env, heartbeat, grace_s=config.cluster.stop_grace_s)

@@ -8,7 +8,6 @@ a target without allocating anything.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,24 +15,26 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podtrain.models.lora import LoRAConfig, LoRAParam
+from podtrain.orchestrator.placed.kernels import resolve_kernels
+from podtrain.orchestrator.placed.mesh import make_mesh
+from podtrain.orchestrator.placed.model import ModelSpec, PlacedModel, place
 from podtrain.orchestrator.serve.checks import slot_targets
-from podtrain.orchestrator.serve.engine import AdamState, Batch, SampleBatch, axes_tree, slot_axes
-from podtrain.orchestrator.train.build import make_mesh, model_factory, resolve_kernels
-from podtrain.sharding.place import abstract_model
+from podtrain.orchestrator.serve.programs import AdamState, Batch, SampleBatch, axes_tree, slot_axes
 from podtrain.sharding.rules import use_rules
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineLayout:
-    config: object  # the serve config, its `lora` the slots' and its kernels resolved for the mesh
-    mesh: Mesh
-    factory: Callable  # builds the model with its slots (traced, for params born sharded)
-    full_graphdef: nnx.GraphDef  # of the whole model's state
-    full: nnx.State  # the whole model's state, abstract
+    config: object  # the serve config
+    placed: PlacedModel  # the base model with the slots' adapters (`serve.*`), its kernels resolved
     graphdef: nnx.GraphDef  # of (adapters, rest)
     adapters: nnx.State  # every slot's adapters, abstract
     rest: nnx.State  # the base weights, abstract
     axes: tuple[int, ...]  # each adapter leaf's adapter axis
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.placed.mesh
 
     def adam_shardings(self) -> AdamState:
         """The moments' shardings: each adapter leaf's, its adapter axis first; the counts replicated."""
@@ -79,15 +80,15 @@ class EngineLayout:
 
 
 def engine_layout(config, devices=None) -> EngineLayout:
-    """The engine of `config` (a serve config) on `devices` (default: all), laid out."""
-    s, m = config.serve, config.model
-    targets = slot_targets(m)
-    lora = LoRAConfig(rank=s.max_rank, alpha=s.lora_alpha, targets=targets, base=s.base)
-    config = dataclasses.replace(config, lora=lora)
+    """The engine of `config` (a serve config) on `devices` (default: all), laid out: the base
+    model (`serve.base`, else drawn from `serve.seed`) with `serve.max_adapters` slots of rank
+    `serve.max_rank` on every target the architecture offers, its kernels chosen for rows of
+    `serve.max_seq_len` tokens."""
+    s = config.serve
     mesh = make_mesh(config, devices)
-    config = resolve_kernels(config, mesh.devices.flat[0].platform)
-    factory = model_factory(config.model, config.train.seed, lora, slots=s.max_adapters)
+    model = resolve_kernels(config.model, mesh.devices.flat[0].platform, s.max_seq_len, seq_key="serve.max_seq_len")
+    lora = LoRAConfig(rank=s.max_rank, alpha=s.lora_alpha, targets=slot_targets(model), base=s.base)
     with use_rules(config.sharding.rules):
-        full_graphdef, full = abstract_model(factory, mesh, config.sharding.rules)
-    graphdef, adapters, rest = nnx.split(nnx.merge(full_graphdef, full), LoRAParam, ...)
-    return EngineLayout(config, mesh, factory, full_graphdef, full, graphdef, adapters, rest, slot_axes(adapters))
+        placed = place(ModelSpec(model, lora, s.seed, slots=s.max_adapters), mesh, config.sharding.rules)
+    graphdef, adapters, rest = nnx.split(nnx.merge(placed.graphdef, placed.abstract_params), LoRAParam, ...)
+    return EngineLayout(config, placed, graphdef, adapters, rest, slot_axes(adapters))

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from podtrain.models.lora import LoRAParam, init_slot
-from podtrain.orchestrator.serve.engine import AdamState, axes_tree
+from podtrain.orchestrator.serve.programs import AdamState, axes_tree
 
 
 def _at(axis: int, index):

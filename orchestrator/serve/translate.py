@@ -1,8 +1,10 @@
-"""SDK requests checked and turned into work items.
+"""SDK requests turned into work items.
 
-The front end refuses what it can judge from the request alone (token ids outside the vocabulary,
-loss inputs of the wrong length, losses and options the service does not offer) with a one-line
-message naming the field; what needs the engine's state it leaves to `Backend.check`.
+Only the request's shape is judged here: options and inputs the service does not offer, values of
+the wrong type, what a work item cannot carry (the optimizer's type, the base model's name, a
+checkpoint's name). Every value a work item carries is checked in one place, `checks.check_work`,
+which the front end runs before it queues the item (`Backend.check`). Token ids stay int64 until
+the engine packs them, so none wraps into the vocabulary before it is checked.
 """
 
 from __future__ import annotations
@@ -50,8 +52,6 @@ def create(model_id: str, lora: LoraBody | None, optimizer: Mapping[str, Any] | 
     if lora is None:
         raise not_supported("full fine-tuning (create_model without lora_config)")
     check_optimizer(optimizer)
-    if not 1 <= lora.rank <= info.max_rank:
-        raise ServeError(f"lora_config.rank: expected 1 to {info.max_rank}, found {lora.rank}")
     seed = lora.seed if lora.seed is not None else secrets.randbelow(2**31)
     return Create(model_id=model_id, rank=lora.rank, targets=lora_targets(info, lora), seed=seed)
 
@@ -80,46 +80,34 @@ def adam(params: Mapping[str, Any] | None, optimizer_params: Mapping[str, Any] |
     for key, value in (params or {}).items():
         if key not in ADAM_FIELDS:
             raise ServeError(f"adam_params: unknown field {key!r}; expected some of {list(ADAM_FIELDS)}")
-        if not isinstance(value, (int, float)) or not np.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ServeError(f"adam_params.{key}: expected a finite number, found {value!r}")
         values[key] = float(value)
     return values
 
 
-def forward_backward(request: WireForwardBackward, info: BaseInfo) -> ForwardBackward:
-    """The work item of a forward(_backward) request; what it asks of the loss and the tokens is
-    checked against the base model by `checks.check_work`."""
-    data = tuple(_datum(index, datum, info) for index, datum in enumerate(request.data))
+def forward_backward(request: WireForwardBackward) -> ForwardBackward:
+    """The work item of a forward(_backward) request."""
+    data = tuple(_datum(index, datum) for index, datum in enumerate(request.data))
     return ForwardBackward(model_id=request.model_id, data=data, loss_fn=request.loss_fn,
                            loss_fn_config=dict(request.loss_fn_config) or None, backward=not request.forward_only)
 
 
-def _datum(index: int, datum: WireDatum, info: BaseInfo) -> Datum:
-    """One datum as int32 tokens and float32 inputs (int32 targets); ids are range-checked before
-    they are narrowed, so none wraps into the vocabulary."""
+def _datum(index: int, datum: WireDatum) -> Datum:
+    """One datum as int64 tokens and targets and float32 inputs."""
     where = f"data[{index}]"
     other = [kind for kind in datum.chunk_kinds if kind != "encoded_text"]
     if other:
         raise not_supported(f"{where}.model_input: {other[0]} chunks (only encoded text)")
-    check_tokens(f"{where}.model_input", datum.tokens, info)
     targets = datum.inputs.get("target_tokens")
-    if targets is not None:
-        if not np.issubdtype(targets.dtype, np.integer):
-            raise ServeError(f"{where}.loss_fn_inputs['target_tokens']: expected int64 token ids, "
-                             f"found {targets.dtype}")
-        check_tokens(f"{where}.loss_fn_inputs['target_tokens']", targets, info)
-    inputs = {name: array.astype(np.int32 if name == "target_tokens" else np.float32)
+    if targets is not None and not np.issubdtype(targets.dtype, np.integer):
+        raise ServeError(f"{where}.loss_fn_inputs['target_tokens']: expected int64 token ids, found {targets.dtype}")
+    inputs = {name: array.astype(np.int64 if name == "target_tokens" else np.float32)
               for name, array in datum.inputs.items()}
-    return Datum(tokens=datum.tokens.astype(np.int32), inputs=inputs)
+    return Datum(tokens=datum.tokens.astype(np.int64), inputs=inputs)
 
 
-def check_tokens(where: str, tokens: np.ndarray, info: BaseInfo) -> None:
-    bad = tokens[(tokens < 0) | (tokens >= info.vocab_size)]
-    if bad.size:
-        raise ServeError(f"{where}: token ids must be in [0, {info.vocab_size}), found {int(bad[0])}")
-
-
-def prompt_tokens(chunks: list[dict[str, Any]], info: BaseInfo) -> np.ndarray:
+def prompt_tokens(chunks: list[dict[str, Any]]) -> np.ndarray:
     tokens: list[int] = []
     for chunk in chunks:
         kind = chunk.get("type", "encoded_text")
@@ -129,35 +117,18 @@ def prompt_tokens(chunks: list[dict[str, Any]], info: BaseInfo) -> np.ndarray:
         if not all(isinstance(token, int) and not isinstance(token, bool) for token in values):
             raise ServeError("prompt: expected integer token ids")
         tokens += values
-    if not tokens:
-        raise ServeError("prompt: expected at least one token, found none")
-    array = np.asarray(tokens, np.int64)
-    check_tokens("prompt", array, info)
-    return array.astype(np.int32)
+    return np.asarray(tokens, np.int64)
 
 
 def sample(body: SampleBody, info: BaseInfo, decode: Decode | None = None, encode: Encode | None = None) -> Sample:
     """The sample request as a work item of the base model (the scheduler puts in the adapter slot
     of the sampler's weights)."""
     _refuse_unsupported_sampling(body)
-    prompt = prompt_tokens(body.prompt.chunks, info)
+    prompt = prompt_tokens(body.prompt.chunks)
     params = body.sampling_params
     max_tokens = _number(params, "max_tokens", Sample.max_tokens, int)
-    if max_tokens < 1:
-        raise ServeError(f"sampling_params.max_tokens: expected a positive integer, found {max_tokens}")
-    if len(prompt) + max_tokens > info.sample_tokens():
-        raise ServeError(f"prompt ({len(prompt)} tokens) plus sampling_params.max_tokens ({max_tokens}) exceeds "
-                         f"the {info.sample_tokens()} tokens a sampled sequence may hold (serve.max_sample_tokens)")
-    if body.num_samples < 1:
-        raise ServeError(f"num_samples: expected at least 1, found {body.num_samples}")
     temperature, top_p = _number(params, "temperature", 1.0, float), _number(params, "top_p", 1.0, float)
     top_k = _number(params, "top_k", -1, int)
-    if temperature < 0:
-        raise ServeError(f"sampling_params.temperature: expected 0 or more, found {temperature}")
-    if not 0 < top_p <= 1:
-        raise ServeError(f"sampling_params.top_p: expected a value in (0, 1], found {top_p}")
-    if top_k != -1 and top_k < 1:
-        raise ServeError(f"sampling_params.top_k: expected -1 (no limit) or at least 1, found {top_k}")
     last_n = body.prompt_logprobs_last_n
     if last_n is not None and not (body.prompt_logprobs and 1 <= last_n < len(prompt)):
         raise ServeError(f"prompt_logprobs_last_n: expected 1 to {len(prompt) - 1} with prompt_logprobs, "
@@ -201,13 +172,11 @@ def stops(stop: Any, info: BaseInfo, decode: Decode | None) -> tuple[tuple[int, 
     items = [stop] if isinstance(stop, str) else list(stop)
     strings = [item for item in items if isinstance(item, str)]
     if not strings:
-        ids = np.asarray(items, np.int64)
-        check_tokens("sampling_params.stop", ids, info)
-        return tuple(int(token) for token in ids), ()
+        if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            raise ServeError(f"sampling_params.stop: expected token ids or strings, found {items!r}")
+        return tuple(items), ()
     if len(strings) < len(items):
         raise ServeError(f"sampling_params.stop: expected token ids or strings, found both: {items!r}")
-    if not all(strings):
-        raise ServeError("sampling_params.stop: a stop string must not be empty")
     if decode is None:
         raise not_supported("sampling_params.stop as strings without a tokenizer on the service (serve.tokenizer)")
     return tuple(info.eos_token_ids), tuple(strings)
@@ -222,7 +191,7 @@ def string_sequences(strings: tuple[str, ...], info: BaseInfo, decode: Decode | 
         return ()
     sequences = []
     for string in strings:
-        ids = tuple(int(i) for i in encode(string))
+        ids = tuple(int(i) for i in encode(string)) if string else ()
         if ids and all(0 <= i < info.vocab_size for i in ids) and string in decode(ids):
             sequences.append(ids)
     return tuple(sequences)

@@ -16,7 +16,7 @@ import threading
 
 import jax
 
-from podtrain.orchestrator.serve.engine import Batch, bucket, forward_backward
+from podtrain.orchestrator.serve.programs import Batch, bucket, forward_backward
 from podtrain.sharding.rules import use_rules
 
 log = logging.getLogger(__name__)

@@ -55,8 +55,8 @@ class BaseInfo:
 
 @dataclass(frozen=True)
 class Datum:
-    """One training row: `tokens` (T,) int32 model input and `inputs`, the loss's per-token inputs
-    (`target_tokens`, `weights`, `logprobs`, `advantages`), each (T,)."""
+    """One training row: `tokens` (T,) int64 model input and `inputs`, the loss's per-token inputs
+    (`target_tokens` int64, `weights`, `logprobs`, `advantages` float32), each (T,)."""
 
     tokens: np.ndarray
     inputs: dict[str, np.ndarray]
@@ -98,7 +98,7 @@ class Sample:
     """`num_samples` continuations of `prompt` under the adapter (`model_id` None: the base model)."""
 
     model_id: str | None
-    prompt: np.ndarray  # (P,) int32
+    prompt: np.ndarray  # (P,) int64
     num_samples: int = 1
     max_tokens: int = 16
     temperature: float = 1.0

@@ -41,7 +41,7 @@ from podtrain.orchestrator.data.pipeline import (
     to_global_batch,
 )
 from podtrain.orchestrator.data.tokenizers import Tokenizer
-from podtrain.orchestrator.inference.load import base_record, check_base, load_base
+from podtrain.orchestrator.placed.restore import base_record, check_base, load_base
 from podtrain.orchestrator.train.adapters import init_adapters
 from podtrain.orchestrator.train.build import Training, build_training
 from podtrain.orchestrator.train.goodput import Ledger
@@ -270,7 +270,7 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
     frozen = training.init_frozen(base)
     run_meta = run_metadata(config, training.mesh)
     if frozen is not None:  # what a LoRA run's adapters are trained on
-        run_meta["lora_base"] = base_record(config, frozen)
+        run_meta["lora_base"] = base_record(config.lora, frozen)
     checkpointer = Checkpointer(checkpoint_directory(config.checkpoint.dir, run_dir), config.checkpoint,
                                 run_meta=run_meta)
     train_iter = iter(train_data)

@@ -27,7 +27,9 @@ from podtrain.orchestrator.checkpoint.rundir import checkpoint_directory
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
 from podtrain.orchestrator.config.schema import CheckpointConfig
-from podtrain.orchestrator.train.build import build_training, make_mesh, model_factory
+from podtrain.orchestrator.placed.mesh import make_mesh
+from podtrain.orchestrator.placed.model import model_factory
+from podtrain.orchestrator.train.build import build_training
 from podtrain.orchestrator.train.synthetic import random_batch
 from podtrain.sharding.place import abstract_model
 

@@ -13,7 +13,8 @@ from podtrain.models.attention import make_mask, self_attention
 from podtrain.models.kernels.attention import resolve_backend
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.train.build import build_training, resolve_kernels
+from podtrain.orchestrator.placed.kernels import resolve_kernels
+from podtrain.orchestrator.train.build import build_training
 from podtrain.orchestrator.train.step import TrainState
 from podtrain.sharding.rules import use_rules
 
@@ -97,12 +98,12 @@ def test_auto_picks_the_kernel_of_the_platform_in_one_place():
     assert resolve_backend("auto", "cpu") == "xla"
     assert resolve_backend("xla", "tpu") == "xla"
     config = load_config("llama3-tiny", ["train.seq_len=128"])
-    tpu, cpu = resolve_kernels(config, "tpu").model, resolve_kernels(config, "cpu").model
+    tpu, cpu = (resolve_kernels(config.model, platform, config.train.seq_len) for platform in ("tpu", "cpu"))
     assert (tpu.attention, tpu.moe.grouped_matmul, tpu.moe.exchange, tpu.interpret_kernels) == (
         "splash", "megablox", "ragged_all_to_all", False)
     assert (cpu.attention, cpu.moe.grouped_matmul, cpu.moe.exchange, cpu.interpret_kernels) == (
         "xla", "ragged_dot", "all_to_all", True)
-    assert resolve_kernels(config, "gpu").model.moe.grouped_matmul == "ragged_dot"
+    assert resolve_kernels(config.model, "gpu", config.train.seq_len).moe.grouped_matmul == "ragged_dot"
     assert build_training(config).config.model.attention == "xla"
 
 

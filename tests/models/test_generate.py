@@ -14,7 +14,7 @@ from flax import nnx
 from hf_fixtures import save_hf_model
 
 from podtrain.models import Llama, ModelConfig
-from podtrain.models.generate import Sampling, generate, greedy, sample
+from podtrain.models.generate import RowSampling, Sampling, ends_with_stop, generate, greedy, pick_tokens
 from podtrain.models.hf_read import from_hf
 from podtrain.sharding import DEFAULT_RULES, build_mesh, use_rules
 
@@ -83,9 +83,15 @@ def test_sampling_is_reproducible_per_seed_and_differs_across_seeds():
     assert generate(model, prompts, max_new_tokens=8, sampling=hot, seed=8) != first
 
 
+def _pick(rows, keys, sampling):
+    tokens, _ = pick_tokens(jnp.asarray(rows, jnp.float32), keys, RowSampling.of(sampling, keys),
+                            filtered=sampling.filtered)
+    return tokens
+
+
 def _frequencies(logits, sampling, n=20000):
     keys = jax.random.split(jax.random.key(0), n)
-    draws = jax.vmap(lambda k: sample(jnp.asarray([logits], jnp.float32), k, sampling)[0])(keys)
+    draws = _pick(np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits))), keys, sampling)
     return np.bincount(np.asarray(draws), minlength=len(logits)) / n
 
 
@@ -107,7 +113,30 @@ def test_sample_follows_temperature_top_k_and_top_p():
     # Greedy, top-k 1 and a tiny top-p (at any temperature) all pick the most likely token.
     rows = jnp.asarray(np.random.default_rng(0).normal(size=(64, 50)), jnp.float32)
     for sampling in (Sampling(), Sampling(temperature=3.0, top_k=1), Sampling(temperature=3.0, top_p=1e-6)):
-        np.testing.assert_array_equal(sample(rows, jax.random.key(1), sampling), np.argmax(rows, axis=-1))
+        np.testing.assert_array_equal(_pick(rows, jax.random.split(jax.random.key(1), 64), sampling),
+                                      np.argmax(rows, axis=-1))
+
+
+def test_picked_tokens_logprobs_are_under_the_distribution_they_were_drawn_from():
+    """Each row its own temperature and filter: a greedy row's logprob is the plain softmax's, a
+    hot row's the tempered and filtered one's."""
+    logits = jnp.log(jnp.asarray([[0.4, 0.3, 0.2, 0.06, 0.04]] * 2, jnp.float32))
+    sampling = RowSampling(jnp.asarray([0.0, 2.0]), jnp.asarray([0, 2]), jnp.asarray([1.0, 1.0]),
+                           jax.random.split(jax.random.key(0), 2))
+    tokens, logprobs = pick_tokens(logits, sampling.key, sampling, filtered=True)
+    assert int(tokens[0]) == 0
+    np.testing.assert_allclose(logprobs[0], np.log(0.4), rtol=1e-6)
+    kept = np.exp(np.log([0.4, 0.3]) / 2)
+    np.testing.assert_allclose(logprobs[1], np.log(kept / kept.sum())[int(tokens[1])], rtol=1e-6)
+
+
+def test_a_row_stops_on_device_once_its_tokens_end_with_a_stop_sequence():
+    tokens = jnp.asarray([[5, 6, 7, 0], [5, 6, 7, 0], [7, 0, 0, 0]])
+    # Row 0: (6, 7) or the token 9; row 1: none; row 2: (5, 7), which its tokens never end with.
+    stop = jnp.asarray([[[6, 7], [-1, 9]], [[-1, -1], [-1, -1]], [[5, 7], [-1, -1]]])
+    assert [ends_with_stop(tokens, step, stop).tolist() for step in range(3)] == [
+        [False, False, False], [False, False, False], [True, False, False]]
+    assert ends_with_stop(jnp.asarray([[9]]), 0, jnp.asarray([[[-1, 9]]])).tolist() == [True]
 
 
 def test_greedy_picks_the_first_maximum_as_argmax_does():

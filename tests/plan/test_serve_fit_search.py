@@ -31,7 +31,7 @@ def test_the_search_ends_where_one_count_fits_and_the_next_does_not(monkeypatch,
         return {"fits": n <= boundary, "peak_bytes": peak, "programs": dict.fromkeys(programs, {"peak_bytes": peak})}
 
     monkeypatch.setattr(serve_plan, "plan_serve_on_target", plan)
-    monkeypatch.setattr(serve_plan, "apply_overrides", lambda config, overrides: types.SimpleNamespace(
+    monkeypatch.setattr(serve_plan, "apply_overrides", lambda config, overrides, serving: types.SimpleNamespace(
         serve=types.SimpleNamespace(max_adapters=int(overrides[0].split("=")[1]))))
     target = types.SimpleNamespace(chip=types.SimpleNamespace(hbm_bytes=hbm))
     config = types.SimpleNamespace(serve=types.SimpleNamespace(max_adapters=8))

@@ -10,8 +10,8 @@ from flax import nnx
 
 from podtrain.models.lora import slot_view
 from podtrain.orchestrator.config.compose import load_config
-from podtrain.orchestrator.serve.backend import Engine
 from podtrain.orchestrator.serve.checks import serve_targets
+from podtrain.orchestrator.serve.engine import Engine
 from podtrain.orchestrator.serve.work import Datum
 
 # A loss chunk of 8 positions: rows of 16 to 64 tokens apply the head in 2 to 8 vocabulary slices,
@@ -32,7 +32,7 @@ def make_engine(preset: str = "llama3-tiny", devices=1, overrides=()):
 
 def single(engine: Engine, model_id: str) -> nnx.Module:
     """The adapter `model_id` alone on the base model (its slot's view)."""
-    slot = engine.slots[model_id]
+    slot = engine.loaded[model_id]
     return slot_view(engine.model, slot.index, slot.rank, engine.config.serve.lora_alpha, slot.targets)
 
 

@@ -61,7 +61,7 @@ def test_rows_of_many_adapters_in_one_step_get_their_own_results_and_steps(engin
     graphdef, params, rest = nnx.split(before_a, LoRAParam, ...)
     want_grads = jax.jit(jax.grad(lambda p, *arrays: reference_loss(nnx.merge(graphdef, p, rest), *arrays)))(
         params, *padded(data_a))
-    slot = engine.slots["a"]
+    slot = engine.loaded["a"]
     pending = slot_view(nnx.merge(engine.graphdef, engine.grads, engine.rest), slot.index, slot.rank,
                         engine.config.serve.lora_alpha, slot.targets)
     got_grads = _flat(pending)
@@ -128,17 +128,6 @@ def test_sampling_rows_of_several_adapters(engine, tmp_path):
     engine.run([Unload("s"), Unload("t")])
 
 
-def test_a_row_stops_on_device_once_its_tokens_end_with_a_stop_sequence():
-    from podtrain.orchestrator.serve.engine import ends_with_stop
-
-    tokens = jnp.asarray([[5, 6, 7, 0], [5, 6, 7, 0], [7, 0, 0, 0]])
-    # Row 0: (6, 7) or the token 9; row 1: none; row 2: (5, 7), which its tokens never end with.
-    stop = jnp.asarray([[[6, 7], [-1, 9]], [[-1, -1], [-1, -1]], [[5, 7], [-1, -1]]])
-    assert [ends_with_stop(tokens, step, stop).tolist() for step in range(3)] == [
-        [False, False, False], [False, False, False], [True, False, False]]
-    assert ends_with_stop(jnp.asarray([[9]]), 0, jnp.asarray([[[-1, 9]]])).tolist() == [True]
-
-
 def test_saved_state_comes_back_with_the_same_logprobs_and_next_step(engine, tmp_path):
     vocab = engine.info().vocab_size
     rng = np.random.default_rng(2)
@@ -187,7 +176,7 @@ def test_bad_items_are_refused_alone(engine):
 
 
 def test_steady_work_of_other_lengths_and_adapters_does_not_recompile(engine):
-    from podtrain.orchestrator.serve.engine import adam_steps, forward_backward
+    from podtrain.orchestrator.serve.programs import adam_steps, forward_backward
 
     vocab = engine.info().vocab_size
     rng = np.random.default_rng(4)

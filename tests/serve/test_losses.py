@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podtrain.orchestrator.serve.engine import token_losses
 from podtrain.orchestrator.serve.losses import NAMES, loss_config
+from podtrain.orchestrator.serve.programs import token_losses
 from podtrain.orchestrator.serve.work import ServeError
 
 LOW, HIGH, BETA = 0.8, 1.2, 0.3

@@ -9,8 +9,9 @@ from model_fixtures import QWEN, tokens
 from podtrain.models import Llama
 from podtrain.models.runner import only_layer
 from podtrain.orchestrator.config.compose import load_config
+from podtrain.orchestrator.placed.model import model_factory
 from podtrain.orchestrator.plan.report import sharding_table
-from podtrain.orchestrator.train.build import build_training, model_factory
+from podtrain.orchestrator.train.build import build_training
 from podtrain.sharding import DEFAULT_RULES, build_mesh, create_sharded, use_rules
 from podtrain.sharding.place import init_peak_bytes
 

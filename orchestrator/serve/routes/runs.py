@@ -7,45 +7,52 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 
+from podtrain.orchestrator.serve.service import ServiceDep
 from podtrain.orchestrator.serve.store import PATH_SEGMENT, CheckpointRecord, ModelRecord, Store
 from podtrain.orchestrator.serve.wire import WeightsInfoBody
 from podtrain.orchestrator.serve.work import ServeError
 
+router = APIRouter(prefix="/api/v1")
 
-def add_run_routes(app: FastAPI, store: Store) -> None:
-    @app.get("/api/v1/training_runs")
-    def list_training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        models = store.models()
-        return {"training_runs": [_training_run(store, model) for model in models[offset:offset + limit]],
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(models)}}
 
-    @app.get("/api/v1/training_runs/{model_id}")
-    def get_training_run(model_id: str) -> dict[str, Any]:
-        return _training_run(store, _model(store, model_id))
+@router.get("/training_runs")
+def list_training_runs(service: ServiceDep, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    store = service.store
+    models = store.models()
+    return {"training_runs": [_training_run(store, model) for model in models[offset:offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(models)}}
 
-    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
-    def list_checkpoints(model_id: str) -> dict[str, Any]:
-        _model(store, model_id)
-        return {"checkpoints": [_checkpoint_json(checkpoint) for checkpoint in store.checkpoints(model_id)]}
 
-    @app.get("/api/v1/checkpoints")
-    def list_user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
-        checkpoints = store.checkpoints()
-        return {"checkpoints": [_checkpoint_json(checkpoint) for checkpoint in checkpoints[offset:offset + limit]],
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(checkpoints)}}
+@router.get("/training_runs/{model_id}")
+def get_training_run(model_id: str, service: ServiceDep) -> dict[str, Any]:
+    return _training_run(service.store, _model(service.store, model_id))
 
-    @app.post("/api/v1/weights_info")
-    def weights_info(body: WeightsInfoBody) -> dict[str, Any]:
-        checkpoint = store.checkpoint(body.tinker_path)
-        if checkpoint is None:
-            raise ServeError(f"tinker_path: unknown checkpoint {body.tinker_path!r}", 404)
-        model = _model(store, checkpoint.model_id)
-        targets = set(model.targets)
-        return {"base_model": model.base_model, "is_lora": True, "lora_rank": model.rank,
-                "train_unembed": "lm_head" in targets, "train_mlp": "gate_proj" in targets,
-                "train_attn": "o_proj" in targets}
+
+@router.get("/training_runs/{model_id}/checkpoints")
+def list_checkpoints(model_id: str, service: ServiceDep) -> dict[str, Any]:
+    _model(service.store, model_id)
+    return {"checkpoints": [_checkpoint_json(checkpoint) for checkpoint in service.store.checkpoints(model_id)]}
+
+
+@router.get("/checkpoints")
+def list_user_checkpoints(service: ServiceDep, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    checkpoints = service.store.checkpoints()
+    return {"checkpoints": [_checkpoint_json(checkpoint) for checkpoint in checkpoints[offset:offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(checkpoints)}}
+
+
+@router.post("/weights_info")
+def weights_info(body: WeightsInfoBody, service: ServiceDep) -> dict[str, Any]:
+    checkpoint = service.store.checkpoint(body.tinker_path)
+    if checkpoint is None:
+        raise ServeError(f"tinker_path: unknown checkpoint {body.tinker_path!r}", 404)
+    model = _model(service.store, checkpoint.model_id)
+    targets = set(model.targets)
+    return {"base_model": model.base_model, "is_lora": True, "lora_rank": model.rank,
+            "train_unembed": "lm_head" in targets, "train_mlp": "gate_proj" in targets,
+            "train_attn": "o_proj" in targets}
 
 
 def _model(store: Store, model_id: str) -> ModelRecord:
