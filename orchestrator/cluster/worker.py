@@ -108,13 +108,13 @@ def main() -> int:
 
     error_file = env.get(p.ENV_ERROR_FILE)
     try:
-        config, run_dir = load_config(env[p.ENV_CONFIG]), Path(env[p.ENV_RUN_DIR])
+        serving = env.get(p.ENV_ROLE) == "serve"
+        config, run_dir = load_config(env[p.ENV_CONFIG], serving=serving), Path(env[p.ENV_RUN_DIR])
         from podtrain.orchestrator.train.goodput import process_phase
         from podtrain.orchestrator.train.preflight import check_inputs
 
         # Before joining the JAX world: every rank finds the same mistake and leaves at once, and
         # none is left waiting in a collective for a peer that left.
-        serving = env.get(p.ENV_ROLE) == "serve"
         inputs = check_inputs(config, run_dir, data=not serving)
         joined = time.time()
         _initialize_distributed(env)
