@@ -105,8 +105,13 @@ def pick_tokens(logits_BV: jax.Array, keys: jax.Array, sampling: RowSampling, *,
         keep_ranked = in_k & ((jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p[:, None])
         keep = jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
         scaled = jnp.where(keep, scaled, -jnp.inf)
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled).astype(jnp.int32)
-    token = jnp.where(hot, drawn, greedy(logits))
+    best = greedy(logits)
+
+    def draw():
+        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled).astype(jnp.int32)
+        return jnp.where(hot, drawn, best)
+
+    token = jax.lax.cond(jnp.any(hot), draw, lambda: best)  # an all-greedy batch draws nothing
     logprobs = jax.nn.log_softmax(jnp.where(hot[:, None], scaled, logits), axis=-1)
     return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
