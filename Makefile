@@ -20,15 +20,14 @@ install: $(STAMP)
 train: install
 	$(VENV)/bin/podtrain train
 
-# Tests without Ray (but the target compiles of tests/plan/) run on two pytest workers; then the Ray
-# tests (timing-sensitive: hang detection, heartbeats) run in two lanes, each in its own network and
-# PID namespace, beside a lane of tests/plan/ and the wheel check: the wheel is built and run from a
-# fresh virtualenv beside a decoy models/ package (it needs the package registry, so it runs outside
-# the namespaces).
+# Tests without Ray run on two pytest workers; then the Ray tests (timing-sensitive: hang detection,
+# heartbeats) run in two lanes, each in its own network and PID namespace, beside the wheel check: the
+# wheel is built and run from a fresh virtualenv beside a decoy models/ package (it needs the package
+# registry, so it runs outside the namespaces).
 test: install
 	$(VENV)/bin/ruff check .
-	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not ray" --ignore=tests/plan --durations=25
-	bash tests/lanes.sh $(PY)
+	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not ray" --durations=25
+	bash tests/ray_lanes.sh $(PY)
 
 test-quick: install
 	bash tests/netns.sh $(PY) -m pytest -q -n 2 -m "not slow"
