@@ -132,7 +132,7 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
     url = f"http://{config.serve.host}:{port}"
     (run_dir / "serve.json").write_text(json.dumps({"url": url, "pid": os.getpid()}) + "\n")
     print(f"podtrain: serving {config.serve.base_model} at {url} (run directory {run_dir})", flush=True)
-    save = _saver(app.state.scheduler)
+    save = _saver(app.state.service.scheduler)
     try:
         if gang is None:
             _wait_for_stop()

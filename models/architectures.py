@@ -14,7 +14,7 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass(frozen=True)
 class AdapterTargets:
-    """The HF module names (LoRA targets) that adapt an architecture's attention, its feed-forward
+    """The HF module names of an architecture's attention projections, its feed-forward
     layers and its LM head: what a service's `train_attn`, `train_mlp` and `train_unembed` choose."""
 
     attention: tuple[str, ...]
@@ -38,7 +38,7 @@ class Architecture:
             beyond the keys every architecture shares.
         hf_keys: `hf_keys(config, shared)`: its config.json from the shared keys.
         hf_mapping: its HF checkpoint's tensor names and layouts.
-        adapter_targets: the LoRA targets of its attention, feed-forward layers and LM head.
+        adapter_targets: the HF module names of its attention, feed-forward layers and LM head.
         peft_unwritable: adapter targets PEFT would read as other modules (refused on export).
     """
 

@@ -77,7 +77,7 @@ def sliced_target_logprobs(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax
     gathered and its gradient reduce-scattered once, and nothing of the head's size is ever held
     whole. (Chunking the sequence instead sums the head's gradient over the chunks: reduced in every
     chunk, or a whole unreduced copy per device.) The head's gradient is computed only when the
-    head is differentiated: a frozen head (the service's, a LoRA run's) costs no backward matmul.
+    head is differentiated: a frozen head costs no backward matmul.
 
     Each slice of `head_DV` (and of `B`) is cast to the dtype of `h_BTD` for its matmuls.
     """

@@ -25,9 +25,10 @@ from podtrain.orchestrator.config.compose import apply_overrides
 from podtrain.orchestrator.plan.hlo_comm import collectives, summarize
 from podtrain.orchestrator.plan.on_target import compile_or_oom, shard_bytes
 from podtrain.orchestrator.plan.targets import Target, compile_devices
-from podtrain.orchestrator.serve.engine import ADAM_KEYS, MIN_TOKENS
+from podtrain.orchestrator.serve.engine import MIN_TOKENS
 from podtrain.orchestrator.serve.layout import EngineLayout, engine_layout
 from podtrain.orchestrator.serve.programs import adam_steps, bucket, forward_backward, sample_rows
+from podtrain.orchestrator.serve.work import ADAM_KEYS
 from podtrain.sharding.rules import use_rules
 
 PROGRAMS = ("forward_backward", "adam_steps", "sample")

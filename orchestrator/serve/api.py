@@ -49,7 +49,6 @@ def create_app(backend: Backend, store: Store, *, api_key: str | None, max_reque
             scheduler.stop()
 
     app = FastAPI(title="podtrain serve", lifespan=lifespan)
-    app.state.scheduler = scheduler
     app.state.service = Service(backend, store, scheduler, backend.info(), waiters, long_poll_s, max_request_bytes,
                                 decode, encode)
     app.add_middleware(Guard, api_key=api_key, max_bytes=max_request_bytes)

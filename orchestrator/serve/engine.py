@@ -56,6 +56,7 @@ from podtrain.orchestrator.serve.slots import (
 )
 from podtrain.orchestrator.serve.warm import RowWarmer
 from podtrain.orchestrator.serve.work import (
+    ADAM_KEYS,
     BaseInfo,
     Create,
     ForwardBackward,
@@ -75,7 +76,6 @@ from podtrain.orchestrator.serve.work import (
 from podtrain.sharding.rules import use_rules
 
 STATE_FILE, ARRAYS_FILE = "adapter_state.json", "adapter.safetensors"
-ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 # The smallest padded token count of a training row or a prompt.
 MIN_TOKENS = 16
 

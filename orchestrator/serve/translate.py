@@ -20,6 +20,7 @@ import numpy as np
 from podtrain.orchestrator.serve.checks import serve_targets
 from podtrain.orchestrator.serve.wire import LoraBody, SampleBody, WireDatum, WireForwardBackward
 from podtrain.orchestrator.serve.work import (
+    ADAM_KEYS,
     BaseInfo,
     Create,
     Datum,
@@ -33,7 +34,6 @@ from podtrain.orchestrator.serve.work import (
 Decode = Callable[[Sequence[int]], str]  # token ids to text, special tokens kept
 Encode = Callable[[str], Sequence[int]]  # text to token ids, no special tokens added
 
-ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                  "grad_clip_norm": 0.0}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -78,8 +78,8 @@ def adam(params: Mapping[str, Any] | None, optimizer_params: Mapping[str, Any] |
         raise not_supported(f"optimizer {optimizer_params.get('type')!r} (only AdamParams)")
     values = dict(ADAM_DEFAULTS)
     for key, value in (params or {}).items():
-        if key not in ADAM_FIELDS:
-            raise ServeError(f"adam_params: unknown field {key!r}; expected some of {list(ADAM_FIELDS)}")
+        if key not in ADAM_KEYS:
+            raise ServeError(f"adam_params: unknown field {key!r}; expected some of {list(ADAM_KEYS)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ServeError(f"adam_params.{key}: expected a finite number, found {value!r}")
         values[key] = float(value)

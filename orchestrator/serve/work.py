@@ -84,6 +84,10 @@ class ForwardBackward:
     backward: bool = True
 
 
+# Tinker's AdamParams: what an `OptimStep` carries.
+ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
+
 @dataclass(frozen=True)
 class OptimStep:
     """One Adam step of the adapter on its pending gradient: `adam` holds learning_rate, beta1,

@@ -61,7 +61,7 @@ class Training(PlacedModel):
             return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
 
         if base is None:
-            params = self.create(self.trainable if self.config.lora.rank else None)
+            params = self.create(self.trainable if self.spec.lora.rank else None)
         else:
             routers = nnx.All(self.trainable, nnx.Not(LoRAParam))
             params = nnx.merge_state(self.create(LoRAParam), self.from_base(base, routers))
