@@ -116,7 +116,10 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
         # Workers on other machines reach the channel on any interface; it admits only holders of
         # the job's key. Local hosts share this machine's loopback.
         host = "127.0.0.1" if config.cluster.kind == "local" else "0.0.0.0"
-        backend = gang = GangBackend(info, targets, host=host, ready_timeout_s=config.cluster.startup_timeout_s)
+        c = config.cluster
+        # Steps wait for a gang while it starts, joins and builds its engine: each phase's bound.
+        backend = gang = GangBackend(info, targets, host=host, step_timeout_s=c.hang_timeout_s,
+                                     ready_timeout_s=c.start_timeout_s + c.init_timeout_s + c.restore_timeout_s)
     app = create_app(backend, Store(run_dir), api_key=key, max_request_bytes=config.serve.max_request_bytes,
                      decode=tokenizer.decode if tokenizer else None, encode=tokenizer.encode if tokenizer else None,
                      autosave_every=config.serve.autosave_every)

@@ -14,7 +14,7 @@ from train_fixtures import ROOT, TINY
 from xla_flags import xla_flags
 
 TWO_HOSTS = ["cluster=local", "cluster.num_hosts=2", "cluster.devices_per_host=2", "cluster.init_timeout_s=60",
-             "cluster.heartbeat_timeout_s=20", "cluster.startup_timeout_s=240"]
+             "cluster.heartbeat_timeout_s=20", "cluster.compile_timeout_s=240"]
 
 
 def ray_tmpdir(tmp_path: Path) -> str:

@@ -9,9 +9,13 @@ actor, and watches them:
   every rank's tracebacks are printed here with a `[rank r]` prefix. Attempt numbers continue
   after the run directory's existing `attempt-<n>` folders, so running a run name again (to
   resume it) neither overwrites nor re-reads an earlier job's files;
-- a process that finishes no step for `cluster.hang_timeout_s` (`startup_timeout_s` before its
-  first step) is hung: every rank's Python stacks go to `<run_dir>/stacks/attempt-<n>/`, then the
-  gang is killed;
+- every worker's heartbeat names the phase it is in (`protocol.PHASES`: start, distributed,
+  restore, compile, step, save, commit, serve); a rank that stays in one past its timeout
+  (`protocol.PHASE_TIMEOUTS`: `cluster.init_timeout_s` for `jax.distributed`, and so on) is a hang
+  of that phase: every rank's Python stacks go to `<run_dir>/stacks/attempt-<n>/`, the report
+  names the phase, the ranks waiting in it and the ones that have not arrived (rank, host, Ray
+  node, pid, where each is), and blames one (`blame`), then the gang is killed. A rank that aborts
+  while a peer is stopped gave up waiting for it: that is the stopped peer's hang;
 - the first process to end decides the class, and the class the budget (`Budgets`):
   - `preempted` (exit 75, after a checkpoint) and `node_lost` (a host actor or its node died or
     stopped answering, also while the gang starts) draw on `cluster.max_preemptions`;
@@ -254,8 +258,9 @@ class Driver:
             previous_tb = tb
             if spent:
                 return result(JobStatus.FAILED, f"{spent}; last: {outcome.kind}: {outcome.detail}")
+            last = _last_checkpoint(self.config, self.run_dir)
             origin = ("each adapter's last save" if self.service is not None else
-                      f"the last committed checkpoint ({_last_checkpoint(self.config, self.run_dir)})")
+                      "the start (no checkpoint yet)" if last is None else f"the last committed checkpoint ({last})")
             self.say(f"restarting from {origin}; failures {budgets.failures}/"
                      f"{self.cluster.max_failures}, preemptions {budgets.preemptions}/{self.cluster.max_preemptions}")
 
@@ -351,14 +356,14 @@ class Driver:
                 stop_deadline = time.monotonic() + self.cluster.stop_grace_s
             if stop_deadline is not None and time.monotonic() > stop_deadline:
                 kind = Ending.STOPPED if self.stop_requested else Ending.PREEMPTED
+                left = ", ".join(describe_rank(r, poll, gang.infos[r]) for r, poll in enumerate(polls)
+                                 if poll["returncode"] is None)
                 return Outcome(kind, None, f"workers did not exit within cluster.stop_grace_s="
-                                           f"{self.cluster.stop_grace_s:g}s; killed")
-            hung = self._hung_rank(polls)
-            if hung is not None and stop_deadline is None:
-                rank, detail = hung
+                                           f"{self.cluster.stop_grace_s:g}s: {left}; killed")
+            late = overdue(polls, self.cluster) if stop_deadline is None else None
+            if late is not None:
                 stacks = self._dump_stacks(gang, attempt)
-                rank, why = blame(polls, stacks, rank)
-                return Outcome(Ending.HANG, rank, f"{why}; {detail}")
+                return hang_outcome(polls, stacks, late, gang.infos, self.cluster)
             time.sleep(POLL_S)
 
     def _wind_down(self, gang: Gang, noticed: list[int]) -> None:
@@ -377,21 +382,6 @@ class Driver:
         if self.service is not None:
             self.service.release(why, self.cluster.stop_grace_s)
 
-    def _hung_rank(self, polls: list[dict]) -> tuple[int, str] | None:
-        for rank, poll in enumerate(polls):
-            if poll["returncode"] is not None:
-                continue
-            beat = poll["heartbeat"]
-            if beat is None:
-                idle, what = poll["now"] - poll["started_at"], "startup_timeout_s"
-            else:
-                idle, what = poll["now"] - beat[1], "hang_timeout_s"
-            limit = getattr(self.cluster, what)
-            if idle > limit:
-                at = "before its first step" if beat is None else f"after step {beat[0]}"
-                return rank, f"no progress for {idle:.0f}s {at} (cluster.{what}={limit:g})"
-        return None
-
     def _classify(self, ended: list[tuple[int, int]], polls: list[dict]) -> Outcome:
         """The cause among the processes that ended together: preemption, then crash, then exception,
         then abort. JAX aborts (SIGABRT) a process whose peer died, so an abort next to another
@@ -406,6 +396,11 @@ class Driver:
         rank, code = min(ended, key=lambda rc: (order.index(kind(rc[1])), polls[rc[0]]["error_at"] or 0, rc[0]))
         k = kind(code)
         record = p.read_error(polls[rank]["error"]) or {}
+        stopped = [r for r, poll in enumerate(polls) if poll.get("returncode") is None and _stopped(poll)]
+        if k is None and stopped:  # it gave up waiting for a peer that cannot answer
+            return Outcome(Ending.HANG, stopped[0], f"rank {stopped[0]}'s process is stopped (state T: SIGSTOP or a "
+                           f"debugger) in phase {polls[stopped[0]]['phase']}; rank {rank} aborted waiting for it",
+                           phase=polls[stopped[0]]["phase"])
         if k in (Ending.CRASH, None):
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             return Outcome(Ending.CRASH, rank, how)
@@ -436,19 +431,83 @@ def _main_thread(stacks: str, pid: int | None) -> str | None:
     return found.group(1) if found else None
 
 
-def blame(polls: list[dict], stacks: list[str], first: int) -> tuple[int, str]:
-    """The rank that holds the gang up, and why, once `first` (the first rank past its timeout) was
-    found idle. All ranks usually stop at the same step (each waits in a collective for the one that
-    stopped), so the heartbeats alone cannot tell; the processes can: a stopped one (state T), one
-    behind the others, or the one whose main thread runs Python while the others' wait."""
+def _stopped(poll: dict) -> bool:
+    return poll.get("state") in ("T", "t")  # SIGSTOP or a debugger
+
+
+def position(poll: dict) -> tuple[int, int]:
+    """How far a rank has come: its last completed step, then its phase in `PHASES` order."""
+    return (poll["heartbeat"] or (0, 0.0))[0], p.PHASES.index(poll["phase"]) if poll["phase"] in p.PHASES else 0
+
+
+def where(poll: dict) -> str:
+    """`at step 3` (between steps), or `in phase save after step 4`."""
+    step = (poll["heartbeat"] or (0, 0.0))[0]
+    if poll["phase"] == "step":
+        return f"at step {step}"
+    return f"in phase {poll['phase']}" + (f" after step {step}" if step else "")
+
+
+def describe_rank(rank: int, poll: dict, info: dict | None) -> str:
+    """`rank 1 (host h 10.0.0.2, node 1a2b3c4d, pid 123, in phase start)`: enough to find the process."""
+    info = info or {}
+    host = " ".join(x for x in (info.get("hostname"), info.get("ip")) if x) or "?"
+    return (f"rank {rank} (host {host}, node {str(info.get('node_id') or '?')[:8]}, pid {poll.get('pid')}, "
+            f"{where(poll)})")
+
+
+def overdue(polls: list[dict], cluster) -> tuple[int, str, float, float] | None:
+    """The first running rank that has been in its phase past the phase's timeout
+    (`protocol.PHASE_TIMEOUTS`): (rank, phase, seconds in it, limit), or None."""
+    for rank, poll in enumerate(polls):
+        if poll["returncode"] is not None:
+            continue
+        phase = poll["phase"] if poll["phase"] in p.PHASE_TIMEOUTS else "step"
+        idle, limit = poll["now"] - poll["phase_at"], getattr(cluster, p.PHASE_TIMEOUTS[phase])
+        if idle > limit:
+            return rank, phase, idle, limit
+    return None
+
+
+def hang_outcome(polls: list[dict], stacks: list[str], late: tuple[int, str, float, float], infos: list[dict],
+                 cluster) -> Outcome:
+    """The hang `overdue` found, named: its phase and timeout, the ranks waiting in it, the ranks that
+    have not arrived (rank, host, Ray node, pid, where they are), and the rank blamed."""
+    first, phase, idle, limit = late
     running = [r for r, poll in enumerate(polls) if poll["returncode"] is None]
-    stopped = [r for r in running if polls[r].get("state") in ("T", "t")]
+    mark = position(polls[first])
+    missing = [r for r in running if position(polls[r]) < mark]
+    waiting = [r for r in running if position(polls[r]) >= mark]
+    rank, why = blame(polls, stacks, first)
+
+    def named(r: int) -> str:
+        return describe_rank(r, polls[r], infos[r] if r < len(infos) else None)
+
+    line = (f"phase {phase} ran past cluster.{p.PHASE_TIMEOUTS[phase]}={limit:g}s (rank {first} in it for "
+            f"{idle:.0f}s); ")
+    if missing:
+        line += (f"waiting: ranks {waiting}; not arrived (has not {p.PHASE_NAMES[phase]}): "
+                 + ", ".join(named(r) for r in missing))
+    else:
+        line += f"every rank is in it; blamed: {named(rank)}"
+    return Outcome(Ending.HANG, rank, f"{why}; {line}", phase=phase)
+
+
+def blame(polls: list[dict], stacks: list[str], first: int) -> tuple[int, str]:
+    """The rank that holds the gang up, and why, once `first` (the first rank past its phase's
+    timeout) was found idle. All ranks usually stop in the same place (each waits in a collective or
+    a barrier for the one that stopped), so the heartbeats alone often cannot tell; the processes
+    can: a stopped one (state T), one behind the others (an earlier step or phase), or the one
+    whose main thread runs Python while the others' wait."""
+    running = [r for r, poll in enumerate(polls) if poll["returncode"] is None]
+    stopped = [r for r in running if _stopped(polls[r])]
     if stopped:
         return stopped[0], f"rank {stopped[0]}'s process is stopped (state T: SIGSTOP or a debugger)"
-    steps = {r: (polls[r]["heartbeat"] or (0, 0.0))[0] for r in running}
-    if len(set(steps.values())) > 1:
-        behind = min(steps, key=lambda r: (steps[r], r))
-        return behind, f"rank {behind} is behind (at step {steps[behind]}, others at {max(steps.values())})"
+    positions = {r: position(polls[r]) for r in running}
+    if len(set(positions.values())) > 1:
+        behind = min(positions, key=lambda r: (positions[r], r))
+        others = next(polls[r] for r in running if positions[r] == max(positions.values()))
+        return behind, f"rank {behind} is behind ({where(polls[behind])}, others {where(others)})"
     threads = {r: _main_thread(stacks[r] if r < len(stacks) else "", polls[r].get("pid")) for r in running}
     active = [r for r, state in threads.items() if state and state.startswith("active")]
     if active and len(active) < len([state for state in threads.values() if state]):

@@ -131,8 +131,8 @@ class HostActor:
         return self.proc.pid
 
     def poll(self) -> dict:
-        """The worker's exit status (None while it runs), last heartbeat and its notice, and log lines
-        since the last poll."""
+        """The worker's exit status (None while it runs), last heartbeat (its step, phase and notice),
+        and log lines since the last poll."""
         status = None if self.proc is None else self.proc.poll()
         lines = []
         log = self.files.get("log")
@@ -149,8 +149,10 @@ class HostActor:
             "returncode": status,
             "pid": None if self.proc is None else self.proc.pid,
             "state": None if self.proc is None or status is not None else process_state(self.proc.pid),
-            "heartbeat": beat[:2] if beat else None,
-            "notice": beat[2] if beat else "",
+            "heartbeat": (beat.step, beat.at) if beat else None,
+            "phase": beat.phase if beat else "start",  # before its first beat the process is starting
+            "phase_at": beat.at if beat else self.started_at,
+            "notice": beat.notice if beat else "",
             "lines": lines,
             "error": error.read_text() if status is not None and error is not None and error.exists() else None,
             "error_at": error.stat().st_mtime if status is not None and error is not None and error.exists() else None,

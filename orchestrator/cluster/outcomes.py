@@ -45,6 +45,7 @@ class Outcome:
     rank: int | None = None
     detail: str = ""
     traceback: str | None = None
+    phase: str | None = None  # for a hang: the phase that ran past its timeout
 
 
 @dataclasses.dataclass

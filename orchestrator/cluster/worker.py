@@ -55,6 +55,12 @@ def _leave_if_coordinator_port_taken(env) -> None:
         sys.exit(p.EXIT_COORDINATOR_PORT)
 
 
+# JAX's own deadline for `jax.distributed.initialize`, beyond `cluster.init_timeout_s`: the driver,
+# which watches every rank's phase, names the rank that did not join before a waiting rank gives up
+# with an error that blames nobody.
+INIT_MARGIN_S = 60
+
+
 def _initialize_distributed(env) -> None:
     import jax
 
@@ -70,7 +76,7 @@ def _initialize_distributed(env) -> None:
         jax.distributed.initialize(
             env[p.ENV_COORDINATOR], num_processes=num_processes, process_id=int(env[p.ENV_PROCESS_ID]),
             local_device_ids=[int(i) for i in local_ids.split(",")] if local_ids else None,
-            initialization_timeout=int(env[p.ENV_INIT_TIMEOUT]),
+            initialization_timeout=int(env[p.ENV_INIT_TIMEOUT]) + INIT_MARGIN_S,
             heartbeat_timeout_seconds=int(env[p.ENV_HEARTBEAT_TIMEOUT]),
             slice_index=slice_index,
         )
@@ -107,6 +113,7 @@ def main() -> int:
     start_jax()
 
     error_file = env.get(p.ENV_ERROR_FILE)
+    heartbeat = p.Heartbeat(env.get(p.ENV_HEARTBEAT_FILE))
     try:
         serving = env.get(p.ENV_ROLE) == "serve"
         config, run_dir = load_config(env[p.ENV_CONFIG], serving=serving), Path(env[p.ENV_RUN_DIR])
@@ -117,18 +124,17 @@ def main() -> int:
         # none is left waiting in a collective for a peer that left.
         inputs = check_inputs(config, run_dir, data=not serving)
         joined = time.time()
+        heartbeat.phase("distributed")
         _initialize_distributed(env)
         process_phase("distributed", joined, time.time())
         _describe_process(env)
-        heartbeat = env.get(p.ENV_HEARTBEAT_FILE)
         if serving:
             from podtrain.orchestrator.serve.gang import worker_main
 
             return worker_main(config, run_dir, env, heartbeat)
         from podtrain.orchestrator.train.loop import run
 
-        result = run(config, run_dir, inputs=inputs,
-                     on_step=(lambda step: p.write_heartbeat(heartbeat, step)) if heartbeat else None)
+        result = run(config, run_dir, inputs=inputs, heartbeat=heartbeat)
     except SystemExit as stop:
         if stop.code == p.EXIT_COORDINATOR_PORT:
             return p.EXIT_COORDINATOR_PORT

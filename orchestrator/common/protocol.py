@@ -10,6 +10,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 # Exit statuses of a worker process.
 EXIT_OK = 0
@@ -37,22 +38,81 @@ ENV_SERVE_ADDRESS = "PODTRAIN_SERVE_ADDRESS"  # host:port of the driver's step c
 ENV_SERVE_AUTHKEY = "PODTRAIN_SERVE_AUTHKEY"  # the channel's key, hex
 
 
-def write_heartbeat(path: str | os.PathLike, step: int, notice: str = "") -> None:
-    """Records `step` as the last completed step, and a `notice` the driver acts on (a serve
-    worker's `preempting`), atomically (a reader never sees half a line)."""
+# What a worker is doing, in the order an attempt goes through them. Its heartbeat names the phase
+# and when it began (for `step`, when the last step ended); the driver gives each phase its own
+# timeout (`PHASE_TIMEOUTS`) and names the ranks that have not reached the phase the others wait in.
+PHASES = ("start", "distributed", "restore", "compile", "step", "save", "commit", "serve")
+PHASE_TIMEOUTS = {  # the `cluster` key bounding each phase
+    "start": "start_timeout_s",  # process start, imports and input checks, to the first heartbeat
+    "distributed": "init_timeout_s",  # jax.distributed initialisation: every rank joins
+    "restore": "restore_timeout_s",  # building the model, loading a base, restoring a checkpoint
+    "compile": "compile_timeout_s",  # the first compile of a program, and the barrier after it
+    "step": "hang_timeout_s",  # from one completed training step to the next
+    "save": "save_timeout_s",  # the blocking part of a checkpoint save
+    "commit": "commit_timeout_s",  # waiting for an async save to commit
+    "serve": "hang_timeout_s",  # a serve worker: between engine steps it beats every few seconds
+}
+PHASE_NAMES = {
+    "start": "started its process", "distributed": "joined jax.distributed", "restore": "restored its state",
+    "compile": "compiled", "step": "finished a step", "save": "saved a checkpoint",
+    "commit": "committed a checkpoint", "serve": "served a step",
+}
+
+
+class Beat(NamedTuple):
+    step: int  # the last completed step
+    at: float  # wall time the phase began (for `step`: the last step ended)
+    phase: str
+    notice: str  # "preempting": a serve worker received a preemption notice
+
+
+def write_heartbeat(path: str | os.PathLike, step: int, phase: str = "step", notice: str = "",
+                    at: float | None = None) -> None:
+    """Records the last completed `step`, the `phase` the worker is in since `at` (now by
+    default), and a `notice` the driver acts on, atomically (a reader never sees half a line)."""
     path = Path(path)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{step} {time.time():.3f} {notice}".rstrip() + "\n")
+    tmp.write_text(f"{step} {time.time() if at is None else at:.3f} {phase} {notice}".rstrip() + "\n")
     os.replace(tmp, path)
 
 
-def read_heartbeat(path: str | os.PathLike) -> tuple[int, float, str] | None:
-    """(last completed step, wall time it was written, notice or "") or None before the first beat."""
+def read_heartbeat(path: str | os.PathLike) -> Beat | None:
+    """The last `Beat` written to `path`, or None before the first."""
     try:
-        step, at, *notice = Path(path).read_text().strip().split(maxsplit=2)
-        return int(step), float(at), notice[0] if notice else ""
+        step, at, phase, *notice = Path(path).read_text().strip().split(maxsplit=3)
+        return Beat(int(step), float(at), phase, notice[0] if notice else "")
     except (OSError, ValueError):
         return None
+
+
+class Heartbeat:
+    """A worker's side of its heartbeat file (`path` None: a process nobody watches, writes nothing)."""
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path, self.step, self.current, self.notice = path, 0, "start", ""
+
+    def phase(self, name: str) -> None:
+        """Enters phase `name` now."""
+        assert name in PHASES, name
+        self.current = name
+        self._write()
+
+    def stepped(self, step: int) -> None:
+        """A step completed: the `step` phase starts again from now."""
+        self.step, self.current = step, "step"
+        self._write()
+
+    def noticed(self, notice: str) -> None:
+        self.notice = notice
+        self._write()
+
+    def beat(self) -> None:
+        """The same phase, begun now (an idle serve worker shows it is alive)."""
+        self._write()
+
+    def _write(self) -> None:
+        if self.path:
+            write_heartbeat(self.path, self.step, self.current, self.notice)
 
 
 def describe_exception(error: BaseException, max_chars: int = 300) -> str:

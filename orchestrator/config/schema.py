@@ -302,8 +302,16 @@ class ClusterConfig:
     `RAY_ADDRESS`), or else an embedded Ray on loopback. Preemptions and lost nodes draw on
     `max_preemptions`, and so does a gang not reserved in time right after one of them (capacity
     coming back); crashes, exceptions, hangs and other reservation timeouts on `max_failures`
-    (details in `orchestrator/cluster/driver.py`). A process that finishes no
-    step for `hang_timeout_s` (`startup_timeout_s` before its first step, which compiles) is hung.
+    (details in `orchestrator/cluster/driver.py`).
+
+    Every wait has its own bound: a worker's heartbeat names the phase it is in
+    (`common.protocol.PHASES`), and a rank that stays in one past its timeout is a hang of that
+    phase: `start_timeout_s` (process start to its first heartbeat), `init_timeout_s`
+    (`jax.distributed`), `restore_timeout_s` (building, loading a base, restoring),
+    `compile_timeout_s` (a first compile and the barrier after it), `hang_timeout_s` (between
+    training steps, and a serve worker's engine step), `save_timeout_s` (a save's blocking part),
+    `commit_timeout_s` (waiting for an async save to commit), `stop_grace_s` (from a stop or a
+    preemption notice to the workers' exit), `reserve_timeout_s` (the gang's reservation).
     """
 
     kind: str = "local"
@@ -320,7 +328,11 @@ class ClusterConfig:
     max_failures: int = 3
     max_preemptions: int = 100
     hang_timeout_s: float = 600.0
-    startup_timeout_s: float = 1800.0
+    start_timeout_s: float = 600.0
+    restore_timeout_s: float = 1800.0
+    compile_timeout_s: float = 3600.0
+    save_timeout_s: float = 1800.0
+    commit_timeout_s: float = 1800.0
     stop_grace_s: float = 120.0
     reserve_timeout_s: float = 600.0
     init_timeout_s: int = 300
@@ -338,8 +350,8 @@ class ClusterConfig:
         for name in ("max_failures", "max_preemptions", "coordinator_port"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{prefix}.{name}: expected an integer >= 0, found {getattr(self, name)}")
-        for name in ("hang_timeout_s", "startup_timeout_s", "stop_grace_s", "reserve_timeout_s", "init_timeout_s",
-                     "heartbeat_timeout_s"):
+        for name in ("hang_timeout_s", "start_timeout_s", "restore_timeout_s", "compile_timeout_s", "save_timeout_s",
+                     "commit_timeout_s", "stop_grace_s", "reserve_timeout_s", "init_timeout_s", "heartbeat_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{prefix}.{name}: expected a positive number of seconds, found {getattr(self, name)}")
         if self.gpu_type and self.gpu_type not in GPU_TYPES:

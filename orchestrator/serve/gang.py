@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 
 from podtrain.orchestrator.common import protocol as p
@@ -34,6 +34,7 @@ from podtrain.orchestrator.serve.work import BaseInfo, EngineLost, EngineRestart
 
 log = logging.getLogger(__name__)
 IDLE_BEAT_S = 5.0
+STEP_MARGIN_S = 60.0
 NOTICE_S = 0.5  # how soon an idle worker's heartbeat shows a preemption notice
 
 
@@ -41,7 +42,7 @@ class GangBackend:
     """The Backend the driver's front end uses: checks locally, runs steps on the gang."""
 
     def __init__(self, info: BaseInfo, targets: tuple[str, ...], *, host: str = "127.0.0.1",
-                 ready_timeout_s: float = 1800.0):
+                 ready_timeout_s: float = 1800.0, step_timeout_s: float = 600.0):
         self._info, self._targets = info, tuple(targets)
         self.num_processes = 0  # as the workers say when they join
         self.authkey = secrets.token_bytes(32)
@@ -51,6 +52,9 @@ class GangBackend:
         self._changed = threading.Condition()
         self._step_lock = threading.Lock()
         self.ready_timeout_s = ready_timeout_s
+        # A worker's answer to a step: the driver finds a stuck worker by its heartbeat first (and
+        # kills the gang, which closes the channel); this bounds the wait where nothing else does.
+        self.step_timeout_s = step_timeout_s + STEP_MARGIN_S
         self.failure: str | None = None
         self._generation = 0  # gangs that have joined whole
         self._stopped = False
@@ -102,7 +106,8 @@ class GangBackend:
 
     def run(self, works: list[Work], generation: int | None = None) -> list[object]:
         """Sends `works` to every rank and returns process 0's results. EngineLost when a worker
-        is lost during the step; ServeError 503 when no whole gang joins within `ready_timeout_s`."""
+        is lost during the step or does not answer within `step_timeout_s`; ServeError 503 when no
+        whole gang joins within `ready_timeout_s`."""
         with self._step_lock:
             conns, current = self._ready()
             if generation is not None and generation != current:
@@ -110,13 +115,29 @@ class GangBackend:
             try:
                 for rank in range(self.num_processes):
                     conns[rank].send(works)
-                answers = [conns[rank].recv() for rank in range(self.num_processes)]
-            except (OSError, EOFError) as error:
+                answers = self._answers(conns)
+            except (OSError, EOFError, TimeoutError) as error:
                 self._drop(conns)
                 with self._changed:
                     why = self.failure or f"a worker's channel closed: {str(error) or type(error).__name__}"
                 raise EngineLost(f"the engine's workers were lost during this step ({why})") from None
         return answers[0]
+
+    def _answers(self, conns: dict[int, Connection]) -> list[object]:
+        """Every rank's answer to the step just sent; TimeoutError naming the ranks that gave none
+        within `step_timeout_s`."""
+        deadline = time.monotonic() + self.step_timeout_s
+        answers: dict[int, object] = {}
+        while len(answers) < self.num_processes:
+            waiting = [rank for rank in range(self.num_processes) if rank not in answers]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"ranks {waiting} did not answer the engine step within {self.step_timeout_s:g}s")
+            ready = wait([conns[rank] for rank in waiting], timeout=left)
+            for rank in waiting:
+                if conns[rank] in ready:
+                    answers[rank] = conns[rank].recv()
+        return [answers[rank] for rank in range(self.num_processes)]
 
     def _ready(self) -> tuple[dict[int, Connection], int]:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -174,7 +195,7 @@ class GangBackend:
                     conn.send(None)
 
 
-def serve_steps(engine, env, heartbeat: str | None, grace_s: float = 120.0) -> int:
+def serve_steps(engine, env, heartbeat: p.Heartbeat, grace_s: float = 120.0) -> int:
     """The worker's loop: join the driver's channel, then run each step it sends until it sends
     None (exit 0). SIGTERM (a preemption notice, or a stop the driver passes on) does not end it at
     once: its heartbeat says `preempting` and it keeps running steps, so that the driver can save
@@ -186,23 +207,17 @@ def serve_steps(engine, env, heartbeat: str | None, grace_s: float = 120.0) -> i
     rank, world = int(env.get(p.ENV_PROCESS_ID, "0")), int(env.get(p.ENV_NUM_PROCESSES, "1"))
     conn = Client((host, int(port)), authkey=bytes.fromhex(env[p.ENV_SERVE_AUTHKEY]))
     conn.send((rank, world))
-    steps = 0
-
-    def beat() -> None:
-        if heartbeat:
-            p.write_heartbeat(heartbeat, steps, "preempting" if noticed else "")
-
-    beat()
+    heartbeat.phase("serve")
     told, last_beat = False, time.monotonic()
     while True:
         if noticed and not told:  # the handler only takes note: the heartbeat is written here
             told = True
-            beat()
+            heartbeat.noticed("preempting")
         if noticed and time.monotonic() > noticed[0] + grace_s:
             return p.EXIT_PREEMPTED
         if not conn.poll(NOTICE_S):
             if time.monotonic() - last_beat > IDLE_BEAT_S:
-                beat()
+                heartbeat.beat()
                 last_beat = time.monotonic()
             continue
         try:
@@ -212,14 +227,15 @@ def serve_steps(engine, env, heartbeat: str | None, grace_s: float = 120.0) -> i
         if works is None:
             return p.EXIT_PREEMPTED if noticed else p.EXIT_OK
         results = engine.run(works)
-        steps += 1
-        beat()
+        heartbeat.step += 1
+        heartbeat.beat()
         conn.send(results if rank == 0 else len(results))
 
 
-def worker_main(config, run_dir: Path, env, heartbeat: str | None) -> int:
+def worker_main(config, run_dir: Path, env, heartbeat: p.Heartbeat) -> int:
     """A serve worker: build the engine on this process's devices, then run steps."""
     from podtrain.orchestrator.serve.engine import Engine
 
+    heartbeat.phase("restore")
     engine = Engine(config)
     return serve_steps(engine, env, heartbeat, grace_s=config.cluster.stop_grace_s)

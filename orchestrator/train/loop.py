@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -214,18 +213,19 @@ def _restore_data_position(iterator, rows: range, global_batch: int, meta: dict,
         raise ConfigError(f"checkpoint {where}: {e}") from None
 
 
-def run(config: Config, run_dir: Path, *, on_step: Callable[[int], None] | None = None,
+def run(config: Config, run_dir: Path, *, heartbeat: protocol.Heartbeat | None = None,
         inputs: Inputs | None = None) -> RunResult:
     """Trains `config` to `train.steps`, resuming from `run_dir`'s checkpoints; see the module doc.
 
-    `on_step(step)` is called with each completed step (its loss fetched): the worker's heartbeat.
+    `heartbeat` (the worker's) hears each phase as it begins (restore, compile, save, commit) and
+    each completed step (its loss fetched).
     `inputs` are what `preflight.check_inputs` opened, when the caller ran it already. Nothing is
     written (checkpoint directory, compilation cache, config.yaml) until those checks passed; the
     resolved config.yaml is written once the run has restored or initialised its state.
     """
     notice = PreemptionNotice()  # first: a notice while the run builds and restores stops it at its first step
     try:
-        return _run(config, Path(run_dir), notice, on_step, inputs)
+        return _run(config, Path(run_dir), notice, heartbeat or protocol.Heartbeat(None), inputs)
     finally:
         notice.restore()
 
@@ -246,14 +246,16 @@ class _Setup:
     frozen: Any  # the frozen base of a LoRA run (None without)
     skipped: SkippedRows  # chat rows with no token to train on, train and eval
     ledger: Ledger  # where the attempt's time goes (process 0 writes it)
+    heartbeat: protocol.Heartbeat
 
     def data_position(self) -> dict:
         return row_positions(self.train_iter, self.rows)
 
 
-def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
+def _set_up(config: Config, run_dir: Path, inputs: Inputs, heartbeat: protocol.Heartbeat) -> _Setup:
     """Builds the run, restores its latest checkpoint (or initialises the params), then writes config.yaml."""
     is_main = jax.process_index() == 0
+    heartbeat.phase("restore")
     training = build_training(config)
     try:
         rows = process_rows(training.batch_sharding, config.train.batch_size)
@@ -296,7 +298,7 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs) -> _Setup:
                 f"resumed from step {resumed[2]}" if resumed else "fresh",
                 describe_mesh(training.mesh, config.cluster.num_slices), run_dir)
     return _Setup(training, checkpointer, train_iter, eval_data, rows, inputs.tokenizer, prompt_ids, state, start,
-                  frozen, skipped, ledger)
+                  frozen, skipped, ledger, heartbeat)
 
 
 class StepRecords:
@@ -305,12 +307,12 @@ class StepRecords:
     Metrics are read one step late: step s+1 is dispatched before step s's loss is fetched, so the
     host builds the next batch and writes logs while the devices compute. A step's time is the wall
     time since the previous step's, less the evals, samples and saves in between (`exclude`), so
-    step_s, tokens/s and MFU are the training's own. `on_step(step)` is called as each record is
+    step_s, tokens/s and MFU are the training's own. The heartbeat hears each step as its record is
     written: the worker's heartbeat.
     """
 
-    def __init__(self, config: Config, writer: MetricsWriter, on_step: Callable[[int], None] | None):
-        self.writer, self.on_step = writer, on_step
+    def __init__(self, config: Config, writer: MetricsWriter, heartbeat: protocol.Heartbeat):
+        self.writer, self.heartbeat = writer, heartbeat
         self.tokens_per_step = config.train.batch_size * config.train.seq_len
         self.step_flops = flops_per_token(config.model, config.train.seq_len) * self.tokens_per_step
         self.peak, _ = peak_flops_per_device(config.train.peak_flops_per_device)
@@ -358,8 +360,7 @@ class StepRecords:
 
     def emit(self, record: dict) -> None:
         self.writer.write(record)
-        if self.on_step is not None:
-            self.on_step(record["step"])
+        self.heartbeat.stepped(record["step"])
 
     def tokens_per_s(self) -> float:
         return self.timed_tokens / self.timed_seconds if self.timed_seconds else 0.0
@@ -391,12 +392,16 @@ def _checkpoint(config: Config, run: _Setup, records: StepRecords, state, record
         records.finish(write=False)
         records.emit(record)
         records.writer.flush()
+    if save_due:
+        run.heartbeat.phase("save")
     started = time.perf_counter()
     if run.checkpointer.save(record["step"], state, data_position=run.data_position, force=final):
         blocked = time.perf_counter() - started  # the loop's share of an async save
         records.exclude(blocked)
         records.carry(save_block_s=blocked)
         run.ledger.add("checkpointing", blocked)
+    if save_due:
+        run.heartbeat.phase("step")
 
 
 def _train(config: Config, run: _Setup, records: StepRecords, notice: PreemptionNotice) -> tuple[Any, bool, bool]:
@@ -414,19 +419,26 @@ def _train(config: Config, run: _Setup, records: StepRecords, notice: Preemption
         if _data_ended(local_batch is None, finite=config.data.epochs is not None):
             logger.warning("the training data ended after data.epochs=%s at step %d of train.steps=%d: stopping",
                            config.data.epochs, step, config.train.steps)
+            run.heartbeat.phase("save")
             run.checkpointer.save(step, state, data_position=run.data_position, force=True)
             return state, False, True
         batch = to_global_batch(local_batch, training.batch_sharding, config.train.batch_size)
         dispatched = time.perf_counter()
         if step == run.start:
-            compile_then_meet(training.step, state, batch, run.frozen, timeout_s=config.cluster.startup_timeout_s)
+            run.heartbeat.phase("compile")
+            compile_then_meet(training.step, state, batch, run.frozen, timeout_s=config.cluster.compile_timeout_s)
         state, metrics = training.step(state, batch, run.frozen)
         if step == run.start:  # the first call compiles (or loads from the cache) before it dispatches
             ledger.add("compiling", time.perf_counter() - dispatched)
         record = {"step": step + 1}
         records.step_done(record, metrics, timed=step > run.start)
         if config.train.eval_every and (step + 1) % config.train.eval_every == 0:
+            first_eval = step + 1 - config.train.eval_every < run.start + 1
+            if first_eval:  # it compiles the eval step and the sampler
+                run.heartbeat.phase("compile")
             evaluated = _eval_and_sample(config, run, eval_step, state, record)
+            if first_eval:
+                run.heartbeat.phase("step")
             records.exclude(evaluated)
             ledger.add("evaluating", evaluated)
         record["goodput"] = ledger.goodput()
@@ -438,12 +450,12 @@ def _train(config: Config, run: _Setup, records: StepRecords, notice: Preemption
     return state, False, False
 
 
-def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Callable[[int], None] | None,
+def _run(config: Config, run_dir: Path, notice: PreemptionNotice, heartbeat: protocol.Heartbeat,
          inputs: Inputs | None) -> RunResult:
-    run = _set_up(config, run_dir, inputs or check_inputs(config, run_dir))
+    run = _set_up(config, run_dir, inputs or check_inputs(config, run_dir), heartbeat)
     writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0, total_steps=config.train.steps,
                            start_step=run.start, metrics=config.metrics, run_config=dataclasses.asdict(config))
-    records = StepRecords(config, writer, on_step)
+    records = StepRecords(config, writer, heartbeat)
     try:
         state, preempted, data_ended = _train(config, run, records, notice)
     except BaseException:
@@ -453,6 +465,7 @@ def _run(config: Config, run_dir: Path, notice: PreemptionNotice, on_step: Calla
         raise
     records.finish()
     waited = time.perf_counter()
+    heartbeat.phase("commit")
     run.checkpointer.wait()
     run.ledger.add("checkpointing", time.perf_counter() - waited)
     last_checkpoint = run.checkpointer.latest_step()

@@ -166,34 +166,51 @@ def test_expert_parallel_across_two_hosts_matches_one_process(tmp_path):
         assert [sum(layer) for layer in b["expert_load"]] == [4 * 32 * 2]  # tokens x experts per token
 
 
-def test_a_hung_rank_and_then_a_lost_host_each_restart_the_gang(tmp_path):
-    """Attempt 1: rank 1 stops (SIGSTOP); the hang is detected, every rank's stacks dumped, the
-    gang restarted from the last checkpoint. Attempt 2: rank 1's host (its Ray actor) dies; that
-    counts as a preemption, and its worker does not outlive it. Attempt 3 finishes the run."""
+def test_a_rank_stopped_at_start_then_mid_run_then_a_lost_host_each_restart_the_gang(tmp_path):
+    """Attempt 1: rank 1 stops (SIGSTOP) as soon as its process exists; rank 0 waits in
+    `jax.distributed` past `cluster.init_timeout_s` and the hang names rank 1, its host and pid.
+    Attempt 2: rank 1 stops mid-run; the hang is detected, every rank's stacks dumped, the gang
+    restarted from the last checkpoint. Attempt 3: rank 1's host (its Ray actor) dies; that counts as
+    a preemption, and its worker does not outlive it. Attempt 4 finishes the run, and every step
+    trained twice has the same loss both times."""
     run_dir = tmp_path / "hung-then-lost"
-    proc = start_train(tmp_path, run_dir, 30, *TWO_HOSTS, "cluster.hang_timeout_s=8")
+    hosts = [o for o in TWO_HOSTS if not o.startswith("cluster.init_timeout_s=")]
+    proc = start_train(tmp_path, run_dir, 30, *hosts, "cluster.hang_timeout_s=8", "cluster.init_timeout_s=20")
+    first = run_dir / "logs" / "attempt-1" / "rank1.pid"
+    wait_until(lambda: proc.poll() is not None or first.exists() and first.read_text().strip(), 120,
+               "rank 1's process in attempt 1")
+    never_joined = worker_pid(run_dir, 1, 1)
+    os.kill(never_joined, signal.SIGSTOP)
     wait_for_checkpoint(run_dir, proc, 2)
+    assert (run_dir / "logs" / "attempt-2").is_dir()
     stopped_at = time.time()
-    os.kill(worker_pid(run_dir, 1, 1), signal.SIGSTOP)
-    wait_until(lambda: (run_dir / "logs" / "attempt-2" / "rank1.pid").exists()
+    os.kill(worker_pid(run_dir, 2, 1), signal.SIGSTOP)
+    wait_until(lambda: (run_dir / "logs" / "attempt-3" / "rank1.pid").exists()
                and max(losses(run_dir), default=0) >= 3, 300,
-               "step 3 in attempt 2")
-    stacks = run_dir / "stacks" / "attempt-1"
+               "step 3 in attempt 3")
+    stacks = run_dir / "stacks" / "attempt-2"
     assert {p.name for p in stacks.glob("rank*.txt")} == {"rank0.txt", "rank1.txt"}
     dumped = (stacks / "rank1.txt").read_text()
     assert "orchestrator" in dumped or "Thread" in dumped, dumped[:2000]
     assert stacks.stat().st_mtime - stopped_at < 8 + 60  # detected within the timeout (plus polling)
 
-    worker = worker_pid(run_dir, 2, 1)
+    worker = worker_pid(run_dir, 3, 1)
     host_actor = int(Path(f"/proc/{worker}/stat").read_text().split(")")[1].split()[1])  # the worker's parent
     os.kill(host_actor, signal.SIGKILL)
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
-    assert "attempt 1 ended: hang" in out and "cluster.hang_timeout_s=8" in out
-    assert "attempt 2 ended: node_lost (rank 1)" in out
+    assert re.search(r"attempt 1 ended: hang \(rank 1\): rank 1's process is stopped .*; phase distributed ran past "
+                     r"cluster.init_timeout_s=20s \(rank 0 in it for 2\ds\); waiting: ranks \[0\]; not arrived \(has "
+                     rf"not joined jax.distributed\): rank 1 \(host \S+ 127.0.0.1, node \w{{8}}, pid {never_joined}, "
+                     r"in phase start\)", out), out[-4000:]
+    assert "attempt 2 ended: hang (rank 1)" in out and "cluster.hang_timeout_s=8" in out
+    assert "attempt 3 ended: node_lost (rank 1)" in out
     result = job(run_dir)
-    assert result["restarts"] == {"hang": 1, "node_lost": 1} and result["attempts"] == 3, result
+    assert result["restarts"] == {"hang": 2, "node_lost": 1} and result["attempts"] == 4, result
     assert result["last_checkpoint"] == 30
+    seen: dict[int, float] = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        assert seen.setdefault(record["step"], record["loss"]) == record["loss"], record  # bit-exact when redone
     assert_no_worker_left(run_dir)
 
 

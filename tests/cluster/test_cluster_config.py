@@ -324,7 +324,8 @@ def test_a_serve_workers_preemption_notice_saves_the_adapters_then_releases_the_
                       out=io.StringIO(), service=service)
 
     def running(notice=""):
-        return {"returncode": None, "lines": [], "heartbeat": (3, 0.0), "notice": notice, "now": 1.0,
+        return {"returncode": None, "lines": [], "heartbeat": (3, 0.0), "phase": "serve", "phase_at": 0.0,
+                "notice": notice, "now": 1.0,
                 "started_at": 0.0, "state": "S", "pid": 1, "error": None, "error_at": None}
 
     polls = iter([[running(), running()], [running("preempting"), running()],

@@ -1,14 +1,25 @@
-"""Which rank a hung gang is blamed on: a stopped process, the one behind, the one whose main thread runs."""
+"""Which phase of a gang ran past its timeout, which ranks had not arrived, and which rank a hang is
+blamed on: a stopped process, the one behind, the one whose main thread runs."""
 
+import io
+import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 from podtrain.orchestrator.cluster import driver
+from podtrain.orchestrator.common import protocol as p
+from podtrain.orchestrator.config.compose import load_config
+
+INFOS = [{"hostname": "host-a", "ip": "10.0.0.1", "node_id": "aaaaaaaa1111"},
+         {"hostname": "host-b", "ip": "10.0.0.2", "node_id": "bbbbbbbb2222"}]
 
 
-def poll(step, state="S", pid=None):
-    return {"returncode": None, "heartbeat": (step, 0.0), "state": state, "pid": pid}
+def poll(step, state="S", pid=None, phase="step", since=0.0, now=1.0):
+    return {"returncode": None, "heartbeat": (step, since) if phase != "start" else None, "state": state, "pid": pid,
+            "phase": phase, "phase_at": since, "now": now}
 
 
 def test_a_hang_is_blamed_on_the_stopped_rank_then_the_one_behind():
@@ -16,7 +27,7 @@ def test_a_hang_is_blamed_on_the_stopped_rank_then_the_one_behind():
     assert driver.blame([poll(3), poll(3, "T")], ["", ""], first=0) == (
         1, "rank 1's process is stopped (state T: SIGSTOP or a debugger)")
     assert driver.blame([poll(4), poll(4), poll(3)], ["", "", ""], first=0) == (
-        2, "rank 2 is behind (at step 3, others at 4)")
+        2, "rank 2 is behind (at step 3, others at step 4)")
     assert driver.blame([poll(4), poll(4)], ["", ""], first=0) == (0, "every rank waits")
 
 
@@ -40,3 +51,65 @@ def test_a_hang_is_blamed_on_the_rank_whose_main_thread_runs_while_the_others_wa
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+TIMEOUTS = {"start_timeout_s": 11, "init_timeout_s": 12, "restore_timeout_s": 13, "compile_timeout_s": 14,
+            "hang_timeout_s": 15, "save_timeout_s": 16, "commit_timeout_s": 17}
+
+
+@pytest.mark.parametrize("phase", p.PHASES)
+def test_each_phase_is_bounded_by_its_own_timeout(phase):
+    cluster = load_config("llama3-tiny", [f"cluster.{k}={v}" for k, v in TIMEOUTS.items()]).cluster
+    limit = TIMEOUTS[p.PHASE_TIMEOUTS[phase]]
+    assert driver.overdue([poll(0, phase=phase, now=limit - 0.5), poll(0)], cluster) is None
+    assert driver.overdue([poll(0, phase=phase, now=limit + 0.5), poll(0)], cluster) == (0, phase, limit + 0.5, limit)
+    assert driver.overdue([dict(poll(0, phase=phase, now=limit + 0.5), returncode=0), poll(0)], cluster) is None
+
+
+def test_a_rank_that_never_joined_jax_distributed_is_named_with_its_host_node_and_pid():
+    """Rank 1 stopped as its process started; rank 0 waits in `jax.distributed` past init_timeout_s."""
+    cluster = load_config("llama3-tiny", ["cluster.init_timeout_s=20"]).cluster
+    polls = [poll(0, pid=100, phase="distributed", since=5.0, now=26.0),
+             poll(0, state="T", pid=4242, phase="start", since=4.0, now=26.0)]
+    late = driver.overdue(polls, cluster)
+    assert late == (0, "distributed", 21.0, 20)
+    outcome = driver.hang_outcome(polls, ["", ""], late, INFOS, cluster)
+    assert (outcome.kind, outcome.rank, outcome.phase) == ("hang", 1, "distributed")
+    assert outcome.detail == (
+        "rank 1's process is stopped (state T: SIGSTOP or a debugger); phase distributed ran past "
+        "cluster.init_timeout_s=20s (rank 0 in it for 21s); waiting: ranks [0]; not arrived (has not joined "
+        "jax.distributed): rank 1 (host host-b 10.0.0.2, node bbbbbbbb, pid 4242, in phase start)")
+
+
+def test_a_rank_still_stepping_while_the_other_waits_in_a_save_is_behind():
+    """Rank 0 entered the save of step 4 (a barrier of every process); rank 1 has not finished step 4."""
+    cluster = load_config("llama3-tiny", ["cluster.save_timeout_s=30"]).cluster
+    polls = [poll(4, phase="save", since=10.0, now=41.0), poll(3, phase="step", since=9.0, now=41.0)]
+    outcome = driver.hang_outcome(polls, ["", ""], driver.overdue(polls, cluster), INFOS, cluster)
+    assert (outcome.rank, outcome.phase) == (1, "save")
+    assert outcome.detail.startswith("rank 1 is behind (at step 3, others in phase save after step 4); phase save "
+                                     "ran past cluster.save_timeout_s=30s")
+    assert "not arrived (has not saved a checkpoint): rank 1 (host host-b 10.0.0.2" in outcome.detail
+
+
+def test_a_long_compile_is_not_a_hang_until_its_own_timeout():
+    """A worker that says it compiles is given compile_timeout_s, not hang_timeout_s."""
+    cluster = load_config("llama3-tiny", ["cluster.hang_timeout_s=10", "cluster.compile_timeout_s=900"]).cluster
+    polls = [poll(0, phase="compile", now=600.0), poll(0, phase="compile", now=600.0)]
+    assert driver.overdue(polls, cluster) is None
+    polls = [poll(0, phase="compile", now=901.0), poll(0, phase="compile", now=901.0)]
+    outcome = driver.hang_outcome(polls, ["", ""], driver.overdue(polls, cluster), INFOS, cluster)
+    assert outcome.detail == ("every rank waits; phase compile ran past cluster.compile_timeout_s=900s (rank 0 in "
+                              "it for 901s); every rank is in it; blamed: rank 0 (host host-a 10.0.0.1, node "
+                              "aaaaaaaa, pid None, in phase compile)")
+
+
+def test_an_abort_beside_a_stopped_peer_is_that_peers_hang(tmp_path):
+    """JAX's coordination service aborts a process whose peer stopped answering: the stopped peer is the cause."""
+    d = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2"]), tmp_path / "run", out=io.StringIO())
+    polls = [{"returncode": -signal.SIGABRT, "error": None, "error_at": None},
+             dict(poll(2, state="T", phase="save"), error=None, error_at=None)]
+    outcome = d._classify([(0, -signal.SIGABRT)], polls)
+    assert (outcome.kind, outcome.rank, outcome.phase) == ("hang", 1, "save")
+    assert outcome.detail == ("rank 1's process is stopped (state T: SIGSTOP or a debugger) in phase save; rank 0 "
+                              "aborted waiting for it")

@@ -19,13 +19,14 @@ from podtrain.orchestrator.serve.work import BaseInfo, EngineLost, EngineRestart
 
 WORKER = """
 import os
+from podtrain.orchestrator.common.protocol import Heartbeat
 from podtrain.orchestrator.serve.gang import serve_steps
 
 class Echo:
     def run(self, works):
         return [f"rank {os.environ['PODTRAIN_PROCESS_ID']} ran {work}" for work in works]
 
-raise SystemExit(serve_steps(Echo(), os.environ, os.environ.get("HEARTBEAT"),
+raise SystemExit(serve_steps(Echo(), os.environ, Heartbeat(os.environ.get("HEARTBEAT")),
                              grace_s=float(os.environ.get("GRACE", "120"))))
 """
 INFO = BaseInfo(base_model="m", tokenizer_id="t", model_type="llama", vocab_size=8, max_seq_len=8, max_rank=2,
@@ -94,10 +95,10 @@ def test_a_preemption_notice_keeps_the_worker_serving_until_the_gang_is_released
         assert backend.run(["a"], generation=None) == ["rank 0 ran a"]
         gang[0].send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while (p.read_heartbeat(tmp_path / "rank0.heartbeat") or (0, 0, ""))[2] != "preempting":
+        while getattr(p.read_heartbeat(tmp_path / "rank0.heartbeat"), "notice", "") != "preempting":
             assert time.monotonic() < deadline and gang[0].poll() is None
             time.sleep(0.1)
-        assert p.read_heartbeat(tmp_path / "rank1.heartbeat")[2] == ""
+        assert p.read_heartbeat(tmp_path / "rank1.heartbeat")[2:] == ("serve", "")
         assert backend.run(["save"], generation=1) == ["rank 0 ran save"]
         backend.release("rank 0 received a preemption notice", timeout_s=10)
         assert [worker.wait(30) for worker in gang] == [p.EXIT_PREEMPTED, p.EXIT_OK]

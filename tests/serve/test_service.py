@@ -347,7 +347,7 @@ def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemp
 
     run_dir = tmp_path / "runs" / "local"
     service = Service(tmp_path, base, run_dir, "cluster=local", "cluster.num_hosts=2", "cluster.devices_per_host=1",
-                      "cluster.startup_timeout_s=240", "cluster.hang_timeout_s=45", "serve.autosave_every=2",
+                      "cluster.compile_timeout_s=240", "cluster.hang_timeout_s=45", "serve.autosave_every=2",
                       name="local")
 
     def worker(attempt: int, rank: int) -> int:
