@@ -17,6 +17,7 @@ COMMANDS = {
     "check": "build the model sharded over the devices and run train steps on random tokens",
     "serve": "serve the Tinker training API: many LoRA adapters on one base model (serve.port=8000 ...)",
     "goodput": "where a run's wall-clock time went, per attempt and in total (podtrain goodput <run dir>)",
+    "status": "how a cluster job's attempts ended and what each failure cost (podtrain status <run dir>)",
 }
 
 
@@ -25,7 +26,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
     for name, help_text in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
-        if name == "goodput":
+        if name in ("goodput", "status"):
             cmd.add_argument("run_dir", help="a run directory (<run.dir>/<run.name>)")
             cmd.add_argument("--json", action="store_true", help="print one JSON object")
             continue
@@ -70,10 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     from podtrain.orchestrator.common.errors import ConfigError
     from podtrain.orchestrator.common.platforms import start_jax
 
-    if args.command == "goodput":  # reads a file: no JAX
-        from podtrain.launch.goodput import run_command
-
-        return run_command(args)
+    if args.command in ("goodput", "status"):  # they read a file: no JAX
+        module = importlib.import_module(f"podtrain.launch.{args.command}")
+        return module.run_command(args)
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"podtrain: error: --cpu-devices: expected a positive number of devices, found {args.cpu_devices}",
               file=sys.stderr)

@@ -48,11 +48,12 @@ import sys
 import time
 from pathlib import Path
 
-from podtrain.orchestrator.checkpoint.resume import committed_steps
+from podtrain.orchestrator.checkpoint.resume import committed_steps, resume_step
 from podtrain.orchestrator.checkpoint.rundir import RunLock, checkpoint_directory
 from podtrain.orchestrator.cluster.outcomes import (
     FAILURE_CLASSES,
     PREEMPTION_CLASSES,
+    Attempt,
     Budgets,
     Ending,
     JobResult,
@@ -66,7 +67,7 @@ from podtrain.orchestrator.config.compose import to_yaml
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.config.validate import validate
 from podtrain.orchestrator.plan.launch_check import check_before_launch
-from podtrain.orchestrator.train.goodput import driver_line
+from podtrain.orchestrator.train.goodput import driver_line, failure_line
 from podtrain.orchestrator.train.preflight import check_inputs
 
 MAX_PORT_RETRIES = 5
@@ -99,9 +100,10 @@ def _host_errors() -> tuple[type[Exception], ...]:
     return ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.NodeDiedError
 
 
-def _lost(rank: int | None, error: Exception) -> Outcome:
+def _lost(rank: int | None, error: Exception, last_answer: float) -> Outcome:
     first_line = str(error).splitlines()[0] if str(error) else ""
-    return Outcome(Ending.NODE_LOST, rank, f"host actor lost: {type(error).__name__}: {first_line}")
+    return Outcome(Ending.NODE_LOST, rank, f"host actor lost: {type(error).__name__}: {first_line}",
+                   fault_at=last_answer)
 
 
 def next_attempt(run_dir: Path) -> int:
@@ -178,6 +180,8 @@ class Driver:
         self.stop_requested = False
         self.last_step: int | None = None
         self.attempts = 0
+        self.history: list[Attempt] = []
+        self._last_answer = time.time()  # when every host actor last answered a poll
         self.logs = _LogFilter(self.out)
 
     def say(self, message: str) -> None:
@@ -206,14 +210,17 @@ class Driver:
                 signal.signal(s, handler)
         if isinstance(result, ConfigError):
             if self.last_step is not None:  # earlier attempts trained: their outcome is the job's record
-                failed = JobResult(JobStatus.FAILED, str(result), self.attempts, {}, self.last_step,
-                                   _last_checkpoint(self.config, self.run_dir), str(self.run_dir))
-                (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(failed), indent=1) + "\n")
+                self._write_job(JobResult(JobStatus.FAILED, str(result), self.attempts, {}, self.last_step,
+                                          _last_checkpoint(self.config, self.run_dir), str(self.run_dir)))
             raise result
-        (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
+        self._write_job(result)
         self.say(f"job {result.status}: {result.reason}; last step {result.last_step}, last checkpoint "
                  f"{result.last_checkpoint}, attempts {result.attempts}, restarts {result.restarts}")
         return result
+
+    def _write_job(self, result: JobResult) -> None:
+        result.history = [a.record() for a in self.history]
+        (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
 
     def _attempts(self) -> JobResult | ConfigError:
         restarts = {kind: 0 for kind in (*PREEMPTION_CLASSES, *FAILURE_CLASSES, Ending.PORT)}
@@ -231,7 +238,11 @@ class Driver:
             self.attempts = attempts
             own_checkpoint = _last_checkpoint(self.config, self.run_dir) != checkpoint_at_start
             config = worker_config(self.config, own_checkpoint=own_checkpoint)
+            self.history.append(Attempt(attempt, time.time(), self._resumes_from(config)))
             outcome = self._one_attempt(attempt, port_retries, config)
+            self.history[-1].end(outcome, time.time())
+            if outcome.kind not in (Ending.DONE, Ending.STOPPED, Ending.CONFIG) and self.service is None:
+                failure_line(self.run_dir, attempt, self.history[-1].record())
             if self.service is not None:
                 self.service.lost(f"attempt {attempt} ended: {outcome.kind}: {outcome.detail}")
             if outcome.kind == Ending.DONE:
@@ -263,6 +274,7 @@ class Driver:
                       "the start (no checkpoint yet)" if last is None else f"the last committed checkpoint ({last})")
             self.say(f"restarting from {origin}; failures {budgets.failures}/"
                      f"{self.cluster.max_failures}, preemptions {budgets.preemptions}/{self.cluster.max_preemptions}")
+            self._write_job(result(JobStatus.RUNNING, f"restarting after attempt {attempt}: {outcome.kind}"))
 
     def _one_attempt(self, attempt: int, port_retries: int, config: Config) -> Outcome:
         """Reserves the gang, runs `config` on it and watches it; how it ended (never raises for a lost host)."""
@@ -270,17 +282,17 @@ class Driver:
         try:
             gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}")
         except ReservationError as error:
-            return Outcome(Ending.RESERVATION, None, str(error))
+            return Outcome(Ending.RESERVATION, None, str(error), fault_at=started)
         except ConfigError as error:
             return Outcome(Ending.CONFIG, None, str(error))
         except _host_errors() as error:  # a host actor died before it answered
-            return _lost(None, error)
+            return _lost(None, error, started)
         try:
             self.say(f"attempt {attempt}: reserved {len(gang.actors)} hosts in {time.time() - started:.1f}s "
                      f"({', '.join(sorted({i['ip'] for i in gang.infos}))})")
             return self._watch(gang, attempt, port_retries, config)
         except _host_errors() as error:  # a host actor died while its worker started
-            return _lost(None, error)
+            return _lost(None, error, self._last_answer)
         finally:
             gang.release()
 
@@ -326,7 +338,9 @@ class Driver:
                 polls.append(ray.get(ref, timeout=60))
             except _host_errors() as error:
                 polls.append(None)
-                lost = lost or _lost(rank, error)
+                lost = lost or _lost(rank, error, self._last_answer)
+        if lost is None:
+            self._last_answer = time.time()
         return polls, lost
 
     def _watch(self, gang: Gang, attempt: int, port_retries: int, config: Config) -> Outcome:
@@ -338,7 +352,7 @@ class Driver:
                 if poll is not None:
                     self.logs.feed(rank, poll["lines"])
                     if poll["heartbeat"] is not None:
-                        self.last_step = max(self.last_step or 0, poll["heartbeat"][0])
+                        self._progress(poll)
             if lost is not None:
                 return lost
             codes = [poll["returncode"] for poll in polls]
@@ -347,6 +361,8 @@ class Driver:
             ended = [(rank, code) for rank, code in enumerate(codes) if code not in (None, p.EXIT_OK)]
             if ended:
                 outcome = self._classify(ended, polls)
+                if outcome.fault_at is None:  # an exit: when a poll first found it
+                    outcome.fault_at = min((polls[r].get("ended_at") or time.time() for r, _ in ended))
                 if self.stop_requested and outcome.kind == Ending.PREEMPTED:
                     return Outcome(Ending.STOPPED, outcome.rank, "checkpointed and exited on request")
                 return outcome
@@ -365,6 +381,33 @@ class Driver:
                 stacks = self._dump_stacks(gang, attempt)
                 return hang_outcome(polls, stacks, late, gang.infos, self.cluster)
             time.sleep(POLL_S)
+
+    def _resumes_from(self, config: Config) -> int | None:
+        """The step an attempt of `config` resumes from (None: a fresh start, or a service)."""
+        if self.service is not None:
+            return None
+        directory = checkpoint_directory(config.checkpoint.dir, self.run_dir)
+        try:
+            return resume_step(config.checkpoint.resume, directory, committed_steps(directory))
+        except ConfigError:
+            return None  # the workers say so
+
+    def _progress(self, poll: dict) -> None:
+        """A rank's heartbeat: the job's last step; the attempt's start step, its first step (which
+        completes the previous attempt's recovery) and its last step."""
+        current = self.history[-1] if self.history else None
+        step = poll["heartbeat"][0]
+        self.last_step = max(self.last_step or 0, step)
+        if current is None:
+            return
+        current.last_step = max(current.last_step or 0, step)
+        if poll["phase"] in ("step", "save", "commit", "serve") and current.first_step_at is None:
+            current.first_step_at = time.time()
+            earlier = self.history[-2] if len(self.history) > 1 else None
+            if earlier is not None and earlier.detected_at is not None and earlier.restart_s is None:
+                earlier.recovered_by(current)
+                if self.service is None:
+                    failure_line(self.run_dir, earlier.attempt, earlier.record())
 
     def _wind_down(self, gang: Gang, noticed: list[int]) -> None:
         """On a stop request, or a serve worker's preemption notice (`noticed` ranks): a service first
@@ -400,7 +443,7 @@ class Driver:
         if k is None and stopped:  # it gave up waiting for a peer that cannot answer
             return Outcome(Ending.HANG, stopped[0], f"rank {stopped[0]}'s process is stopped (state T: SIGSTOP or a "
                            f"debugger) in phase {polls[stopped[0]]['phase']}; rank {rank} aborted waiting for it",
-                           phase=polls[stopped[0]]["phase"])
+                           phase=polls[stopped[0]]["phase"], fault_at=polls[stopped[0]].get("phase_at"))
         if k in (Ending.CRASH, None):
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             return Outcome(Ending.CRASH, rank, how)
@@ -490,7 +533,7 @@ def hang_outcome(polls: list[dict], stacks: list[str], late: tuple[int, str, flo
                  + ", ".join(named(r) for r in missing))
     else:
         line += f"every rank is in it; blamed: {named(rank)}"
-    return Outcome(Ending.HANG, rank, f"{why}; {line}", phase=phase)
+    return Outcome(Ending.HANG, rank, f"{why}; {line}", phase=phase, fault_at=polls[rank]["phase_at"])
 
 
 def blame(polls: list[dict], stacks: list[str], first: int) -> tuple[int, str]:

@@ -65,6 +65,7 @@ class HostActor:
         self.files: dict[str, Path] = {}
         self.log_offset = 0
         self.started_at = 0.0
+        self.ended_at: float | None = None  # when a poll first found the worker ended
 
     def info(self) -> dict:
         """Where this actor runs: node IP, hostname, and what Ray gave it (GPU ids, TPU variables)."""
@@ -126,7 +127,7 @@ class HostActor:
             )
         finally:
             log.close()
-        self.log_offset, self.started_at = 0, time.time()
+        self.log_offset, self.started_at, self.ended_at = 0, time.time(), None
         (directory / f"rank{rank}.pid").write_text(f"{self.proc.pid}\n")
         return self.proc.pid
 
@@ -134,6 +135,8 @@ class HostActor:
         """The worker's exit status (None while it runs), last heartbeat (its step, phase and notice),
         and log lines since the last poll."""
         status = None if self.proc is None else self.proc.poll()
+        if status is not None and self.ended_at is None:
+            self.ended_at = time.time()
         lines = []
         log = self.files.get("log")
         if log is not None and log.exists():
@@ -157,6 +160,7 @@ class HostActor:
             "error": error.read_text() if status is not None and error is not None and error.exists() else None,
             "error_at": error.stat().st_mtime if status is not None and error is not None and error.exists() else None,
             "started_at": self.started_at,
+            "ended_at": self.ended_at,
             "now": time.time(),
         }
 

@@ -29,6 +29,7 @@ class JobStatus(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
+    RUNNING = "running"  # job.json between attempts
 
 
 # What each ending draws on: a preemption budget (`cluster.max_preemptions`) and a failure one
@@ -46,6 +47,7 @@ class Outcome:
     detail: str = ""
     traceback: str | None = None
     phase: str | None = None  # for a hang: the phase that ran past its timeout
+    fault_at: float | None = None  # when the fault began, as near as the driver can tell
 
 
 @dataclasses.dataclass
@@ -59,10 +61,50 @@ class JobResult:
     last_step: int | None
     last_checkpoint: int | None
     run_dir: str
+    history: list[dict] = dataclasses.field(default_factory=list)  # `Attempt.record()` of each attempt
 
     @property
     def exit_code(self) -> int:
         return {JobStatus.SUCCEEDED: 0, JobStatus.STOPPED: p.EXIT_PREEMPTED}.get(self.status, 1)
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One attempt of a job and what its ending cost: job.json's `history`, `podtrain status`.
+
+    `detect_s` runs from the fault (a stalled rank's last progress, a process's exit, the last
+    answer of a lost host) to the driver's report; `restart_s` from that report to the next
+    attempt's first step (a service: its engine ready); `steps_redone` are the steps this attempt
+    trained past the checkpoint the next one resumed from."""
+
+    attempt: int
+    started_at: float
+    start_step: int | None  # the checkpoint it resumed from (None: the run's start)
+    first_step_at: float | None = None
+    last_step: int | None = None
+    ended: str | None = None
+    rank: int | None = None
+    phase: str | None = None
+    detail: str = ""
+    detected_at: float | None = None
+    detect_s: float | None = None
+    restart_s: float | None = None
+    steps_redone: int | None = None
+
+    def end(self, outcome: Outcome, now: float) -> None:
+        self.ended, self.rank, self.phase, self.detail = str(outcome.kind), outcome.rank, outcome.phase, outcome.detail
+        self.detected_at = now
+        if outcome.fault_at is not None:
+            self.detect_s = round(max(0.0, now - outcome.fault_at), 3)
+
+    def recovered_by(self, after: Attempt) -> None:
+        """`after`, the next attempt, took its first step."""
+        self.restart_s = round(after.first_step_at - self.detected_at, 3)
+        if self.last_step is not None:
+            self.steps_redone = max(0, self.last_step - (after.start_step or 0))
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass

@@ -68,6 +68,14 @@ def driver_line(run_dir: Path, attempt: int, t0: float, t1: float) -> None:
     _append(run_dir, {"source": "driver", "attempt": attempt, "t0": t0, "t1": t1, "seconds": {"starting": t1 - t0}})
 
 
+def failure_line(run_dir: Path, attempt: int, record: dict) -> None:
+    """What an attempt's ending cost (`cluster.outcomes.Attempt.record()`): written when the driver
+    reports it, and again once the next attempt's first step completes its recovery. A line of no
+    length: it moves no time between categories."""
+    at = record.get("detected_at") or time.time()
+    _append(run_dir, {"source": "driver", "attempt": attempt, "t0": at, "t1": at, "seconds": {}, "failure": record})
+
+
 class Ledger:
     """Process 0's lines for one attempt; `enabled=False` (other processes) writes nothing."""
 
@@ -166,13 +174,17 @@ class Summary:
 
     total: Breakdown
     attempts: dict[int, Breakdown]
+    failures: dict[int, dict] = dataclasses.field(default_factory=dict)  # attempt -> how it ended, what it cost
 
 
 def summarize(lines: list[dict]) -> Summary:
     """The breakdown of a ledger's lines (see the module doc)."""
     by_attempt: dict[int, list[dict]] = {}
+    failures = {}
     for line in lines:
         by_attempt.setdefault(int(line["attempt"]), []).append(line)
+        if isinstance(line.get("failure"), dict):
+            failures[int(line["attempt"])] = line["failure"]  # the later line adds the recovery
     order = sorted(by_attempt, key=lambda a: min(line["t0"] for line in by_attempt[a]))
     resumed_at = {}  # attempt -> the step the next attempt started from
     for a, b in zip(order, order[1:], strict=False):
@@ -192,7 +204,7 @@ def summarize(lines: list[dict]) -> Summary:
     if order:
         total.start = attempts[order[0]].start
         total.wall = previous_end - total.start
-    return Summary(total, attempts)
+    return Summary(total, attempts, failures)
 
 
 def _attempt(lines: list[dict], resumed_at: int | None) -> Breakdown:
@@ -234,9 +246,26 @@ def format_summary(summary: Summary) -> str:
     rows.append(f"{'steps trained':<{width}}" + steps)
     rows.append(f"goodput {100 * summary.total.goodput:.1f}% (training steps over wall clock; "
                 f"badput: every other row)")
+    rows.extend(describe_failure(f) for _, f in sorted(summary.failures.items()))
     return "\n".join(rows)
+
+
+def describe_failure(f: dict) -> str:
+    """`attempt 2 ended: hang (rank 1) in phase step: detected in 8.4s, first step after 31.0s, 2 steps redone`."""
+    def seconds(value):
+        return "?" if value is None else f"{value:.1f}s"
+
+    where = f" in phase {f['phase']}" if f.get("phase") else ""
+    line = (f"attempt {f['attempt']} ended: {f['ended']} (rank {f.get('rank')}){where}: "
+            f"detected in {seconds(f.get('detect_s'))}")
+    if f.get("restart_s") is not None:
+        line += f", first step after {seconds(f['restart_s'])}"
+    if f.get("steps_redone") is not None:
+        line += f", {f['steps_redone']} steps redone"
+    return line
 
 
 def summary_json(summary: Summary) -> str:
     return json.dumps({"total": summary.total.as_dict(),
-                       "attempts": {str(a): b.as_dict() for a, b in summary.attempts.items()}}, indent=2)
+                       "attempts": {str(a): b.as_dict() for a, b in summary.attempts.items()},
+                       "failures": {str(a): f for a, f in summary.failures.items()}}, indent=2)

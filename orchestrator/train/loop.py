@@ -288,6 +288,7 @@ def _set_up(config: Config, run_dir: Path, inputs: Inputs, heartbeat: protocol.H
         state = init_adapters(training, state, frozen)
     del base
     start = int(state.step)
+    heartbeat.step = start  # the last completed step, until the first one of this attempt
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(config))

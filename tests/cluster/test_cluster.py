@@ -213,6 +213,23 @@ def test_a_rank_stopped_at_start_then_mid_run_then_a_lost_host_each_restart_the_
         assert seen.setdefault(record["step"], record["loss"]) == record["loss"], record  # bit-exact when redone
     assert_no_worker_left(run_dir)
 
+    # What each failure cost: in job.json, `podtrain status` and the goodput ledger.
+    history = result["history"]
+    assert [(a["ended"], a["rank"], a["phase"]) for a in history] == [
+        ("hang", 1, "distributed"), ("hang", 1, "step"), ("node_lost", 1, None), ("done", None, None)], history
+    assert history[0]["detect_s"] >= 20 and history[1]["detect_s"] >= 8, history
+    assert [a["start_step"] for a in history[:3]] == [None, None, 2]
+    for failed, after in zip(history, history[1:], strict=False):
+        assert failed["restart_s"] == round(after["first_step_at"] - failed["detected_at"], 3) > 0, history
+        assert failed["steps_redone"] == max(0, (failed["last_step"] or 0) - (after["start_step"] or 0)), history
+    status = subprocess.run([sys.executable, "-m", "podtrain.launch.cli", "status", str(run_dir)], cwd=ROOT,
+                            env=env(tmp_path), capture_output=True, text=True, timeout=60)
+    rows = [line.split()[:4] for line in status.stdout.splitlines()[2:]]
+    assert rows == [["1", "hang", "1", "distributed"], ["2", "hang", "1", "step"], ["3", "node_lost", "1", "-"],
+                    ["4", "done", "-", "-"]], status.stdout
+    failures = summarize(read_ledger(run_dir)).failures
+    assert {a: f["restart_s"] for a, f in failures.items()} == {a["attempt"]: a["restart_s"] for a in history[:3]}
+
 
 # A user's chat template with a bug: it divides by zero on one conversation (Python's error, not Jinja's).
 BUGGY_TEMPLATE = ("{% for m in messages %}{% if 'boom' in m['content'] %}{{ 1 // 0 }}{% endif %}"

@@ -10,7 +10,7 @@ import sys
 import pytest
 from train_fixtures import ROOT, command, env, losses, wait_for_step
 
-from podtrain.orchestrator.train.goodput import CATEGORIES, read_ledger, summarize
+from podtrain.orchestrator.train.goodput import CATEGORIES, format_summary, read_ledger, summarize
 
 
 def goodput(run_dir, *args):
@@ -79,6 +79,19 @@ def test_summarize_clips_overlaps_and_moves_steps_past_the_resume_point_to_lost(
     assert sum(total.seconds.values()) == pytest.approx(total.wall)
     assert total.goodput == pytest.approx(6.0 / 47.0)
     assert set(total.seconds) == set(CATEGORIES)
+
+    # The driver's record of how attempt 1 ended, then of its recovery: no time moves.
+    failure = {"attempt": 1, "ended": "hang", "rank": 1, "phase": "save", "detect_s": 4.5, "restart_s": None,
+               "steps_redone": None}
+    recovered = dict(failure, restart_s=12.0, steps_redone=1)
+    marked = summarize([*lines, {"source": "driver", "attempt": 1, "t0": 36.0, "t1": 36.0, "seconds": {},
+                                 "failure": failure},
+                        {"source": "driver", "attempt": 1, "t0": 46.0, "t1": 46.0, "seconds": {},
+                         "failure": recovered}])
+    assert marked.total == summary.total and marked.attempts == summary.attempts
+    assert marked.failures == {1: recovered}
+    assert format_summary(marked).splitlines()[-1] == ("attempt 1 ended: hang (rank 1) in phase save: detected in "
+                                                       "4.5s, first step after 12.0s, 1 steps redone")
 
 
 def test_goodput_of_a_directory_without_a_ledger_is_one_line(tmp_path):
