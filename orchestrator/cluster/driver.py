@@ -50,6 +50,7 @@ from pathlib import Path
 
 from podtrain.orchestrator.checkpoint.resume import committed_steps, resume_step
 from podtrain.orchestrator.checkpoint.rundir import RunLock, checkpoint_directory
+from podtrain.orchestrator.cluster import leftovers
 from podtrain.orchestrator.cluster.outcomes import (
     FAILURE_CLASSES,
     PREEMPTION_CLASSES,
@@ -200,7 +201,11 @@ class Driver:
             ConfigError: a worker found a mistake in the input (nothing trained: job.json is not written).
         """
         self.say(f"run directory {self.run_dir}")
+        ended = leftovers.end_leftovers(self.run_dir)
+        if ended:
+            self.say(ended)
         connect(self.config)
+        leftovers.record(self.run_dir)
         # After connecting: ray.init installs its own SIGTERM handler, which would end the driver at once.
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -208,6 +213,7 @@ class Driver:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            leftovers.clear(self.run_dir)
         if isinstance(result, ConfigError):
             if self.last_step is not None:  # earlier attempts trained: their outcome is the job's record
                 self._write_job(JobResult(JobStatus.FAILED, str(result), self.attempts, {}, self.last_step,
@@ -322,6 +328,7 @@ class Driver:
             }
             starts.append(actor.start.remote(env, config_yaml, str(attempt_dir), rank))
         pids = ray.get(starts, timeout=60)
+        leftovers.record(self.run_dir)  # the host actors and their workers too
         if self.service is None:
             driver_line(self.run_dir, attempt, self._attempt_started, time.time())
         self.say(f"attempt {attempt}: started {len(pids)} worker processes, coordinator {coordinator_ip}:{port}, "
