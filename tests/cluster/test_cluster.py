@@ -231,37 +231,6 @@ def test_a_rank_stopped_at_start_then_mid_run_then_a_lost_host_each_restart_the_
     assert {a: f["restart_s"] for a, f in failures.items()} == {a["attempt"]: a["restart_s"] for a in history[:3]}
 
 
-def test_a_driver_killed_with_sigkill_leaves_what_the_next_driver_on_its_run_directory_ends(tmp_path):
-    """`kill -9` of the driver leaves its embedded Ray's agents running; the next
-    `podtrain train` of the same run ends them first, says so in one line, and resumes."""
-    run_dir = tmp_path / "killed-driver"
-    proc = start_train(tmp_path, run_dir, 400, "cluster=local", "cluster.num_hosts=1", "cluster.devices_per_host=2")
-    wait_for_checkpoint(run_dir, proc, 2)
-    recorded = json.loads((run_dir / "driver.json").read_text())
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.log.close()
-    time.sleep(5)
-    alive = [(pid, name) for pid, started, name in recorded["processes"]
-             if Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
-    names = {name for _, name in alive}
-    assert names & {"ray::DashboardA", "ray::RuntimeEnv"}, alive  # Ray's agents outlive their driver
-
-    steps = max(int(d.name) for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit()) + 2
-    again = start_train(tmp_path, run_dir, steps, "cluster=local", "cluster.num_hosts=1", "cluster.devices_per_host=2",
-                        "checkpoint.resume=auto")
-    out = finish(again)
-    assert again.returncode == 0, out[-4000:]
-    ended = [line for line in out.splitlines() if "left running" in line]
-    assert len(ended) == 1 and ended[0].startswith(f"podtrain: ended {len(alive)} processes that the killed driver "
-                                                   f"(pid {proc.pid}) of this run directory left running: "), ended
-    assert "ray::" in ended[0] and not (run_dir / "driver.json").exists()
-    for pid, name in alive:
-        stat = Path(f"/proc/{pid}/stat")
-        assert not stat.exists() or stat.read_text().split()[2] == "Z", (pid, name)
-    assert "resumed from step" in (run_dir / "logs" / "attempt-2" / "rank0.log").read_text()
-
-
 # A user's chat template with a bug: it divides by zero on one conversation (Python's error, not Jinja's).
 BUGGY_TEMPLATE = ("{% for m in messages %}{% if 'boom' in m['content'] %}{{ 1 // 0 }}{% endif %}"
                   "{{ m['role'][0] + ': ' + m['content'] + '\\n' }}{% endfor %}")
