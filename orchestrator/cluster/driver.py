@@ -268,7 +268,9 @@ class Driver:
             port_retries = 0
             spent = budgets.charge(outcome.kind)
             tb = _normalise(outcome.traceback) if outcome.traceback else None
-            if tb is not None and tb == previous_tb:
+            # A service runs again, alone, the request that was in flight and fails it if it brings the
+            # workers down again (`serve.scheduler`): its second traceback is that request's, not the job's.
+            if tb is not None and tb == previous_tb and self.service is None:
                 self.say(f"the same exception twice in a row; not retrying it:\n{outcome.traceback}")
                 return result(JobStatus.FAILED, f"the same exception twice in a row on rank {outcome.rank}: "
                                         f"{outcome.detail}")

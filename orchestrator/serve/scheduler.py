@@ -42,6 +42,9 @@ from podtrain.orchestrator.serve.work import (
 )
 
 logger = logging.getLogger(__name__)
+# A request in flight when the engine's workers were lost runs again alone; lost again then, it is
+# what brings them down: it fails with the error, and the other requests go on.
+MAX_LOSSES = 2
 # How long the scheduler waits for more requests before it runs what it has (see `_gather`).
 GATHER_QUIET_S = 0.01
 GATHER_MAX_S = 0.1
@@ -71,6 +74,8 @@ class Scheduler:
         self._slots: OrderedDict[str, str] = OrderedDict()  # sampler directory -> adapter slot, oldest first
         self._slot_counter = 0
         self._pending: list[Job] = []
+        self._alone: list[Job] = []  # requests in flight when the engine was lost: each runs in a step of its own
+        self._losses: dict[object, int] = {}  # request -> engine losses it was in flight for
         self._wake = threading.Condition()
         self._stopping = False
         self._generation: int | None = None  # the engine whose slots hold the live models
@@ -126,12 +131,16 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._pending and not self._stopping and not self._restore_due:
+                while not self._pending and not self._alone and not self._stopping and not self._restore_due:
                     self._wake.wait()
-                self._gather()
+                if not self._alone:
+                    self._gather()
                 if self._stopping:
                     return
-                jobs, self._pending = self._pending, []
+                if self._alone:
+                    jobs = [self._alone.pop(0)]
+                else:
+                    jobs, self._pending = self._pending, []
             try:
                 self.run(jobs)
             except Exception as error:
@@ -197,6 +206,7 @@ class Scheduler:
             if owner.sampler_dir in failed_dirs:
                 result = failed_dirs[owner.sampler_dir]
             self._settle(owner, result)
+            self._losses.pop(_loss_key(owner), None)
             if owner.request_id is not None:
                 done.append(owner.request_id)
         if done:
@@ -259,23 +269,36 @@ class Scheduler:
 
     def _engine_lost(self, jobs: list[Job], lost: EngineLost) -> None:
         """The engine died during `jobs`: those of models a restore brings back as they were run again
-        on the next engine; the others fail, naming the step their model comes back at."""
+        on the next engine, each in a step of its own, so that one that brings the engine down again
+        is found (and fails alone, `MAX_LOSSES`); the others fail, naming the step their model comes
+        back at."""
         self.engine_note = str(lost)
         again, failed = [], []
+        alone = len(jobs) == 1
         for job in jobs:
             model_id = job.work.model_id if job.sampler_dir is None else None
             progress = self._store.progress(model_id) if model_id else None
-            if progress is None or not progress.unsaved or job.request_id is None:
-                again.append(job)
+            if progress is not None and progress.unsaved and job.request_id is not None:
+                self._told.add(model_id)
+                self._losses.pop(_loss_key(job), None)
+                self._store.fail_future(job.request_id, f"{lost}; model {model_id!r} comes back from its last save, "
+                                        f"at step {progress.saved_step}: its later steps and any gradient since its "
+                                        f"last optimizer step are gone, so continue from step {progress.saved_step}",
+                                        "server")
+                failed.append(job.request_id)
                 continue
-            self._told.add(model_id)
-            self._store.fail_future(job.request_id, f"{lost}; model {model_id!r} comes back from its last save, at "
-                                    f"step {progress.saved_step}: its later steps and any gradient since its last "
-                                    f"optimizer step are gone, so continue from step {progress.saved_step}", "server")
-            failed.append(job.request_id)
+            losses = self._losses[_loss_key(job)] = self._losses.get(_loss_key(job), 0) + 1
+            if alone and losses >= MAX_LOSSES and job.request_id is not None:
+                self._losses.pop(_loss_key(job))
+                self._store.fail_future(job.request_id, f"{lost}; this request was in the engine's step each of the "
+                                        f"{losses} times its workers were lost, the last time alone: it is failed, "
+                                        "and the other requests go on", "user")
+                failed.append(job.request_id)
+                continue
+            again.append(job)
         logger.warning("%s; %d requests run again on the next engine, %d failed", lost, len(again), len(failed))
         with self._wake:
-            self._pending = again + self._pending
+            self._alone = again + self._alone
             self._restore_due = True
         self._notify(failed)
 
@@ -366,6 +389,10 @@ class Scheduler:
         replaced = self._store.saved(model_id, path)
         if replaced is not None and replaced != path and self._store.is_autosave(replaced):
             shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _loss_key(job: Job) -> object:
+    return job.request_id if job.request_id is not None else id(job)
 
 
 def in_model_order(jobs: list[Job]) -> list[Job]:

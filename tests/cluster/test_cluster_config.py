@@ -12,7 +12,7 @@ import pytest
 
 from podtrain.orchestrator.cluster import driver
 from podtrain.orchestrator.cluster.driver import _normalise, next_attempt, worker_config
-from podtrain.orchestrator.cluster.outcomes import Budgets
+from podtrain.orchestrator.cluster.outcomes import Budgets, Ending, Outcome
 from podtrain.orchestrator.cluster.reserve import (
     ReservationError,
     _bundles,
@@ -337,3 +337,18 @@ def test_a_serve_workers_preemption_notice_saves_the_adapters_then_releases_the_
     assert (outcome.kind, outcome.rank) == ("preempted", 0)
     assert service.calls == [("save", 30.0), ("release", "rank 0 received a preemption notice")]
     assert "rank 0 received a preemption notice: saving the adapters" in d.out.getvalue()
+
+
+def test_the_same_traceback_twice_fails_a_training_job_but_not_a_service(tmp_path, monkeypatch):
+    """A service runs the request that was in flight again, alone, and fails that request if it
+    brings the workers down again: the second traceback is that request's, and the service goes on."""
+    crash = Outcome(Ending.EXCEPTION, 1, "ValueError: bad row", "Traceback ...\nValueError: bad row\n")
+    for service, status in ((None, "failed"), (FakeService(), "succeeded")):
+        if service is not None:
+            service.lost = lambda why: None
+        outcomes = iter([crash, crash, Outcome(Ending.DONE)])
+        monkeypatch.setattr(driver.Driver, "_one_attempt", lambda self, *args, outcomes=outcomes: next(outcomes))
+        d = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2"]), tmp_path / str(status),
+                          out=io.StringIO(), service=service)
+        result = d._attempts()
+        assert result.status == status, (service, result)

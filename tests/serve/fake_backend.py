@@ -58,7 +58,8 @@ class _Adapter:
 
 class FakeBackend:
     """The `Backend` protocol over NumPy; `calls` records each `run`'s works, `running` (set by
-    default) holds runs while cleared, `lose_next_run` makes the next run lose its engine."""
+    default) holds runs while cleared, `lose_next_run` makes the next run lose its engine, and
+    every run holding a work `poisons` matches loses it too (a request that kills the workers)."""
 
     def __init__(self, info: BaseInfo):
         self._info = info
@@ -67,6 +68,7 @@ class FakeBackend:
         self.calls: list[list[Work]] = []
         self.engines = 0
         self.lose_next_run: str | None = None  # the next run dies with EngineLost(this), its engine with it
+        self.poisons = None  # Callable[[Work], bool]: a run holding such a work loses its engine
         self.running = threading.Event()
         self.running.set()
 
@@ -99,6 +101,9 @@ class FakeBackend:
             self.restart()
             raise EngineLost(why)
         self.calls.append(list(works))
+        if self.poisons is not None and any(self.poisons(work) for work in works):
+            self.restart()
+            raise EngineLost("the engine's workers were lost during this step (rank 1: killed by SIGSEGV)")
         results: list[object] = []
         for work in works:
             try:

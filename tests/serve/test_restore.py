@@ -16,7 +16,7 @@ from test_api import BASE, DATA, KEY, fake_info, logprobs, running, train_steps
 from tinker import types
 
 from podtrain.orchestrator.serve.store import Store
-from podtrain.orchestrator.serve.work import BaseInfo
+from podtrain.orchestrator.serve.work import BaseInfo, ForwardBackward
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +113,37 @@ def test_a_request_in_flight_when_the_engine_is_lost_runs_again_or_fails_naming_
         np.testing.assert_array_equal(again.result().loss_fn_outputs[0]["logprobs"].to_numpy(), before[0])
         assert backend.engines == 2
         client.close("success").result()
+
+
+def test_a_request_that_brings_the_engine_down_twice_fails_alone_and_the_others_go_on(info, tmp_path):
+    """Two clients' requests share a step that loses the engine's workers; each runs again in a
+    step of its own: the healthy one's answer is as if nothing happened, the one that brings the
+    workers down again fails with the error, to its own client only."""
+    store = Store(tmp_path)
+    backend = FakeBackend(info)
+    with running(backend, store) as url:
+        client = tinker.ServiceClient(base_url=url, api_key=KEY)
+        good = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+        bad = client.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+        before = logprobs(good)
+        backend.poisons = lambda work: isinstance(work, ForwardBackward) and work.model_id == bad.model_id
+        backend.running.clear()
+        blocker = good.forward(DATA, "cross_entropy")  # holds the scheduler in the backend while the next two queue
+        time.sleep(0.5)
+        healthy, poisoned = good.forward(DATA, "cross_entropy"), bad.forward(DATA, "cross_entropy")
+        time.sleep(0.5)  # both queued: they share the next step
+        backend.running.set()
+        blocker.result()
+        after = [record["logprobs"].to_numpy() for record in healthy.result(timeout=30).loss_fn_outputs]
+        for a, b in zip(after, before, strict=True):
+            np.testing.assert_array_equal(a, b)
+        with pytest.raises(tinker.RequestFailedError, match="killed by SIGSEGV.*each of the 2 times its workers "
+                                                              "were lost, the last time alone"):
+            poisoned.result(timeout=30)
+        steps_with_bad = [works for works in backend.calls if any(backend.poisons(w) for w in works)]
+        assert len(steps_with_bad) == 2 and [len([w for w in works if isinstance(w, ForwardBackward)])
+                                             for works in steps_with_bad] == [2, 1]
+        assert backend.engines == 2
+        backend.poisons = None
+        np.testing.assert_array_equal(logprobs(good)[0], before[0])  # the service goes on
+        assert len(train_steps(bad, DATA, 1)) == 1  # and so does the client whose request failed
