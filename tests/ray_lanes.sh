@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="$1"
-lane_a=(tests/cluster/test_cluster.py)
+lane_a=(tests/cluster/test_cluster.py tests/cluster/test_quarantine.py)
 lane_b=(tests/cluster/test_tpu_slices.py tests/cluster/test_resume_layout.py tests/serve/test_service.py
         tests/cluster/test_driver_leftovers.py)
 ray_tests() { bash tests/netns.sh "$py" -m pytest -q -m ray --durations=10 "$@"; }

@@ -52,6 +52,7 @@ from podtrain.orchestrator.checkpoint.resume import committed_steps, resume_step
 from podtrain.orchestrator.checkpoint.rundir import RunLock, checkpoint_directory
 from podtrain.orchestrator.cluster import leftovers
 from podtrain.orchestrator.cluster.outcomes import (
+    BLAMED_CLASSES,
     FAILURE_CLASSES,
     PREEMPTION_CLASSES,
     Attempt,
@@ -60,6 +61,7 @@ from podtrain.orchestrator.cluster.outcomes import (
     JobResult,
     JobStatus,
     Outcome,
+    Quarantine,
 )
 from podtrain.orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
 from podtrain.orchestrator.common import protocol as p
@@ -182,6 +184,8 @@ class Driver:
         self.last_step: int | None = None
         self.attempts = 0
         self.history: list[Attempt] = []
+        self.quarantine = Quarantine(self.cluster.quarantine_window_s, self.cluster.quarantine_s)
+        self._infos: list[dict] = []  # the current attempt's hosts
         self._last_answer = time.time()  # when every host actor last answered a poll
         self.logs = _LogFilter(self.out)
 
@@ -226,6 +230,7 @@ class Driver:
 
     def _write_job(self, result: JobResult) -> None:
         result.history = [a.record() for a in self.history]
+        result.quarantined = self.quarantine.record()
         (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
 
     def _attempts(self) -> JobResult | ConfigError:
@@ -259,6 +264,7 @@ class Driver:
             if outcome.kind == Ending.CONFIG:
                 return ConfigError(outcome.detail)
             self.say(f"attempt {attempt} ended: {outcome.kind} (rank {outcome.rank}): {outcome.detail}")
+            self._blame(outcome)
             restarts[outcome.kind] += 1
             if outcome.kind == Ending.PORT:
                 port_retries += 1
@@ -287,14 +293,21 @@ class Driver:
     def _one_attempt(self, attempt: int, port_retries: int, config: Config) -> Outcome:
         """Reserves the gang, runs `config` on it and watches it; how it ended (never raises for a lost host)."""
         started = self._attempt_started = time.time()
+        self._infos = []
+        exclude = self.quarantine.excluded(started)
+        if exclude:
+            hosts = ", ".join(self.quarantine.hosts.get(node, node[:8]) for node in sorted(exclude))
+            self.say(f"attempt {attempt}: reserving without the quarantined hosts ({hosts}); waiting for capacity up "
+                     f"to cluster.reserve_timeout_s={self.cluster.reserve_timeout_s:g}s")
         try:
-            gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}")
+            gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}", exclude=exclude)
         except ReservationError as error:
             return Outcome(Ending.RESERVATION, None, str(error), fault_at=started)
         except ConfigError as error:
             return Outcome(Ending.CONFIG, None, str(error))
         except _host_errors() as error:  # a host actor died before it answered
             return _lost(None, error, started)
+        self._infos = gang.infos
         try:
             self.say(f"attempt {attempt}: reserved {len(gang.actors)} hosts in {time.time() - started:.1f}s "
                      f"({', '.join(sorted({i['ip'] for i in gang.infos}))})")
@@ -390,6 +403,17 @@ class Driver:
                 stacks = self._dump_stacks(gang, attempt)
                 return hang_outcome(polls, stacks, late, gang.infos, self.cluster)
             time.sleep(POLL_S)
+
+    def _blame(self, outcome: Outcome) -> None:
+        """Counts a failure against the host of the rank it names (`Quarantine`)."""
+        if outcome.kind not in BLAMED_CLASSES or outcome.rank is None or outcome.rank >= len(self._infos):
+            return
+        info = self._infos[outcome.rank]
+        host = " ".join(x for x in (info.get("hostname"), info.get("ip")) if x)
+        line = self.quarantine.blame(info.get("node_id") or "", host, f"{outcome.kind} (rank {outcome.rank}): "
+                                     f"{outcome.detail.splitlines()[0] if outcome.detail else ''}", time.time())
+        if line:
+            self.say(line)
 
     def _resumes_from(self, config: Config) -> int | None:
         """The step an attempt of `config` resumes from (None: a fresh start, or a service)."""

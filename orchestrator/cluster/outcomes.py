@@ -62,6 +62,7 @@ class JobResult:
     last_checkpoint: int | None
     run_dir: str
     history: list[dict] = dataclasses.field(default_factory=list)  # `Attempt.record()` of each attempt
+    quarantined: list[dict] = dataclasses.field(default_factory=list)  # `Quarantine.record()`
 
     @property
     def exit_code(self) -> int:
@@ -105,6 +106,51 @@ class Attempt:
 
     def record(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# The endings a host is blamed for (when the ending names its rank).
+BLAMED_CLASSES = (Ending.CRASH, Ending.EXCEPTION, Ending.HANG, Ending.NODE_LOST)
+
+
+@dataclasses.dataclass
+class Quarantine:
+    """Hosts (Ray nodes) blamed for failures: one blamed `STRIKES` times within `window_s` is left
+    out of reservations for `duration_s` (0: never)."""
+
+    window_s: float
+    duration_s: float
+    blamed: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # node -> when
+    until: dict[str, float] = dataclasses.field(default_factory=dict)  # quarantined node -> when it comes back
+    why: dict[str, str] = dataclasses.field(default_factory=dict)
+    hosts: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> "hostname ip"
+
+    STRIKES = 2
+
+    def blame(self, node: str, host: str, why: str, now: float) -> str | None:
+        """Counts a failure against `node`; a line saying so when that quarantines it."""
+        if not self.duration_s or not node:
+            return None
+        self.hosts[node] = host
+        times = [t for t in self.blamed.get(node, []) if now - t <= self.window_s] + [now]
+        self.blamed[node] = times
+        if len(times) < self.STRIKES or node in self.until:
+            return None
+        self.until[node] = now + self.duration_s
+        self.why[node] = f"blamed for {len(times)} failures within cluster.quarantine_window_s={self.window_s:g}s, " \
+                         f"the last: {why}"
+        return (f"host {host} (node {node[:8]}) is left out of the next reservations for cluster.quarantine_s="
+                f"{self.duration_s:g}s: {self.why[node]}")
+
+    def excluded(self, now: float) -> frozenset[str]:
+        """The nodes quarantined at `now` (those whose time is up come back)."""
+        for node in [n for n, t in self.until.items() if t <= now]:
+            del self.until[node]
+            self.blamed.pop(node, None)
+        return frozenset(self.until)
+
+    def record(self) -> list[dict]:
+        return [{"node": node, "host": self.hosts.get(node, ""), "until": until, "why": self.why[node]}
+                for node, until in self.until.items()]
 
 
 @dataclasses.dataclass

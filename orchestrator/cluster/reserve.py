@@ -68,6 +68,9 @@ class Gang:
                 remove_placement_group(pg)
 
 
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node's own label
+
+
 def _bundles(cluster: ClusterConfig) -> tuple[list[dict], str, dict]:
     """(bundles, strategy, actor resource options) for the local and GPU kinds."""
     if cluster.kind == "local":
@@ -128,8 +131,9 @@ def _host_infos(gang: Gang, cluster: ClusterConfig) -> list[dict]:
         raise
 
 
-def reserve(cluster: ClusterConfig, name: str) -> Gang:
-    """Reserves the whole gang for one attempt and starts one host actor per host (rank order)."""
+def reserve(cluster: ClusterConfig, name: str, exclude: frozenset[str] = frozenset()) -> Gang:
+    """Reserves the whole gang for one attempt and starts one host actor per host (rank order),
+    on none of the Ray nodes `exclude` names (quarantined hosts; local and GPU kinds)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -147,7 +151,8 @@ def reserve(cluster: ClusterConfig, name: str) -> Gang:
         what = f"{cluster.num_slices} x {cluster.tpu_type} ({handle.num_hosts} hosts)"
     else:
         bundles, strategy, options = _bundles(cluster)
-        pgs = [placement_group(bundles, strategy=strategy, name=name)]
+        selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(exclude))})"}] * len(bundles) if exclude else None
+        pgs = [placement_group(bundles, strategy=strategy, name=name, bundle_label_selector=selector)]
         placements = [(pgs[0], b, options, 0) for b in range(len(bundles))]
         what = f"{len(bundles)} bundles of {bundles[0]} ({strategy})"
     try:

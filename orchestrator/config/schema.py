@@ -312,6 +312,10 @@ class ClusterConfig:
     training steps, and a serve worker's engine step), `save_timeout_s` (a save's blocking part),
     `commit_timeout_s` (waiting for an async save to commit), `stop_grace_s` (from a stop or a
     preemption notice to the workers' exit), `reserve_timeout_s` (the gang's reservation).
+
+    A host (Ray node) blamed for two failures (crash, exception, hang, lost) within
+    `quarantine_window_s` is left out of the run's next reservations for `quarantine_s` (0: never);
+    with no spare host the reservation waits for one, up to `reserve_timeout_s`.
     """
 
     kind: str = "local"
@@ -336,6 +340,8 @@ class ClusterConfig:
     stop_grace_s: float = 120.0
     reserve_timeout_s: float = 600.0
     init_timeout_s: int = 300
+    quarantine_window_s: float = 3600.0
+    quarantine_s: float = 3600.0
     heartbeat_timeout_s: int = 100
     coordinator_port: int = 0
     env: dict[str, str] = field(default_factory=dict)
@@ -347,7 +353,7 @@ class ClusterConfig:
         for name in ("num_hosts", "devices_per_host", "num_slices", "num_nodes", "gpus_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
-        for name in ("max_failures", "max_preemptions", "coordinator_port"):
+        for name in ("max_failures", "max_preemptions", "coordinator_port", "quarantine_window_s", "quarantine_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{prefix}.{name}: expected an integer >= 0, found {getattr(self, name)}")
         for name in ("hang_timeout_s", "start_timeout_s", "restore_timeout_s", "compile_timeout_s", "save_timeout_s",

@@ -12,7 +12,7 @@ import pytest
 
 from podtrain.orchestrator.cluster import driver
 from podtrain.orchestrator.cluster.driver import _normalise, next_attempt, worker_config
-from podtrain.orchestrator.cluster.outcomes import Budgets, Ending, Outcome
+from podtrain.orchestrator.cluster.outcomes import Budgets, Ending, Outcome, Quarantine
 from podtrain.orchestrator.cluster.reserve import (
     ReservationError,
     _bundles,
@@ -144,7 +144,7 @@ def run_driver(tmp_path, monkeypatch, errors, *overrides):
     """Runs the driver with `reserve` raising `errors` in turn (no Ray); returns (job.json, output)."""
     names = []
 
-    def fake_reserve(cluster, name):
+    def fake_reserve(cluster, name, exclude=frozenset()):
         names.append(name)
         raise errors[len(names) - 1]
 
@@ -352,3 +352,50 @@ def test_the_same_traceback_twice_fails_a_training_job_but_not_a_service(tmp_pat
                           out=io.StringIO(), service=service)
         result = d._attempts()
         assert result.status == status, (service, result)
+
+
+class FakeGang:
+    def __init__(self, nodes):
+        self.actors = [None] * len(nodes)
+        self.infos = [{"hostname": f"host-{n}", "ip": f"10.0.0.{i}", "node_id": n} for i, n in enumerate(nodes)]
+
+    def release(self):
+        pass
+
+
+def test_a_host_blamed_for_two_failures_is_left_out_of_the_next_reservations(tmp_path, monkeypatch):
+    """Rank 1 on node `bad` crashes twice: `bad` is excluded from the third reservation, which
+    lands on the spare `good2`; job.json says which host and why."""
+    excluded, placements = [], iter([["good1", "bad"], ["good1", "bad"], ["good1", "good2"]])
+
+    def fake_reserve(cluster, name, exclude=frozenset()):
+        excluded.append(set(exclude))
+        return FakeGang(next(placements))
+
+    outcomes = iter([Outcome(Ending.CRASH, 1, "killed by SIGSEGV"), Outcome(Ending.CRASH, 1, "killed by SIGSEGV"),
+                     Outcome(Ending.DONE)])
+    monkeypatch.setattr(driver, "connect", lambda config: None)
+    monkeypatch.setattr(driver, "reserve", fake_reserve)
+    monkeypatch.setattr(driver.Driver, "_watch", lambda self, *args: next(outcomes))
+    out = io.StringIO()
+    result = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2", "cluster.quarantine_s=600"]),
+                           tmp_path / "run", out=out).run()
+    assert result.status == "succeeded" and excluded == [set(), set(), {"bad"}]
+    assert ("host host-bad 10.0.0.1 (node bad) is left out of the next reservations for cluster.quarantine_s=600s: "
+            "blamed for 2 failures within cluster.quarantine_window_s=3600s, the last: crash (rank 1): killed by "
+            "SIGSEGV") in out.getvalue()
+    assert "attempt 3: reserving without the quarantined hosts (host-bad 10.0.0.1); waiting for capacity" in \
+        out.getvalue()
+    [record] = json.loads((tmp_path / "run" / "job.json").read_text())["quarantined"]
+    assert record["node"] == "bad" and record["host"] == "host-bad 10.0.0.1" and "killed by SIGSEGV" in record["why"]
+
+
+def test_a_quarantine_needs_two_strikes_within_the_window_and_ends_after_its_time():
+    q = Quarantine(window_s=100, duration_s=50)
+    assert q.blame("n", "h", "crash", now=0) is None
+    assert q.blame("n", "h", "crash", now=150) is None  # the first strike is out of the window
+    assert q.blame("n", "h", "hang", now=200).startswith("host h (node n) is left out")
+    assert q.excluded(now=249) == {"n"} and q.excluded(now=250) == frozenset()
+    assert q.blame("n", "h", "crash", now=251) is None  # its record starts again when it comes back
+    assert Quarantine(window_s=100, duration_s=0).blame("n", "h", "x", 0) is None and \
+        Quarantine(window_s=100, duration_s=0).excluded(0) == frozenset()
