@@ -137,7 +137,8 @@ class Engine:
         self._pin()
         self._warmer = RowWarmer(self.mesh, self.rules, self.graphdef, (self.adapters, self.rest, self.grads),
                                  loss_chunk=self.config.serve.loss_chunk,
-                                 max_rows=self.config.serve.max_rows if self.config.serve.compile_ahead else 0)
+                                 max_rows=self.config.serve.max_rows if self.config.serve.compile_ahead else 0,
+                                 wait_s=self.config.cluster.compile_timeout_s)
         self.loaded: dict[str, LoadedAdapter] = {}
         self.sample_count = 0
 

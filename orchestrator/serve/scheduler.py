@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 # A request in flight when the engine's workers were lost runs again alone; lost again then, it is
 # what brings them down: it fails with the error, and the other requests go on.
 MAX_LOSSES = 2
+STOP_WAIT_S = 120.0  # how long `stop` waits for the step in flight
 # How long the scheduler waits for more requests before it runs what it has (see `_gather`).
 GATHER_QUIET_S = 0.01
 GATHER_MAX_S = 0.1
@@ -88,11 +89,16 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
+        """Stops taking jobs and waits for the step in flight, up to `timeout_s`: a step stuck in
+        the engine is named and left (its thread is a daemon) rather than waited for forever."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("the scheduler did not stop within %gs: a step is still running in the engine; "
+                           "leaving it", timeout_s)
 
     def submit(self, job: Job) -> None:
         with self._wake:

@@ -32,8 +32,9 @@ class RowWarmer:
     up to a power of two; 0: none) of each token bucket a batch uses. `state` is (adapters, rest,
     grads), whose shapes and shardings stay fixed (`Engine._pin`)."""
 
-    def __init__(self, mesh, rules, graphdef, state, *, loss_chunk: int, max_rows: int):
+    def __init__(self, mesh, rules, graphdef, state, *, loss_chunk: int, max_rows: int, wait_s: float = 3600.0):
         self._mesh, self._rules, self._graphdef, self._loss_chunk = mesh, rules, graphdef, loss_chunk
+        self._wait_s = wait_s  # a step waits this long for a compile ahead, then compiles its shape itself
         self._state = jax.tree.map(_struct, state)
         self._rows = sorted({bucket(n) for n in range(1, max_rows + 1)})
         self._shapes: dict[tuple[int, int], threading.Event] = {}  # compiled or queued
@@ -47,11 +48,14 @@ class RowWarmer:
 
     def ready(self, batch: Batch) -> None:
         """Called before `batch` runs: on its token bucket's first batch, queues the other row
-        buckets; waits while `batch`'s own shape is being compiled in the background."""
+        buckets; waits while `batch`'s own shape is being compiled in the background (up to
+        `wait_s`)."""
         rows, tokens = batch.tokens.shape
         done = self._shapes.get((rows, tokens))
         if done is not None:
-            done.wait()
+            if not done.wait(self._wait_s):
+                log.warning("the compile ahead of forward_backward for %d rows x %d tokens did not finish within "
+                            "%gs (cluster.compile_timeout_s); this step compiles it", rows, tokens, self._wait_s)
             return
         self._shapes[(rows, tokens)] = _DONE  # this call compiles it
         for other in self._rows:
