@@ -51,6 +51,8 @@ from pathlib import Path
 from podtrain.orchestrator.checkpoint.resume import committed_steps, resume_step
 from podtrain.orchestrator.checkpoint.rundir import RunLock, checkpoint_directory
 from podtrain.orchestrator.cluster import leftovers
+from podtrain.orchestrator.cluster.hangs import describe_rank, hang_outcome, is_stopped, overdue
+from podtrain.orchestrator.cluster.logs import LogFilter
 from podtrain.orchestrator.cluster.outcomes import (
     BLAMED_CLASSES,
     FAILURE_CLASSES,
@@ -76,7 +78,6 @@ from podtrain.orchestrator.train.preflight import check_inputs
 MAX_PORT_RETRIES = 5
 MEGASCALE_PORT = 8081  # the multi-slice coordinator's port on slice 0's first host (libtpu's default)
 POLL_S = 0.5
-_ERROR_LINE = re.compile(r"Traceback|Error|error:|FATAL|Fatal|Check failed|Aborted|Segmentation fault")
 
 
 def connect(config: Config) -> None:
@@ -140,36 +141,6 @@ def _last_checkpoint(config: Config, run_dir: Path) -> int | None:
     return max(committed_steps(checkpoint_directory(config.checkpoint.dir, run_dir)), default=None)
 
 
-# A library's INFO record in a worker's log ("<date> <time> INFO absl: ..."): kept in the rank log, not echoed.
-_LIBRARY_INFO = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO (?!podtrain)\S+: ")
-
-
-# A worker's one line for a mistake in the input: the driver reports it as the job's error instead.
-_CONFIG_ERROR_PREFIX = "podtrain: error: "
-
-
-class _LogFilter:
-    """Prints rank 0's lines (but the libraries' INFO records) and other ranks' error lines and
-    tracebacks, each with a rank prefix."""
-
-    def __init__(self, out):
-        self.out = out
-        self.in_traceback: dict[int, bool] = {}
-
-    def feed(self, rank: int, lines: list[str]) -> None:
-        for line in lines:
-            show = rank == 0 and not _LIBRARY_INFO.match(line)
-            if line.startswith("Traceback"):
-                self.in_traceback[rank] = True
-            if self.in_traceback.get(rank):
-                show = True
-                if line and not line.startswith((" ", "Traceback")):
-                    self.in_traceback[rank] = False  # the exception line ends the block
-            show = (show or bool(_ERROR_LINE.search(line))) and not line.startswith(_CONFIG_ERROR_PREFIX)
-            if show:
-                print(f"[rank {rank}] {line}", file=self.out, flush=True)
-
-
 class Driver:
     """Runs one job: attempts until success, a stop, or a spent budget."""
 
@@ -187,7 +158,7 @@ class Driver:
         self.quarantine = Quarantine(self.cluster.quarantine_window_s, self.cluster.quarantine_s)
         self._infos: list[dict] = []  # the current attempt's hosts
         self._last_answer = time.time()  # when every host actor last answered a poll
-        self.logs = _LogFilter(self.out)
+        self.logs = LogFilter(self.out)
 
     def say(self, message: str) -> None:
         print(f"podtrain: {message}", file=self.out, flush=True)
@@ -472,7 +443,7 @@ class Driver:
         rank, code = min(ended, key=lambda rc: (order.index(kind(rc[1])), polls[rc[0]]["error_at"] or 0, rc[0]))
         k = kind(code)
         record = p.read_error(polls[rank]["error"]) or {}
-        stopped = [r for r, poll in enumerate(polls) if poll.get("returncode") is None and _stopped(poll)]
+        stopped = [r for r, poll in enumerate(polls) if poll.get("returncode") is None and is_stopped(poll)]
         if k is None and stopped:  # it gave up waiting for a peer that cannot answer
             return Outcome(Ending.HANG, stopped[0], f"rank {stopped[0]}'s process is stopped (state T: SIGSTOP or a "
                            f"debugger) in phase {polls[stopped[0]]['phase']}; rank {rank} aborted waiting for it",
@@ -499,96 +470,6 @@ class Driver:
             stacks = [""] * len(refs)
         self.say(f"hang: Python stacks of every rank written to {directory}")
         return stacks
-
-
-def _main_thread(stacks: str, pid: int | None) -> str | None:
-    """What py-spy says of a process's main thread ("active", "active+gil", "idle"), or None."""
-    found = re.search(rf"^Thread {pid} \(([^)]*)\)", stacks, re.MULTILINE) if pid else None
-    return found.group(1) if found else None
-
-
-def _stopped(poll: dict) -> bool:
-    return poll.get("state") in ("T", "t")  # SIGSTOP or a debugger
-
-
-def position(poll: dict) -> tuple[int, int]:
-    """How far a rank has come: its last completed step, then its phase in `PHASES` order."""
-    return (poll["heartbeat"] or (0, 0.0))[0], p.PHASES.index(poll["phase"]) if poll["phase"] in p.PHASES else 0
-
-
-def where(poll: dict) -> str:
-    """`at step 3` (between steps), or `in phase save after step 4`."""
-    step = (poll["heartbeat"] or (0, 0.0))[0]
-    if poll["phase"] == "step":
-        return f"at step {step}"
-    return f"in phase {poll['phase']}" + (f" after step {step}" if step else "")
-
-
-def describe_rank(rank: int, poll: dict, info: dict | None) -> str:
-    """`rank 1 (host h 10.0.0.2, node 1a2b3c4d, pid 123, in phase start)`: enough to find the process."""
-    info = info or {}
-    host = " ".join(x for x in (info.get("hostname"), info.get("ip")) if x) or "?"
-    return (f"rank {rank} (host {host}, node {str(info.get('node_id') or '?')[:8]}, pid {poll.get('pid')}, "
-            f"{where(poll)})")
-
-
-def overdue(polls: list[dict], cluster) -> tuple[int, str, float, float] | None:
-    """The first running rank that has been in its phase past the phase's timeout
-    (`protocol.PHASE_TIMEOUTS`): (rank, phase, seconds in it, limit), or None."""
-    for rank, poll in enumerate(polls):
-        if poll["returncode"] is not None:
-            continue
-        phase = poll["phase"] if poll["phase"] in p.PHASE_TIMEOUTS else "step"
-        idle, limit = poll["now"] - poll["phase_at"], getattr(cluster, p.PHASE_TIMEOUTS[phase])
-        if idle > limit:
-            return rank, phase, idle, limit
-    return None
-
-
-def hang_outcome(polls: list[dict], stacks: list[str], late: tuple[int, str, float, float], infos: list[dict],
-                 cluster) -> Outcome:
-    """The hang `overdue` found, named: its phase and timeout, the ranks waiting in it, the ranks that
-    have not arrived (rank, host, Ray node, pid, where they are), and the rank blamed."""
-    first, phase, idle, limit = late
-    running = [r for r, poll in enumerate(polls) if poll["returncode"] is None]
-    mark = position(polls[first])
-    missing = [r for r in running if position(polls[r]) < mark]
-    waiting = [r for r in running if position(polls[r]) >= mark]
-    rank, why = blame(polls, stacks, first)
-
-    def named(r: int) -> str:
-        return describe_rank(r, polls[r], infos[r] if r < len(infos) else None)
-
-    line = (f"phase {phase} ran past cluster.{p.PHASE_TIMEOUTS[phase]}={limit:g}s (rank {first} in it for "
-            f"{idle:.0f}s); ")
-    if missing:
-        line += (f"waiting: ranks {waiting}; not arrived (has not {p.PHASE_NAMES[phase]}): "
-                 + ", ".join(named(r) for r in missing))
-    else:
-        line += f"every rank is in it; blamed: {named(rank)}"
-    return Outcome(Ending.HANG, rank, f"{why}; {line}", phase=phase, fault_at=polls[rank]["phase_at"])
-
-
-def blame(polls: list[dict], stacks: list[str], first: int) -> tuple[int, str]:
-    """The rank that holds the gang up, and why, once `first` (the first rank past its phase's
-    timeout) was found idle. All ranks usually stop in the same place (each waits in a collective or
-    a barrier for the one that stopped), so the heartbeats alone often cannot tell; the processes
-    can: a stopped one (state T), one behind the others (an earlier step or phase), or the one
-    whose main thread runs Python while the others' wait."""
-    running = [r for r, poll in enumerate(polls) if poll["returncode"] is None]
-    stopped = [r for r in running if _stopped(polls[r])]
-    if stopped:
-        return stopped[0], f"rank {stopped[0]}'s process is stopped (state T: SIGSTOP or a debugger)"
-    positions = {r: position(polls[r]) for r in running}
-    if len(set(positions.values())) > 1:
-        behind = min(positions, key=lambda r: (positions[r], r))
-        others = next(polls[r] for r in running if positions[r] == max(positions.values()))
-        return behind, f"rank {behind} is behind ({where(polls[behind])}, others {where(others)})"
-    threads = {r: _main_thread(stacks[r] if r < len(stacks) else "", polls[r].get("pid")) for r in running}
-    active = [r for r, state in threads.items() if state and state.startswith("active")]
-    if active and len(active) < len([state for state in threads.values() if state]):
-        return active[0], f"rank {active[0]}'s main thread is running while the other ranks wait"
-    return first, "every rank waits"
 
 
 def run_job(config: Config, run_dir: Path, out=None) -> JobResult:

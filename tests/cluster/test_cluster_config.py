@@ -12,6 +12,7 @@ import pytest
 
 from podtrain.orchestrator.cluster import driver
 from podtrain.orchestrator.cluster.driver import _normalise, next_attempt, worker_config
+from podtrain.orchestrator.cluster.logs import LogFilter
 from podtrain.orchestrator.cluster.outcomes import Budgets, Ending, Outcome, Quarantine
 from podtrain.orchestrator.cluster.reserve import (
     ReservationError,
@@ -254,7 +255,7 @@ def test_a_mesh_that_does_not_fit_the_gang_fails_before_anything_starts(tmp_path
 
 def test_rank_0_lines_are_echoed_without_the_libraries_info_records():
     out = io.StringIO()
-    driver._LogFilter(out).feed(0, [
+    LogFilter(out).feed(0, [
         "2026-11-30 06:36:21,330 INFO absl: Queuing deletion of steps: [].",
         "2026-11-30 06:36:21,330 INFO podtrain.orchestrator.train.loop: starting at step 0 (fresh)",
         "2026-11-30 06:36:21,330 WARNING absl: something to look at",

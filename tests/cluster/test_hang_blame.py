@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from podtrain.orchestrator.cluster import driver
+from podtrain.orchestrator.cluster import driver, hangs
 from podtrain.orchestrator.common import protocol as p
 from podtrain.orchestrator.config.compose import load_config
 
@@ -24,11 +24,11 @@ def poll(step, state="S", pid=None, phase="step", since=0.0, now=1.0):
 
 def test_a_hang_is_blamed_on_the_stopped_rank_then_the_one_behind():
     """Every rank of a gang waits for the one that stopped, so their heartbeats read the same step."""
-    assert driver.blame([poll(3), poll(3, "T")], ["", ""], first=0) == (
+    assert hangs.blame([poll(3), poll(3, "T")], ["", ""], first=0) == (
         1, "rank 1's process is stopped (state T: SIGSTOP or a debugger)")
-    assert driver.blame([poll(4), poll(4), poll(3)], ["", "", ""], first=0) == (
+    assert hangs.blame([poll(4), poll(4), poll(3)], ["", "", ""], first=0) == (
         2, "rank 2 is behind (at step 3, others at step 4)")
-    assert driver.blame([poll(4), poll(4)], ["", ""], first=0) == (0, "every rank waits")
+    assert hangs.blame([poll(4), poll(4)], ["", ""], first=0) == (0, "every rank waits")
 
 
 def test_a_hang_is_blamed_on_the_rank_whose_main_thread_runs_while_the_others_wait(tmp_path):
@@ -45,7 +45,7 @@ def test_a_hang_is_blamed_on_the_rank_whose_main_thread_runs_while_the_others_wa
             actor.proc, actor.files = proc, {"stacks": tmp_path / f"rank{rank}.stacks"}
             stacks.append(actor.dump_stacks(str(tmp_path / f"rank{rank}.txt")))
         polls = [poll(5, "S", procs[0].pid), poll(5, "R", procs[1].pid)]
-        assert driver.blame(polls, stacks, first=0) == (1, "rank 1's main thread is running while the other ranks "
+        assert hangs.blame(polls, stacks, first=0) == (1, "rank 1's main thread is running while the other ranks "
                                                            "wait"), stacks
     finally:
         for proc in procs:
@@ -61,9 +61,9 @@ TIMEOUTS = {"start_timeout_s": 11, "init_timeout_s": 12, "restore_timeout_s": 13
 def test_each_phase_is_bounded_by_its_own_timeout(phase):
     cluster = load_config("llama3-tiny", [f"cluster.{k}={v}" for k, v in TIMEOUTS.items()]).cluster
     limit = TIMEOUTS[p.PHASE_TIMEOUTS[phase]]
-    assert driver.overdue([poll(0, phase=phase, now=limit - 0.5), poll(0)], cluster) is None
-    assert driver.overdue([poll(0, phase=phase, now=limit + 0.5), poll(0)], cluster) == (0, phase, limit + 0.5, limit)
-    assert driver.overdue([dict(poll(0, phase=phase, now=limit + 0.5), returncode=0), poll(0)], cluster) is None
+    assert hangs.overdue([poll(0, phase=phase, now=limit - 0.5), poll(0)], cluster) is None
+    assert hangs.overdue([poll(0, phase=phase, now=limit + 0.5), poll(0)], cluster) == (0, phase, limit + 0.5, limit)
+    assert hangs.overdue([dict(poll(0, phase=phase, now=limit + 0.5), returncode=0), poll(0)], cluster) is None
 
 
 def test_a_rank_that_never_joined_jax_distributed_is_named_with_its_host_node_and_pid():
@@ -71,9 +71,9 @@ def test_a_rank_that_never_joined_jax_distributed_is_named_with_its_host_node_an
     cluster = load_config("llama3-tiny", ["cluster.init_timeout_s=20"]).cluster
     polls = [poll(0, pid=100, phase="distributed", since=5.0, now=26.0),
              poll(0, state="T", pid=4242, phase="start", since=4.0, now=26.0)]
-    late = driver.overdue(polls, cluster)
+    late = hangs.overdue(polls, cluster)
     assert late == (0, "distributed", 21.0, 20)
-    outcome = driver.hang_outcome(polls, ["", ""], late, INFOS, cluster)
+    outcome = hangs.hang_outcome(polls, ["", ""], late, INFOS, cluster)
     assert (outcome.kind, outcome.rank, outcome.phase) == ("hang", 1, "distributed")
     assert outcome.detail == (
         "rank 1's process is stopped (state T: SIGSTOP or a debugger); phase distributed ran past "
@@ -85,7 +85,7 @@ def test_a_rank_still_stepping_while_the_other_waits_in_a_save_is_behind():
     """Rank 0 entered the save of step 4 (a barrier of every process); rank 1 has not finished step 4."""
     cluster = load_config("llama3-tiny", ["cluster.save_timeout_s=30"]).cluster
     polls = [poll(4, phase="save", since=10.0, now=41.0), poll(3, phase="step", since=9.0, now=41.0)]
-    outcome = driver.hang_outcome(polls, ["", ""], driver.overdue(polls, cluster), INFOS, cluster)
+    outcome = hangs.hang_outcome(polls, ["", ""], hangs.overdue(polls, cluster), INFOS, cluster)
     assert (outcome.rank, outcome.phase) == (1, "save")
     assert outcome.detail.startswith("rank 1 is behind (at step 3, others in phase save after step 4); phase save "
                                      "ran past cluster.save_timeout_s=30s")
@@ -96,9 +96,9 @@ def test_a_long_compile_is_not_a_hang_until_its_own_timeout():
     """A worker that says it compiles is given compile_timeout_s, not hang_timeout_s."""
     cluster = load_config("llama3-tiny", ["cluster.hang_timeout_s=10", "cluster.compile_timeout_s=900"]).cluster
     polls = [poll(0, phase="compile", now=600.0), poll(0, phase="compile", now=600.0)]
-    assert driver.overdue(polls, cluster) is None
+    assert hangs.overdue(polls, cluster) is None
     polls = [poll(0, phase="compile", now=901.0), poll(0, phase="compile", now=901.0)]
-    outcome = driver.hang_outcome(polls, ["", ""], driver.overdue(polls, cluster), INFOS, cluster)
+    outcome = hangs.hang_outcome(polls, ["", ""], hangs.overdue(polls, cluster), INFOS, cluster)
     assert outcome.detail == ("every rank waits; phase compile ran past cluster.compile_timeout_s=900s (rank 0 in "
                               "it for 901s); every rank is in it; blamed: rank 0 (host host-a 10.0.0.1, node "
                               "aaaaaaaa, pid None, in phase compile)")
