@@ -20,6 +20,7 @@ from podtrain.orchestrator.config.compose import load_config, resolve_preset
 
 EXCLUDES = [".venv", "venv", ".git", "runs", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", "*.egg-info"]
 STOP_MARGIN_S = 30  # beyond cluster.stop_grace_s: the driver's own clean-up after the workers exit
+AGENT_WAIT_S = 60.0  # a head just started has no job agent for a while; Ray says to try again later
 
 
 def add_arguments(cmd) -> None:
@@ -53,6 +54,26 @@ def absolute_run_dir(config, overrides: list[str]) -> list[str]:
 
 def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def submit_when_agent_is_up(client, address: str, wait_s: float = AGENT_WAIT_S, **job) -> None:
+    """`client.submit_job(**job)`, tried again while the head has no job agent yet (a head just
+    started), for up to `wait_s`."""
+    deadline, told = time.monotonic() + wait_s, False
+    while True:
+        try:
+            client.submit_job(**job)
+            return
+        except RuntimeError as e:
+            if "No available agent" not in str(e):
+                raise
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"--address {address}: Ray's head has had no job agent for {wait_s:g}s "
+                                  f"({_first_line(e)}); is its dashboard agent running?") from None
+            if not told:
+                print(f"Ray's head at {address} has no job agent yet; trying again for up to {wait_s:g}s", flush=True)
+                told = True
+            time.sleep(1.0)
 
 
 def run_command(args) -> int:
@@ -90,10 +111,8 @@ def run_command(args) -> int:
         overrides = [item for item in overrides if item.partition("=")[0].strip() != "plan.check_before_launch"]
         overrides.append("plan.check_before_launch=false")
     command = entrypoint(args.config, overrides, working_dir)
-    client.submit_job(
-        entrypoint=command, submission_id=job_id,
-        runtime_env={"working_dir": str(working_dir), "excludes": EXCLUDES, "env_vars": env_vars},
-    )
+    runtime_env = {"working_dir": str(working_dir), "excludes": EXCLUDES, "env_vars": env_vars}
+    submit_when_agent_is_up(client, address, entrypoint=command, submission_id=job_id, runtime_env=runtime_env)
     print(f"submitted job {job_id} to {address}: {command}")
     print(f"  run directory: {Path(config.run.dir).expanduser().absolute() / job_id}")
     print(f"  logs: ray job logs --address {address} -f {job_id}   stop: ray job stop --address {address} {job_id}")

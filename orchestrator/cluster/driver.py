@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import signal
 import sys
@@ -65,7 +64,14 @@ from podtrain.orchestrator.cluster.outcomes import (
     Outcome,
     Quarantine,
 )
-from podtrain.orchestrator.cluster.reserve import Gang, ReservationError, gang_devices, megascale_env, reserve
+from podtrain.orchestrator.cluster.reserve import (
+    Gang,
+    ReservationError,
+    connect,
+    gang_devices,
+    megascale_env,
+    reserve,
+)
 from podtrain.orchestrator.common import protocol as p
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import to_yaml
@@ -78,23 +84,6 @@ from podtrain.orchestrator.train.preflight import check_inputs
 MAX_PORT_RETRIES = 5
 MEGASCALE_PORT = 8081  # the multi-slice coordinator's port on slice 0's first host (libtpu's default)
 POLL_S = 0.5
-
-
-def connect(config: Config) -> None:
-    """Joins the Ray cluster the job runs in, or starts an embedded one bound to loopback."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    address = config.cluster.address or os.environ.get("RAY_ADDRESS", "")
-    if address:
-        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-        return
-    c = config.cluster
-    needed = c.num_hosts * c.cpus_per_host if c.kind == "local" else 1
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
-             _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
 
 
 def _host_errors() -> tuple[type[Exception], ...]:
@@ -179,7 +168,7 @@ class Driver:
         ended = leftovers.end_leftovers(self.run_dir)
         if ended:
             self.say(ended)
-        connect(self.config)
+        self.quarantine.spares = not connect(self.config)
         leftovers.record(self.run_dir)
         # After connecting: ray.init installs its own SIGTERM handler, which would end the driver at once.
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -271,7 +260,15 @@ class Driver:
             self.say(f"attempt {attempt}: reserving without the quarantined hosts ({hosts}); waiting for capacity up "
                      f"to cluster.reserve_timeout_s={self.cluster.reserve_timeout_s:g}s")
         try:
-            gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}", exclude=exclude)
+            try:
+                gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}", exclude=exclude)
+            except ReservationError:
+                if not exclude:
+                    raise
+                self.say(f"attempt {attempt}: no spare host came within cluster.reserve_timeout_s="
+                         f"{self.cluster.reserve_timeout_s:g}s; reserving on the quarantined hosts again")
+                self.quarantine.lift()
+                gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}-again")
         except ReservationError as error:
             return Outcome(Ending.RESERVATION, None, str(error), fault_at=started)
         except ConfigError as error:

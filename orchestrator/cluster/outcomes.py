@@ -123,6 +123,7 @@ class Quarantine:
     until: dict[str, float] = dataclasses.field(default_factory=dict)  # quarantined node -> when it comes back
     why: dict[str, str] = dataclasses.field(default_factory=dict)
     hosts: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> "hostname ip"
+    spares: bool = True  # whether another node can take a quarantined one's place (not on an embedded Ray)
 
     STRIKES = 2
 
@@ -135,11 +136,20 @@ class Quarantine:
         self.blamed[node] = times
         if len(times) < self.STRIKES or node in self.until:
             return None
+        blamed = (f"blamed for {len(times)} failures within cluster.quarantine_window_s={self.window_s:g}s, "
+                  f"the last: {why}")
+        if not self.spares:
+            self.blamed[node] = []
+            return f"host {host} (node {node[:8]}) is {blamed}; it stays in use: an embedded Ray has no other host"
         self.until[node] = now + self.duration_s
-        self.why[node] = f"blamed for {len(times)} failures within cluster.quarantine_window_s={self.window_s:g}s, " \
-                         f"the last: {why}"
+        self.why[node] = blamed
         return (f"host {host} (node {node[:8]}) is left out of the next reservations for cluster.quarantine_s="
                 f"{self.duration_s:g}s: {self.why[node]}")
+
+    def lift(self) -> None:
+        """Ends every quarantine now (no spare came: the quarantined hosts are used again)."""
+        self.until.clear()
+        self.blamed.clear()
 
     def excluded(self, now: float) -> frozenset[str]:
         """The nodes quarantined at `now` (those whose time is up come back)."""

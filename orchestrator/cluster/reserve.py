@@ -17,7 +17,7 @@ from typing import Any
 from podtrain.orchestrator.cluster.host import HostActor
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.common.protocol import ENV_LOCAL_DEVICE_IDS
-from podtrain.orchestrator.config.schema import ClusterConfig
+from podtrain.orchestrator.config.schema import ClusterConfig, Config
 from podtrain.orchestrator.plan.targets import ray_tpu_version, tpu_chips, tpu_topology
 
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host
@@ -25,6 +25,25 @@ DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices o
 
 class ReservationError(RuntimeError):
     """The cluster could not give the whole gang in time (nothing of it is kept)."""
+
+
+def connect(config: Config) -> bool:
+    """Joins the Ray cluster the job runs in, or starts an embedded one bound to loopback; True when
+    embedded (one node, which no other can replace)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        return False
+    c = config.cluster
+    needed = c.num_hosts * c.cpus_per_host if c.kind == "local" else 1
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
+             _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
+    return True
 
 
 def gang_devices(cluster: ClusterConfig) -> int | None:

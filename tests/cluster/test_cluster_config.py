@@ -375,7 +375,7 @@ def test_a_host_blamed_for_two_failures_is_left_out_of_the_next_reservations(tmp
 
     outcomes = iter([Outcome(Ending.CRASH, 1, "killed by SIGSEGV"), Outcome(Ending.CRASH, 1, "killed by SIGSEGV"),
                      Outcome(Ending.DONE)])
-    monkeypatch.setattr(driver, "connect", lambda config: None)
+    monkeypatch.setattr(driver, "connect", lambda config: False)
     monkeypatch.setattr(driver, "reserve", fake_reserve)
     monkeypatch.setattr(driver.Driver, "_watch", lambda self, *args: next(outcomes))
     out = io.StringIO()
@@ -389,6 +389,39 @@ def test_a_host_blamed_for_two_failures_is_left_out_of_the_next_reservations(tmp
         out.getvalue()
     [record] = json.loads((tmp_path / "run" / "job.json").read_text())["quarantined"]
     assert record["node"] == "bad" and record["host"] == "host-bad 10.0.0.1" and "killed by SIGSEGV" in record["why"]
+
+
+def test_with_no_spare_a_quarantined_host_is_used_again_and_an_embedded_ray_never_quarantines(tmp_path, monkeypatch):
+    """Connected: the reservation without the quarantined host times out, and the next one takes it
+    again, saying so (the job goes on). Embedded: its one node cannot be replaced, so it is never
+    left out (no wait)."""
+    crash = Outcome(Ending.CRASH, 1, "killed by SIGSEGV")
+    for embedded in (False, True):
+        excluded = []
+
+        def fake_reserve(cluster, name, exclude=frozenset(), excluded=excluded):
+            excluded.append(set(exclude))
+            if exclude:
+                raise ReservationError("could not reserve 2 hosts within cluster.reserve_timeout_s=600s")
+            return FakeGang(["good", "bad"])
+
+        outcomes = iter([crash, crash, Outcome(Ending.DONE)])
+        monkeypatch.setattr(driver, "connect", lambda config, embedded=embedded: embedded)
+        monkeypatch.setattr(driver, "reserve", fake_reserve)
+        monkeypatch.setattr(driver.Driver, "_watch", lambda self, *args, outcomes=outcomes: next(outcomes))
+        out = io.StringIO()
+        result = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2"]), tmp_path / str(embedded),
+                               out=out).run()
+        assert result.status == "succeeded", out.getvalue()
+        if embedded:
+            assert excluded == [set(), set(), set()] and result.quarantined == []
+            assert "host host-bad 10.0.0.1 (node bad) is blamed for 2 failures within cluster.quarantine_window_s" \
+                   "=3600s, the last: crash (rank 1): killed by SIGSEGV; it stays in use: an embedded Ray has no " \
+                   "other host" in out.getvalue()
+        else:
+            assert excluded == [set(), set(), {"bad"}, set()] and result.quarantined == []
+            assert "attempt 3: no spare host came within cluster.reserve_timeout_s=600s; reserving on the " \
+                   "quarantined hosts again" in out.getvalue()
 
 
 def test_a_quarantine_needs_two_strikes_within_the_window_and_ends_after_its_time():
