@@ -315,7 +315,8 @@ class ClusterConfig:
 
     A host (Ray node) blamed for two failures (crash, exception, hang, lost) within
     `quarantine_window_s` is left out of the run's next reservations for `quarantine_s` (0: never);
-    with no spare host the reservation waits for one, up to `reserve_timeout_s`.
+    with no spare host the reservation waits for one, up to `reserve_timeout_s`, then takes the
+    quarantined hosts again. An embedded Ray's one node is never left out.
     """
 
     kind: str = "local"
