@@ -89,6 +89,8 @@ def run_command(args) -> int:
 
     log_podtrain_messages()
     config, name = serve_config(args.config, args.overrides)
+    if config.cluster.elastic:
+        raise ConfigError("cluster.elastic: a service's engine runs on a fixed gang; expected false, found true")
     key = api_key(config)
     run_dir = resolve_run_dir(config, name)
     with RunLock(run_dir, f"podtrain serve cluster={config.cluster.kind}"):

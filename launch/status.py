@@ -2,7 +2,8 @@
 
 The driver rewrites `job.json` after every attempt (status `running` while it restarts), so a
 live run shows its attempts so far: how each ended, in which phase, how long the driver took to
-notice, how long until the next attempt's first step, and the steps trained again.
+notice, how long until the next attempt's first step, the steps trained again, and the TPU slices
+it ran on (an elastic job's change with them).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-COLUMNS = (("attempt", 7), ("ended", 11), ("rank", 4), ("phase", 11), ("detect", 8), ("restart", 8),
+COLUMNS = (("attempt", 7), ("ended", 11), ("slices", 6), ("rank", 4), ("phase", 11), ("detect", 8), ("restart", 8),
            ("redone", 6))
 
 
@@ -26,7 +27,8 @@ def format_status(job: dict) -> str:
              f"{job['last_checkpoint']}, {job['attempts']} attempts",
              "  ".join(f"{name:<{width}}" for name, width in COLUMNS) + "  detail"]
     for a in job.get("history", []):
-        cells = (a["attempt"], a["ended"] or "running", "-" if a["rank"] is None else a["rank"], a["phase"] or "-",
+        cells = (a["attempt"], a["ended"] or "running", a.get("slices") or "-", "-" if a["rank"] is None else a["rank"],
+                 a["phase"] or "-",
                  _seconds(a["detect_s"]), _seconds(a["restart_s"]),
                  "-" if a["steps_redone"] is None else a["steps_redone"])
         lines.append("  ".join(f"{str(c):<{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)) + "  "

@@ -80,19 +80,26 @@ def fake_tpu_slices(tmp_path, monkeypatch, num_slices):
     (Path(e["RAY_TMPDIR"]) / "ray").mkdir(exist_ok=True)  # cluster_utils writes ray_current_cluster there
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": e["RAY_TMPDIR"]})
     try:
+        cluster.slices = {}
         for s in range(num_slices):
-            # Ray names a reserved slice by the TPU_NAME its head host sees; raylets inherit this process's env.
-            monkeypatch.setenv("TPU_NAME", f"slice-{s}")
-            for worker in range(2):
-                resources = {"TPU": 4, **({"TPU-v4-16-head": 1} if worker == 0 else {})}
-                labels = {"ray.io/tpu-slice-name": f"slice-{s}", "ray.io/tpu-worker-id": str(worker),
-                          "ray.io/tpu-pod-type": "v4-16", "ray.io/tpu-topology": "2x2x2"}
-                cluster.add_node(num_cpus=1, resources=resources, labels=labels)
+            add_fake_slice(cluster, monkeypatch, s)
         cluster.wait_for_nodes()
         yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def add_fake_slice(cluster, monkeypatch, s: int) -> None:
+    """Slice `s` (named slice-<s>): its two hosts' Ray nodes, kept in `cluster.slices[s]`."""
+    # Ray names a reserved slice by the TPU_NAME its head host sees; raylets inherit this process's env.
+    monkeypatch.setenv("TPU_NAME", f"slice-{s}")
+    cluster.slices[s] = []
+    for worker in range(2):
+        resources = {"TPU": 4, **({"TPU-v4-16-head": 1} if worker == 0 else {})}
+        labels = {"ray.io/tpu-slice-name": f"slice-{s}", "ray.io/tpu-worker-id": str(worker),
+                  "ray.io/tpu-pod-type": "v4-16", "ray.io/tpu-topology": "2x2x2"}
+        cluster.slices[s].append(cluster.add_node(num_cpus=1, resources=resources, labels=labels))
 
 
 def on_tpu(cluster, num_slices=1) -> list[str]:

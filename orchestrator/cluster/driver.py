@@ -50,7 +50,8 @@ from pathlib import Path
 from podtrain.orchestrator.checkpoint.resume import committed_steps, resume_step
 from podtrain.orchestrator.checkpoint.rundir import RunLock, checkpoint_directory
 from podtrain.orchestrator.cluster import leftovers
-from podtrain.orchestrator.cluster.hangs import describe_rank, hang_outcome, is_stopped, overdue
+from podtrain.orchestrator.cluster.elastic import Elastic
+from podtrain.orchestrator.cluster.hangs import classify, describe_rank, hang_outcome, overdue
 from podtrain.orchestrator.cluster.logs import LogFilter
 from podtrain.orchestrator.cluster.outcomes import (
     BLAMED_CLASSES,
@@ -114,7 +115,7 @@ def worker_config(config: Config, *, own_checkpoint: bool) -> Config:
     step instead: `none` would refuse the job's own checkpoints, a step number would drop the steps
     trained since.
     """
-    cluster = dataclasses.replace(config.cluster, kind="none")
+    cluster = dataclasses.replace(config.cluster, kind="none", elastic=False)
     if not own_checkpoint:
         return dataclasses.replace(config, cluster=cluster)
     checkpoint = dataclasses.replace(config.checkpoint, resume="auto")
@@ -145,6 +146,7 @@ class Driver:
         self.attempts = 0
         self.history: list[Attempt] = []
         self.quarantine = Quarantine(self.cluster.quarantine_window_s, self.cluster.quarantine_s)
+        self.elastic = Elastic.of(self.cluster, service=service is not None)
         self._infos: list[dict] = []  # the current attempt's hosts
         self._last_answer = time.time()  # when every host actor last answered a poll
         self.logs = LogFilter(self.out)
@@ -194,7 +196,7 @@ class Driver:
         (self.run_dir / "job.json").write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
 
     def _attempts(self) -> JobResult | ConfigError:
-        restarts = {kind: 0 for kind in (*PREEMPTION_CLASSES, *FAILURE_CLASSES, Ending.PORT)}
+        restarts = {kind: 0 for kind in (*PREEMPTION_CLASSES, *FAILURE_CLASSES, Ending.PORT, Ending.RESIZED)}
         budgets = Budgets(self.cluster.max_failures, self.cluster.max_preemptions)
         port_retries, previous_tb, attempts = 0, None, 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +214,7 @@ class Driver:
             self.history.append(Attempt(attempt, time.time(), self._resumes_from(config)))
             outcome = self._one_attempt(attempt, port_retries, config)
             self.history[-1].end(outcome, time.time())
-            if outcome.kind not in (Ending.DONE, Ending.STOPPED, Ending.CONFIG) and self.service is None:
+            if outcome.kind not in (Ending.DONE, Ending.STOPPED, Ending.CONFIG, Ending.RESIZED) and not self.service:
                 failure_line(self.run_dir, attempt, self.history[-1].record())
             if self.service is not None:
                 self.service.lost(f"attempt {attempt} ended: {outcome.kind}: {outcome.detail}")
@@ -226,6 +228,9 @@ class Driver:
             self.say(f"attempt {attempt} ended: {outcome.kind} (rank {outcome.rank}): {outcome.detail}")
             self._blame(outcome)
             restarts[outcome.kind] += 1
+            self.elastic.lost = outcome.kind in PREEMPTION_CLASSES
+            if outcome.kind == Ending.RESIZED:
+                continue
             if outcome.kind == Ending.PORT:
                 port_retries += 1
                 if port_retries > MAX_PORT_RETRIES:
@@ -254,28 +259,15 @@ class Driver:
         """Reserves the gang, runs `config` on it and watches it; how it ended (never raises for a lost host)."""
         started = self._attempt_started = time.time()
         self._infos = []
-        exclude = self.quarantine.excluded(started)
-        if exclude:
-            hosts = ", ".join(self.quarantine.hosts.get(node, node[:8]) for node in sorted(exclude))
-            self.say(f"attempt {attempt}: reserving without the quarantined hosts ({hosts}); waiting for capacity up "
-                     f"to cluster.reserve_timeout_s={self.cluster.reserve_timeout_s:g}s")
         try:
-            try:
-                gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}", exclude=exclude)
-            except ReservationError:
-                if not exclude:
-                    raise
-                self.say(f"attempt {attempt}: no spare host came within cluster.reserve_timeout_s="
-                         f"{self.cluster.reserve_timeout_s:g}s; reserving on the quarantined hosts again")
-                self.quarantine.lift()
-                gang = reserve(self.cluster, name=f"podtrain-{self.run_dir.name}-{attempt}-again")
+            gang, config = self._reserve(attempt, config)
         except ReservationError as error:
             return Outcome(Ending.RESERVATION, None, str(error), fault_at=started)
         except ConfigError as error:
             return Outcome(Ending.CONFIG, None, str(error))
         except _host_errors() as error:  # a host actor died before it answered
             return _lost(None, error, started)
-        self._infos = gang.infos
+        self._infos, self.history[-1].slices = gang.infos, self.elastic.slices
         try:
             self.say(f"attempt {attempt}: reserved {len(gang.actors)} hosts in {time.time() - started:.1f}s "
                      f"({', '.join(sorted({i['ip'] for i in gang.infos}))})")
@@ -284,6 +276,28 @@ class Driver:
             return _lost(None, error, self._last_answer)
         finally:
             gang.release()
+
+    def _reserve(self, attempt: int, config: Config) -> tuple[Gang, Config]:
+        """The attempt's gang, without the quarantined hosts unless no spare comes in time, on the
+        slices `Elastic` chooses; and `config` on those slices."""
+        exclude = self.quarantine.excluded(time.time())
+        if exclude:
+            hosts = ", ".join(self.quarantine.hosts.get(node, node[:8]) for node in sorted(exclude))
+            self.say(f"attempt {attempt}: reserving without the quarantined hosts ({hosts}); waiting for capacity up "
+                     f"to cluster.reserve_timeout_s={self.cluster.reserve_timeout_s:g}s")
+
+        def without_quarantined(cluster, name):
+            try:
+                return reserve(cluster, name, exclude=exclude)
+            except ReservationError:
+                if not exclude:
+                    raise
+                self.say(f"attempt {attempt}: no spare host came within cluster.reserve_timeout_s="
+                         f"{self.cluster.reserve_timeout_s:g}s; reserving on the quarantined hosts again")
+                self.quarantine.lift()
+                return reserve(cluster, f"{name}-again")
+
+        return self.elastic.reserve(config, f"podtrain-{self.run_dir.name}-{attempt}", without_quarantined, self.say)
 
     def _start(self, gang: Gang, attempt: int, port_retries: int, config: Config) -> None:
         import ray
@@ -299,7 +313,8 @@ class Driver:
         for rank, actor in enumerate(gang.actors):
             env = {
                 **gang.host_env[rank],
-                **megascale_env(self.cluster, coordinator_ip, gang.slices[rank], MEGASCALE_PORT),
+                **megascale_env(dataclasses.replace(self.cluster, num_slices=len(set(gang.slices))), coordinator_ip,
+                                gang.slices[rank], MEGASCALE_PORT),
                 p.ENV_RUN_DIR: str(self.run_dir),
                 p.ENV_COORDINATOR: f"{coordinator_ip}:{port}",
                 p.ENV_NUM_PROCESSES: str(len(gang.actors)),
@@ -350,14 +365,20 @@ class Driver:
                 return Outcome(Ending.DONE)
             ended = [(rank, code) for rank, code in enumerate(codes) if code not in (None, p.EXIT_OK)]
             if ended:
-                outcome = self._classify(ended, polls)
+                outcome = classify(ended, polls)
                 if outcome.fault_at is None:  # an exit: when a poll first found it
                     outcome.fault_at = min((polls[r].get("ended_at") or time.time() for r, _ in ended))
                 if self.stop_requested and outcome.kind == Ending.PREEMPTED:
                     return Outcome(Ending.STOPPED, outcome.rank, "checkpointed and exited on request")
+                if self.elastic.growing and outcome.kind == Ending.PREEMPTED:
+                    return Outcome(Ending.RESIZED, None, f"saved to grow to {self.cluster.num_slices} slices")
                 return outcome
             noticed = [rank for rank, poll in enumerate(polls) if poll.get("notice") == "preempting"]
-            if (self.stop_requested or noticed) and stop_deadline is None:
+            grow = stop_deadline is None and self.elastic.should_grow(self.history[-1].first_step_at is not None)
+            if grow:
+                self.say(f"slices free again: the gang saves at the step it agrees on and restarts on all "
+                         f"{self.cluster.num_slices}")
+            if (self.stop_requested or noticed or grow) and stop_deadline is None:
                 self._wind_down(gang, noticed)
                 stop_deadline = time.monotonic() + self.cluster.stop_grace_s
             if stop_deadline is not None and time.monotonic() > stop_deadline:
@@ -416,7 +437,8 @@ class Driver:
         after which a training worker checkpoints; the service's `release` for serve workers)."""
         import ray
 
-        why = "a stop was requested" if self.stop_requested else f"rank {noticed[0]} received a preemption notice"
+        why = ("a stop was requested" if self.stop_requested else
+               f"rank {noticed[0]} received a preemption notice" if noticed else "slices are free again")
         if self.service is not None:
             self.say(f"{why}: saving the adapters with unsaved steps before the workers stop")
             if self.service.before_stop is not None:
@@ -425,34 +447,6 @@ class Driver:
             ray.get([actor.send_signal.remote(signal.SIGTERM) for actor in gang.actors])
         if self.service is not None:
             self.service.release(why, self.cluster.stop_grace_s)
-
-    def _classify(self, ended: list[tuple[int, int]], polls: list[dict]) -> Outcome:
-        """The cause among the processes that ended together: preemption, then crash, then exception,
-        then abort. JAX aborts (SIGABRT) a process whose peer died, so an abort next to another
-        ending is that ending's consequence, not its cause."""
-        def kind(code) -> Ending | None:  # None: an abort, a peer's consequence unless alone
-            return {p.EXIT_PREEMPTED: Ending.PREEMPTED, p.EXIT_COORDINATOR_PORT: Ending.PORT,
-                    p.EXIT_EXCEPTION: Ending.EXCEPTION, p.EXIT_CONFIG: Ending.CONFIG}.get(
-                code, None if code in (-signal.SIGABRT, 128 + signal.SIGABRT) else Ending.CRASH)
-
-        order = (Ending.PREEMPTED, Ending.PORT, Ending.CONFIG, Ending.CRASH, Ending.EXCEPTION, None)
-        # Among exceptions the first one raised is the cause (the others are often its peers' collective errors).
-        rank, code = min(ended, key=lambda rc: (order.index(kind(rc[1])), polls[rc[0]]["error_at"] or 0, rc[0]))
-        k = kind(code)
-        record = p.read_error(polls[rank]["error"]) or {}
-        stopped = [r for r, poll in enumerate(polls) if poll.get("returncode") is None and is_stopped(poll)]
-        if k is None and stopped:  # it gave up waiting for a peer that cannot answer
-            return Outcome(Ending.HANG, stopped[0], f"rank {stopped[0]}'s process is stopped (state T: SIGSTOP or a "
-                           f"debugger) in phase {polls[stopped[0]]['phase']}; rank {rank} aborted waiting for it",
-                           phase=polls[stopped[0]]["phase"], fault_at=polls[stopped[0]].get("phase_at"))
-        if k in (Ending.CRASH, None):
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            return Outcome(Ending.CRASH, rank, how)
-        if k == Ending.CONFIG:
-            return Outcome(k, rank, record.get("summary") or "configuration error (no message written)")
-        if k == Ending.EXCEPTION:
-            return Outcome(k, rank, record.get("summary") or "exit status 1", record.get("traceback") or None)
-        return Outcome(k, rank, f"exit status {code}")
 
     def _dump_stacks(self, gang: Gang, attempt: int) -> list[str]:
         """Every rank's Python stacks (written to `stacks/attempt-<n>/`); "" for a rank whose dump failed."""

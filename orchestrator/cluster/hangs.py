@@ -1,10 +1,11 @@
 """A hung gang, named: which rank is past its phase's timeout, which ranks have not arrived, and
 which rank holds the others up (`blame`). Pure functions of the host actors' polls; the driver
-acts on them."""
+acts on them; and how the processes that ended together ended (`classify`)."""
 
 from __future__ import annotations
 
 import re
+import signal
 
 from podtrain.orchestrator.cluster.outcomes import Ending, Outcome
 from podtrain.orchestrator.common import protocol as p
@@ -98,3 +99,32 @@ def blame(polls: list[dict], stacks: list[str], first: int) -> tuple[int, str]:
     if active and len(active) < len([state for state in threads.values() if state]):
         return active[0], f"rank {active[0]}'s main thread is running while the other ranks wait"
     return first, "every rank waits"
+
+
+def classify(ended: list[tuple[int, int]], polls: list[dict]) -> Outcome:
+    """The cause among the processes that ended together: preemption, then crash, then exception,
+    then abort. JAX aborts (SIGABRT) a process whose peer died, so an abort next to another
+    ending is that ending's consequence, not its cause."""
+    def kind(code) -> Ending | None:  # None: an abort, a peer's consequence unless alone
+        return {p.EXIT_PREEMPTED: Ending.PREEMPTED, p.EXIT_COORDINATOR_PORT: Ending.PORT,
+                p.EXIT_EXCEPTION: Ending.EXCEPTION, p.EXIT_CONFIG: Ending.CONFIG}.get(
+            code, None if code in (-signal.SIGABRT, 128 + signal.SIGABRT) else Ending.CRASH)
+
+    order = (Ending.PREEMPTED, Ending.PORT, Ending.CONFIG, Ending.CRASH, Ending.EXCEPTION, None)
+    # Among exceptions the first one raised is the cause (the others are often its peers' collective errors).
+    rank, code = min(ended, key=lambda rc: (order.index(kind(rc[1])), polls[rc[0]]["error_at"] or 0, rc[0]))
+    k = kind(code)
+    record = p.read_error(polls[rank]["error"]) or {}
+    stopped = [r for r, poll in enumerate(polls) if poll.get("returncode") is None and is_stopped(poll)]
+    if k is None and stopped:  # it gave up waiting for a peer that cannot answer
+        return Outcome(Ending.HANG, stopped[0], f"rank {stopped[0]}'s process is stopped (state T: SIGSTOP or a "
+                       f"debugger) in phase {polls[stopped[0]]['phase']}; rank {rank} aborted waiting for it",
+                       phase=polls[stopped[0]]["phase"], fault_at=polls[stopped[0]].get("phase_at"))
+    if k in (Ending.CRASH, None):
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        return Outcome(Ending.CRASH, rank, how)
+    if k == Ending.CONFIG:
+        return Outcome(k, rank, record.get("summary") or "configuration error (no message written)")
+    if k == Ending.EXCEPTION:
+        return Outcome(k, rank, record.get("summary") or "exit status 1", record.get("traceback") or None)
+    return Outcome(k, rank, f"exit status {code}")

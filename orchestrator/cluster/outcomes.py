@@ -21,6 +21,7 @@ class Ending(enum.StrEnum):
     PORT = "port"
     RESERVATION = "reservation"
     CONFIG = "config"
+    RESIZED = "resized"  # an elastic job saved to grow back to all its slices
 
 
 class JobStatus(enum.StrEnum):
@@ -91,6 +92,7 @@ class Attempt:
     detect_s: float | None = None
     restart_s: float | None = None
     steps_redone: int | None = None
+    slices: int | None = None  # the TPU slices it ran on (an elastic job's change)
 
     def end(self, outcome: Outcome, now: float) -> None:
         self.ended, self.rank, self.phase, self.detail = str(outcome.kind), outcome.rank, outcome.phase, outcome.detail

@@ -317,6 +317,10 @@ class ClusterConfig:
     `quarantine_window_s` is left out of the run's next reservations for `quarantine_s` (0: never);
     with no spare host the reservation waits for one, up to `reserve_timeout_s`, then takes the
     quarantined hosts again. An embedded Ray's one node is never left out.
+
+    `elastic` (TPU, `num_slices` > 1): a job that loses a slice waits `elastic_wait_s` for it, then
+    goes on with the slices that remain (at least `min_slices`) and the same global batch, and grows
+    back when they are free again (`orchestrator/cluster/elastic.py`).
     """
 
     kind: str = "local"
@@ -343,6 +347,9 @@ class ClusterConfig:
     init_timeout_s: int = 300
     quarantine_window_s: float = 3600.0
     quarantine_s: float = 3600.0
+    elastic: bool = False
+    min_slices: int = 1
+    elastic_wait_s: float = 300.0
     heartbeat_timeout_s: int = 100
     coordinator_port: int = 0
     env: dict[str, str] = field(default_factory=dict)
@@ -358,9 +365,16 @@ class ClusterConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{prefix}.{name}: expected an integer >= 0, found {getattr(self, name)}")
         for name in ("hang_timeout_s", "start_timeout_s", "restore_timeout_s", "compile_timeout_s", "save_timeout_s",
-                     "commit_timeout_s", "stop_grace_s", "reserve_timeout_s", "init_timeout_s", "heartbeat_timeout_s"):
+                     "commit_timeout_s", "stop_grace_s", "reserve_timeout_s", "init_timeout_s", "heartbeat_timeout_s",
+                     "elastic_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{prefix}.{name}: expected a positive number of seconds, found {getattr(self, name)}")
+        if self.elastic and (self.kind != "tpu" or self.num_slices < 2):
+            raise ValueError(f"{prefix}.elastic: expected cluster.kind=tpu with cluster.num_slices > 1, found "
+                             f"cluster.kind={self.kind} with cluster.num_slices={self.num_slices}")
+        if not 1 <= self.min_slices <= self.num_slices:
+            raise ValueError(f"{prefix}.min_slices: expected 1 to cluster.num_slices={self.num_slices}, "
+                             f"found {self.min_slices}")
         if self.gpu_type and self.gpu_type not in GPU_TYPES:
             raise ValueError(f"{prefix}.gpu_type: expected one of {list(GPU_TYPES)} (or empty), "
                              f"found {self.gpu_type!r}")

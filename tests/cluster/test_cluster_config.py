@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from podtrain.orchestrator.cluster import driver
+from podtrain.orchestrator.cluster import driver, hangs
 from podtrain.orchestrator.cluster.driver import _normalise, next_attempt, worker_config
 from podtrain.orchestrator.cluster.logs import LogFilter
 from podtrain.orchestrator.cluster.outcomes import Budgets, Ending, Outcome, Quarantine
@@ -269,14 +269,13 @@ def test_rank_0_lines_are_echoed_without_the_libraries_info_records():
 def test_a_peers_abort_is_not_taken_for_the_cause_of_an_ending(tmp_path):
     """JAX aborts (SIGABRT) the processes whose peer died: next to an exception or a kill, the abort
     is the consequence; alone, it is the crash."""
-    d = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2"]), tmp_path / "run", out=io.StringIO())
     record = json.dumps({"kind": "exception", "summary": "ValueError: bad data", "traceback": "Traceback ...\n"})
     polls = [{"error": None, "error_at": None}, {"error": record, "error_at": 5.0}]
-    exception = d._classify([(0, -6), (1, p.EXIT_EXCEPTION)], polls)
+    exception = hangs.classify([(0, -6), (1, p.EXIT_EXCEPTION)], polls)
     assert (exception.kind, exception.rank, exception.detail) == ("exception", 1, "ValueError: bad data")
-    killed = d._classify([(0, 134), (1, -9)], polls)
+    killed = hangs.classify([(0, 134), (1, -9)], polls)
     assert (killed.kind, killed.rank, killed.detail) == ("crash", 1, "killed by SIGKILL")
-    aborted = d._classify([(0, -6)], polls)
+    aborted = hangs.classify([(0, -6)], polls)
     assert (aborted.kind, aborted.rank, aborted.detail) == ("crash", 0, "killed by SIGABRT")
 
 
@@ -298,9 +297,8 @@ def test_an_exception_is_reported_by_its_type_and_first_meaningful_line_not_its_
                        "OUT_OF_RANGE: Error reading \"opt_state.nu.lm_head.value/0.0\": Requested byte range)")
     assert p.describe_exception(KeyError()) == "KeyError"
     p.write_error(tmp_path / "error", "exception", summary, "Traceback (most recent call last):\n...\n})>.\n")
-    d = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2"]), tmp_path / "run", out=io.StringIO())
     polls = [{"error": None, "error_at": None}, {"error": (tmp_path / "error").read_text(), "error_at": 1.0}]
-    outcome = d._classify([(1, p.EXIT_EXCEPTION)], polls)
+    outcome = hangs.classify([(1, p.EXIT_EXCEPTION)], polls)
     assert (outcome.kind, outcome.rank, outcome.detail) == ("exception", 1, summary)
     assert outcome.traceback.endswith("})>.\n")
 

@@ -1,7 +1,6 @@
 """Which phase of a gang ran past its timeout, which ranks had not arrived, and which rank a hang is
 blamed on: a stopped process, the one behind, the one whose main thread runs."""
 
-import io
 import signal
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import time
 
 import pytest
 
-from podtrain.orchestrator.cluster import driver, hangs
+from podtrain.orchestrator.cluster import hangs
 from podtrain.orchestrator.common import protocol as p
 from podtrain.orchestrator.config.compose import load_config
 
@@ -106,10 +105,9 @@ def test_a_long_compile_is_not_a_hang_until_its_own_timeout():
 
 def test_an_abort_beside_a_stopped_peer_is_that_peers_hang(tmp_path):
     """JAX's coordination service aborts a process whose peer stopped answering: the stopped peer is the cause."""
-    d = driver.Driver(load_config("llama3-tiny", ["cluster.num_hosts=2"]), tmp_path / "run", out=io.StringIO())
     polls = [{"returncode": -signal.SIGABRT, "error": None, "error_at": None},
              dict(poll(2, state="T", phase="save"), error=None, error_at=None)]
-    outcome = d._classify([(0, -signal.SIGABRT)], polls)
+    outcome = hangs.classify([(0, -signal.SIGABRT)], polls)
     assert (outcome.kind, outcome.rank, outcome.phase) == ("hang", 1, "save")
     assert outcome.detail == ("rank 1's process is stopped (state T: SIGSTOP or a debugger) in phase save; rank 0 "
                               "aborted waiting for it")

@@ -3,9 +3,11 @@ each): slices reserved whole, one JAX process per host with the multi-slice envi
 mistake the hosts find themselves reported once."""
 
 import re
+import time
 
 import pytest
-from cluster_fixtures import fake_tpu_slices, job, on_tpu, run_train
+from cluster_fixtures import add_fake_slice, fake_tpu_slices, finish, job, on_tpu, run_train, start, train_command
+from train_fixtures import losses, wait_for_step
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -61,3 +63,48 @@ def test_a_mistake_the_hosts_find_is_one_line_exit_2_and_a_rerun_keeps_the_first
         assert any("missing.jsonl" in log for log in first_logs.values())
         assert not any("Traceback" in log for log in first_logs.values())
         assert (run_dir / "logs" / "attempt-2" / "rank0.log").exists()
+
+
+def test_an_elastic_job_goes_on_with_one_slice_when_the_other_is_lost_and_grows_back_when_it_returns(
+        tmp_path, monkeypatch):
+    """Two slices; slice 1 (both its hosts) is lost after step 11: the job waits
+    `cluster.elastic_wait_s`, restarts from its checkpoint on slice 0 alone (dp 2 -> 1, gradient
+    accumulation 1 -> 2), and when slice 1 is back it saves where it is and grows to both again. Every
+    step's loss equals that of a run on one process with the two-slice mesh, and the grow redoes no step."""
+    # Enough steps for the slice to come back while the job runs on one.
+    steps, fixed = 100, ["mesh.dp=2", "mesh.fsdp=1", "mesh.tp=4", "optimizer.schedule=constant"]
+    reference = tmp_path / "fixed"
+    done = run_train(tmp_path, reference, steps, "cluster=none", *fixed, devices=8)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = losses(reference)
+    with fake_tpu_slices(tmp_path, monkeypatch, 2) as cluster:
+        run_dir = tmp_path / "elastic"
+        proc = start(train_command(run_dir, steps, *on_tpu(cluster, 2), *fixed, "cluster.elastic=true",
+                                   "cluster.elastic_wait_s=5", "cluster.hang_timeout_s=60", every=10), tmp_path,
+                     run_dir.name)
+        log = tmp_path / f"{run_dir.name}-driver.log"
+        wait_for_step(run_dir, proc, 11)
+        for node in cluster.slices[1]:
+            cluster.remove_node(node)
+        deadline = time.time() + 240
+        while "restarting on 1 of 2 slices" not in log.read_text():
+            assert time.time() < deadline and proc.poll() is None, log.read_text()[-4000:]
+            time.sleep(0.5)
+        shrunk_at = max(losses(run_dir))
+        wait_for_step(run_dir, proc, shrunk_at + 1)  # trained on one slice
+        add_fake_slice(cluster, monkeypatch, 1)
+        out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert ("the lost slice is not back within cluster.elastic_wait_s=5s: restarting on 1 of 2 slices, mesh.dp=1, "
+            "train.grad_accum=2 (the same global batch of 4)") in out
+    assert "slices free again: the gang saves at the step it agrees on and restarts on all 2" in out, out[-4000:]
+    record = job(run_dir)
+    assert record["status"] == "succeeded" and record["restarts"] == {"node_lost": 1, "resized": 1}, record
+    lost, one, grown = record["history"]
+    assert (lost["slices"], one["slices"], grown["slices"]) == (2, 1, 2)
+    assert one["ended"] == "resized" and one["steps_redone"] == 0 and grown["start_step"] == one["last_step"]
+    assert "'slices': 1, 'dp_slices': [[0]]" in (run_dir / "logs" / "attempt-2" / "rank0.log").read_text()
+    after = losses(run_dir)
+    assert sorted(after) == list(range(1, steps + 1))
+    for step in want:
+        assert after[step] == pytest.approx(want[step], rel=1e-5), (step, after[step], want[step])

@@ -17,6 +17,8 @@ from train_fixtures import ROOT
     (["serve.lora_alpha=-1"], "serve.lora_alpha: expected a number > 0, found -1"),
     (["serve.autosave_every=-2"], "serve.autosave_every: expected 0 (never) or a positive number of optimizer steps, "
                                   "found -2"),
+    (["cluster=tpu", "cluster.tpu_type=v4-16", "cluster.num_slices=2", "cluster.elastic=true"],
+     "cluster.elastic: a service's engine runs on a fixed gang; expected false, found true"),
 ])
 def test_bad_serve_settings_are_one_line_and_exit_2(overrides, message, tmp_path):
     done = subprocess.run([sys.executable, "-m", "podtrain.launch.cli", "serve", "-c", "llama3-tiny",
