@@ -374,7 +374,8 @@ class Driver:
                     return Outcome(Ending.RESIZED, None, f"saved to grow to {self.cluster.num_slices} slices")
                 return outcome
             noticed = [rank for rank, poll in enumerate(polls) if poll.get("notice") == "preempting"]
-            grow = stop_deadline is None and self.elastic.should_grow(self.history[-1].first_step_at is not None)
+            grow = (stop_deadline is None and self.elastic.enabled
+                    and self.elastic.should_grow(self.history[-1].first_step_at is not None))
             if grow:
                 self.say(f"slices free again: the gang saves at the step it agrees on and restarts on all "
                          f"{self.cluster.num_slices}")
