@@ -44,6 +44,7 @@ bench: install
 	$(PY) bench/generate_tp.py
 	$(PY) bench/plan_targets.py
 	$(PY) bench/chat_sft.py
+	$(PY) bench/host_memory.py
 	bash tests/netns.sh $(PY) bench/serve.py --no-skyrl
 	bash tests/netns.sh $(PY) bench/cluster.py
 
