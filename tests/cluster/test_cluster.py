@@ -224,9 +224,9 @@ def test_a_rank_stopped_at_start_then_mid_run_then_a_lost_host_each_restart_the_
         assert failed["steps_redone"] == max(0, (failed["last_step"] or 0) - (after["start_step"] or 0)), history
     status = subprocess.run([sys.executable, "-m", "podtrain.launch.cli", "status", str(run_dir)], cwd=ROOT,
                             env=env(tmp_path), capture_output=True, text=True, timeout=60)
-    rows = [line.split()[:4] for line in status.stdout.splitlines()[2:]]
-    assert rows == [["1", "hang", "1", "distributed"], ["2", "hang", "1", "step"], ["3", "node_lost", "1", "-"],
-                    ["4", "done", "-", "-"]], status.stdout
+    rows = [line.split()[:5] for line in status.stdout.splitlines()[2:]]  # attempt, ended, slices, rank, phase
+    assert rows == [["1", "hang", "1", "1", "distributed"], ["2", "hang", "1", "1", "step"],
+                    ["3", "node_lost", "1", "1", "-"], ["4", "done", "1", "-", "-"]], status.stdout
     failures = summarize(read_ledger(run_dir)).failures
     assert {a: f["restart_s"] for a, f in failures.items()} == {a["attempt"]: a["restart_s"] for a in history[:3]}
 
