@@ -2,8 +2,10 @@
 before, for a model of a few hundred MB, with podtrain's Checkpointer (Orbax), async and not.
 
 On a CPU the train state itself lives in host memory, so what a save or restore adds beyond the
-state is the staging (Orbax's device-to-host copies, tensorstore's buffers). Each case runs in its
-own process (peak RSS is per process). Prints one JSON line per case.
+state is the staging (Orbax's device-to-host copies, tensorstore's buffers) and the fingerprint
+program's temporaries. Cases: podtrain's Checkpointer, and Orbax alone; without a bound, async, and
+with `checkpoint.host_gb=1`. Each runs in its own process (peak RSS is per process) and prints one
+JSON line, with the plan's figure for the same increase (`plan.host_memory`) and their ratio.
 
     python bench/host_memory.py [--layers 4] [--hidden 1024]
 """
@@ -34,20 +36,31 @@ def reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current RSS
 
 
-def case(kind: str, directory: str, overrides: list[str], async_save: bool) -> dict:
+def case(kind: str, directory: str, overrides: list[str], async_save: bool, host_gb: int) -> dict:
     import jax
     import numpy as np
 
     from podtrain.orchestrator.checkpoint.checkpointer import Checkpointer
     from podtrain.orchestrator.config.compose import load_config
     from podtrain.orchestrator.config.schema import CheckpointConfig
+    from podtrain.orchestrator.plan.host_memory import host_memory, machine_ram_bytes
     from podtrain.orchestrator.train.build import build_training
 
-    training = build_training(load_config("llama3-tiny", overrides))
+    training = build_training(load_config("llama3-tiny", [*overrides, f"checkpoint.host_gb={host_gb}"]))
     abstract = training.abstract_state()
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    checkpointer = Checkpointer(directory, CheckpointConfig(every_steps=1, keep=2, async_save=async_save))
-    if kind == "save":
+    checkpointer = Checkpointer(directory, CheckpointConfig(every_steps=1, keep=2, async_save=async_save,
+                                                            host_gb=host_gb))
+    if kind.startswith("orbax"):  # Orbax alone, without podtrain's fingerprints and metadata
+        import orbax.checkpoint as ocp
+
+        checkpointer.close()
+        bound = host_gb or None
+        handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=bound, save_device_host_concurrent_gb=bound)
+        checkpointer = ocp.Checkpointer(handler)
+        checkpointer.wait = lambda: None
+        checkpointer.restore_state = lambda path, abstract: ocp.StandardCheckpointer().restore(path, abstract)
+    if kind in ("save", "orbax-save"):
         rng = np.random.default_rng(0)
 
         def leaf(a):
@@ -59,7 +72,10 @@ def case(kind: str, directory: str, overrides: list[str], async_save: bool) -> d
         before = rss_bytes()
         reset_peak()
         start = time.perf_counter()
-        checkpointer.save(1, state, force=True)
+        if kind == "save":
+            checkpointer.save(1, state, force=True)
+        else:
+            checkpointer.save(os.path.join(directory, "orbax"), args=ocp.args.PyTreeSave(state))
         blocking_s = time.perf_counter() - start
         checkpointer.wait()
         seconds = time.perf_counter() - start
@@ -69,15 +85,26 @@ def case(kind: str, directory: str, overrides: list[str], async_save: bool) -> d
         before = rss_bytes()
         reset_peak()
         start = time.perf_counter()
-        state, _, _ = checkpointer.restore(abstract, step=1)
+        if kind == "restore":
+            state, _, _ = checkpointer.restore(abstract, step=1)
+        else:
+            state = checkpointer.restore_state(os.path.join(directory, "orbax"), abstract)
         jax.block_until_ready(state)
         seconds = blocking_s = time.perf_counter() - start
         peak = peak_bytes()
         extra = peak - before - state_bytes  # the restored state itself is host memory on a CPU
     checkpointer.close()
-    return {"case": kind, "async_save": async_save, "state_bytes": state_bytes, "rss_before": before,
-            "peak_rss": peak, "staging_bytes": extra, "staging_over_state": round(extra / state_bytes, 3),
-            "seconds": round(seconds, 2), "blocking_s": round(blocking_s, 2)}
+    # The plan's figure for the same increase (computed after the measurement, which it would disturb):
+    # podtrain's save and restore (fingerprints included), or Orbax's staging alone.
+    host = host_memory(training, ram_bytes=machine_ram_bytes(), platform="cpu")
+    plan = {"save": host["phases"]["checkpoint save"] - state_bytes,
+            "restore": host["phases"]["checkpoint restore"] - state_bytes,
+            "orbax-save": host["orbax"]["save_staging_bytes"], "orbax-restore": 0}[kind]
+    return {"case": kind, "async_save": async_save, "host_gb": host_gb, "state_bytes": state_bytes,
+            "rss_before": before, "peak_rss": peak, "staging_bytes": extra,
+            "staging_over_state": round(extra / state_bytes, 3), "plan_bytes": plan,
+            "plan_over_measured": round(plan / extra, 3) if extra > 0 else None, "seconds": round(seconds, 2),
+            "blocking_s": round(blocking_s, 2)}
 
 
 def main() -> None:
@@ -87,20 +114,23 @@ def main() -> None:
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--async-save", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host-gb", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     overrides = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
                  f"model.intermediate_size={4 * args.hidden}", "model.vocab_size=32000", "model.head_dim=64",
                  f"model.num_heads={args.hidden // 64}", f"model.num_kv_heads={args.hidden // 128}",
                  "mesh.fsdp=1"]
     if args.case:
-        print(json.dumps(case(args.case, args.dir, overrides, args.async_save)), flush=True)
+        print(json.dumps(case(args.case, args.dir, overrides, args.async_save, args.host_gb)), flush=True)
         return
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    for async_save in (False, True):
+    for async_save, bound in ((False, 0), (True, 0), (False, 1)):  # bound: checkpoint.host_gb
         with tempfile.TemporaryDirectory() as directory:
-            for kind in ("save", "restore"):
+            # Orbax alone saves synchronously: its cases once per bound.
+            for kind in ("save", "restore", *(() if async_save else ("orbax-save", "orbax-restore"))):
                 command = [sys.executable, __file__, "--case", kind, "--dir", directory, f"--layers={args.layers}",
-                           f"--hidden={args.hidden}", *(["--async-save"] if async_save else [])]
+                           f"--hidden={args.hidden}", f"--host-gb={bound}",
+                           *(["--async-save"] if async_save else [])]
                 done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
                 print(done.stdout.strip().splitlines()[-1], flush=True)
 

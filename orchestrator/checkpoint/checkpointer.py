@@ -90,6 +90,7 @@ logger = logging.getLogger(__name__)
 # What a save raises when writing fails: tensorstore reports RESOURCE_EXHAUSTED (a full disk) and
 # OUT_OF_RANGE (past a file size limit) as ValueError; files written by Python raise OSError.
 _WRITE_ERRORS = (ValueError, OSError)
+ORBAX_RESTORE_GB = 96  # Orbax's default bound on the GB a restore reads at once
 
 
 class NoRestorableCheckpointError(ConfigError):
@@ -144,6 +145,18 @@ def _manager_options(config: CheckpointConfig) -> ocp.CheckpointManagerOptions:
     )
 
 
+def _item_handlers(config: CheckpointConfig) -> dict | None:
+    """With `host_gb`, a state handler that holds at most that many GB in host memory at once:
+    copied from the devices or being written (the same files; an async save then blocks until the
+    rest is under the bound), or being read. None: Orbax's handlers for the items' args."""
+    if not config.host_gb:
+        return None
+    bound = config.host_gb
+    state = ocp.PyTreeCheckpointHandler(save_concurrent_gb=bound, save_device_host_concurrent_gb=bound,
+                                        restore_concurrent_gb=bound)
+    return {"state": state, **{item: ocp.JsonCheckpointHandler() for item in ("meta", "fingerprints", "data_position")}}
+
+
 class Checkpointer:
     """Saves and restores a run's TrainState, metadata and (optionally) its input pipeline's position.
 
@@ -163,7 +176,8 @@ class Checkpointer:
         self._writing: int | None = None  # the step of the save in flight (async_save), if any
         if self._is_local:
             _check_writable(self.directory, probe=False)  # reading (export, generate) needs no write access
-        self._manager = ocp.CheckpointManager(self.directory, options=_manager_options(config))
+        self._manager = ocp.CheckpointManager(self.directory, options=_manager_options(config),
+                                              item_handlers=_item_handlers(config))
         if jax.process_count() > 1:
             _check_shared(self.directory)
 
@@ -216,7 +230,7 @@ class Checkpointer:
             return False
         self.wait()  # Orbax's save waits for the previous one too; waiting here names that step if it failed
         items = {
-            "state": ocp.args.StandardSave(state),
+            "state": ocp.args.PyTreeSave(state) if self.config.host_gb else ocp.args.StandardSave(state),
             "meta": ocp.args.JsonSave({**self._run_meta, **(meta or {}), "step": step}),
             "fingerprints": ocp.args.JsonSave(fingerprints(state)),
         }
@@ -286,7 +300,7 @@ class Checkpointer:
         Reading with the item handlers directly has no collective, so the processes stay in step
         and can agree on the outcome afterwards."""
         folder = epath.Path(self.directory) / str(step)
-        handler = ocp.StandardCheckpointHandler()
+        handler = ocp.StandardCheckpointHandler(restore_concurrent_gb=self.config.host_gb or ORBAX_RESTORE_GB)
         try:
             state = handler.restore(folder / "state", args=ocp.args.StandardRestore(abstract_state))
             meta = read_item(self.directory, step, "meta")

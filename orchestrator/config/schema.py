@@ -257,6 +257,9 @@ class CheckpointConfig:
 
     `dir` is relative to the run directory unless absolute. `resume` is `auto` (the newest step
     that restores, else a fresh start), `none` (a fresh start into an empty `dir`) or a step number.
+    `host_gb` > 0 bounds how many GB of the state a save or a restore holds in host memory at once
+    (0: Orbax's defaults: a save stages the whole of this host's part, a restore reads up to 96 GB
+    at once). An array moves whole, so the bound is at least the largest array's part.
     """
 
     dir: str = "checkpoints"
@@ -264,12 +267,16 @@ class CheckpointConfig:
     keep: int = 3
     async_save: bool = True
     resume: str = "auto"
+    host_gb: int = 0
 
     def validate(self, prefix: str = "checkpoint") -> None:
         """Raises ValueError naming the key when a field is out of range."""
         for name in ("every_steps", "keep"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{prefix}.{name}: expected a positive integer, found {getattr(self, name)}")
+        if self.host_gb < 0:
+            raise ValueError(f"{prefix}.host_gb: expected 0 (no bound) or a positive number of GB, "
+                             f"found {self.host_gb}")
         if self.resume not in RESUME_MODES and not self.resume.isdigit():
             raise ValueError(f"{prefix}.resume: expected 'auto', 'none' or a step number, found {self.resume!r}")
 

@@ -27,6 +27,7 @@ from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import apply_overrides
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.plan.hlo_comm import as_rows, collectives, summarize
+from podtrain.orchestrator.plan.host_memory import host_memory
 from podtrain.orchestrator.plan.targets import Target, compile_devices
 from podtrain.orchestrator.train.build import Training, build_training
 from podtrain.sharding.rules import axes_of, logical_to_spec
@@ -206,16 +207,17 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
               "attention": training.config.model.attention}
     if attention_note:
         report["attention_note"] = attention_note
+    report["host"] = host = host_memory(training, ram_bytes=chip.host_ram_bytes, platform=chip.platform)
     if oom:
         needed, capacity = oom
-        report.update(fits=False, peak_bytes=needed, temp_bytes=None, headroom_bytes=capacity - needed,
+        report.update(fits=False, hbm_fits=False, peak_bytes=needed, temp_bytes=None, headroom_bytes=capacity - needed,
                       hbm_bytes=capacity, checked_by="the TPU compiler (RESOURCE_EXHAUSTED)")
         return report
     mem = compiled.memory_analysis()
     peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or int(
         mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
-    report.update(fits=peak <= chip.hbm_bytes, peak_bytes=peak, temp_bytes=int(mem.temp_size_in_bytes),
-                  headroom_bytes=chip.hbm_bytes - peak,
+    report.update(fits=peak <= chip.hbm_bytes and host["fits"], hbm_fits=peak <= chip.hbm_bytes, peak_bytes=peak,
+                  temp_bytes=int(mem.temp_size_in_bytes), headroom_bytes=chip.hbm_bytes - peak,
                   checked_by="the TPU compiler" if chip.platform == "tpu" else "podtrain (peak vs the GPU's memory)")
     mesh = training.mesh
     flat = list(mesh.devices.flat)
@@ -285,16 +287,16 @@ def find_fit(config: Config, target: Target, devices, max_compiles: int, report:
         except ConfigError:  # not a valid config for this target (found before compiling)
             continue
         compiles += 1
-        if result["fits"]:
+        if result["hbm_fits"]:
             return {"overrides": overrides, "peak_bytes": result["peak_bytes"],
                     "headroom_bytes": result["headroom_bytes"], "compiles": compiles}
     return None
 
 
 def check(config: Config, target: Target, *, suggest: bool = True, devices=None) -> dict:
-    """`plan_on_target`, and when the step does not fit, `find_fit`'s suggestion."""
+    """`plan_on_target`, and when the step does not fit the devices' memory, `find_fit`'s suggestion."""
     devices = compile_devices(target) if devices is None else devices
     report = plan_on_target(config, target, devices)
-    if not report["fits"] and suggest and config.plan.max_fit_compiles:
+    if not report["hbm_fits"] and suggest and config.plan.max_fit_compiles:
         report["suggestion"] = find_fit(config, target, devices, config.plan.max_fit_compiles, report)
     return report

@@ -12,7 +12,8 @@ from flax import nnx
 from podtrain.models import flops_per_token
 from podtrain.models.moe.dispatch import capacity
 from podtrain.models.moe.dropless import buffer_rows
-from podtrain.orchestrator.plan.targets import verdict_line
+from podtrain.orchestrator.plan.host_memory import host_memory, machine_ram_bytes
+from podtrain.orchestrator.plan.targets import host_line, verdict_line
 from podtrain.orchestrator.train.build import Training
 from podtrain.sharding.mesh import describe_mesh
 from podtrain.sharding.place import path_str
@@ -89,6 +90,8 @@ def make_plan(training: Training, *, compile_step: bool = True) -> dict:
             ),
         }
         platform = training.mesh.devices.flat[0].platform
+        plan["host"] = host_memory(training, ram_bytes=machine_ram_bytes(), platform=platform,
+                                   step_bytes=plan["memory"]["peak_bytes_estimate"] * training.mesh.devices.size)
         if platform == "cpu" and config.model.dtype != "float32":
             plan["memory"]["note"] = (f"compiled for CPU devices, where XLA computes {config.model.dtype} matmuls in "
                                       f"float32 (with float32 copies of activations): temp overstates what "
@@ -166,7 +169,16 @@ def format_plan(plan: dict) -> str:
         ]
         if "note" in mem:
             lines.append(f"  note: {mem['note']}")
+    if "host" in plan:
+        lines += ["", *host_lines(plan["host"], "this machine")]
     return "\n".join(lines)
+
+
+def host_lines(host: dict, where: str) -> list[str]:
+    """Each phase's host RAM peak, the data pipeline's share and the verdict against `where`'s RAM."""
+    phases = ", ".join(f"{name} {_gib(value)}" for name, value in host["phases"].items())
+    return [f"host RAM   per host: {phases}; data pipeline {_gib(host['data_bytes'])} beside them",
+            f"           {host_line(host)} ({where})"]
 
 
 def _gib(n: float | None) -> str:
@@ -188,6 +200,8 @@ def format_target(report: dict) -> str:
         f"temp {_gib(report['temp_bytes'])}, peak {_gib(report['peak_bytes'])} of {_gib(report['hbm_bytes'])}",
         f"verdict    {verdict_line(report)}",
     ]
+    if report.get("host"):
+        lines[2:2] = host_lines(report["host"], f"a {report['chip']} host")
     if report.get("attention_note"):
         lines.insert(2, f"  note: {report['attention_note']}")
     comm = report.get("communication")

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 
 from podtrain.orchestrator.config.compose import apply_overrides
 from podtrain.orchestrator.plan.hlo_comm import collectives, summarize
+from podtrain.orchestrator.plan.host_memory import hf_bytes
 from podtrain.orchestrator.plan.on_target import compile_or_oom, shard_bytes
-from podtrain.orchestrator.plan.targets import Target, compile_devices
+from podtrain.orchestrator.plan.targets import Target, compile_devices, host_line
 from podtrain.orchestrator.serve.engine import MIN_TOKENS
 from podtrain.orchestrator.serve.layout import EngineLayout, engine_layout
 from podtrain.orchestrator.serve.programs import adam_steps, bucket, forward_backward, sample_rows
@@ -111,14 +112,29 @@ def plan_serve_on_target(config, target: Target, devices=None, *, programs=None)
         if programs is not None and not report[name]["fits"]:
             break
     peak = max(p["peak_bytes"] for p in report.values())
-    return {"target": target.name, "chip": chip.name, "devices": target.devices, "hosts": target.hosts,
+    host = service_host_memory(layout, chip.host_ram_bytes)
+    return {"host": host, "target": target.name, "chip": chip.name, "devices": target.devices, "hosts": target.hosts,
             "mesh": dict(layout.mesh.shape), "max_adapters": s.max_adapters, "max_rank": s.max_rank,
             "max_rows": s.max_rows, "max_seq_len": s.max_seq_len, "sample_shape": list(sample_shape(s.sample_tokens())),
             "base_bytes": bytes_of["rest"], "adapters_bytes": bytes_of["adapters"], "adam_bytes": bytes_of["adam"],
             "programs": report, "peak_bytes": peak, "hbm_bytes": hbm, "headroom_bytes": hbm - peak,
-            "fits": all(p["fits"] for p in report.values()),
+            "fits": all(p["fits"] for p in report.values()) and host["fits"],
             "checked_by": "the TPU compiler" if chip.platform == "tpu" else "podtrain (peak vs the GPU's memory)",
             "compile_s": time.perf_counter() - start}
+
+
+def service_host_memory(layout: EngineLayout, ram_bytes: int) -> dict:
+    """The service's host peak per host: the base's HF import (one parameter's shards of the host's
+    devices, read and converted), or an adapter's save or load (one slot's weights and Adam
+    moments gathered whole on every host, and their safetensors bytes)."""
+    s = layout.config.serve
+    slot = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((layout.adapters, layout.adam()))
+               if x.ndim) // s.max_adapters
+    imported, _ = hf_bytes(layout.rest)
+    phases = {"HF import (the base)": imported, "adapter save": 2 * slot}
+    peak_of = max(phases, key=phases.get)
+    return {"ram_bytes": ram_bytes, "phases": phases, "peak_of": peak_of, "peak_bytes": phases[peak_of],
+            "fits": phases[peak_of] <= ram_bytes, "headroom_bytes": ram_bytes - phases[peak_of], "data_bytes": 0}
 
 
 def adapters_that_fit(config, target: Target, devices=None, *, report: dict | None = None,
@@ -193,8 +209,11 @@ def format_serve(report: dict) -> str:
     for name, program in report["programs"].items():
         lines.append(f"  {name:<16} peak {program['peak_bytes'] / gib:.2f} GiB"
                      + ("" if program["fits"] else " (over the chip's memory)"))
+    host = report["host"]
+    lines.append("  host RAM per host: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in host["phases"].items()))
     verdict = "fits" if report["fits"] else "does not fit"
-    lines.append(f"  {verdict}: peak {report['peak_bytes'] / gib:.2f} GiB of {report['hbm_bytes'] / gib:.2f} GiB")
+    lines.append(f"  {verdict}: peak {report['peak_bytes'] / gib:.2f} GiB of {report['hbm_bytes'] / gib:.2f} GiB "
+                 f"per chip; {host_line(host)}")
     fit = report.get("adapters_that_fit")
     if fit:
         lines.append(f"  adapters that fit at rank {report['max_rank']}: {fit['max_adapters']} "

@@ -183,13 +183,29 @@ def compile_devices(target: Target) -> list:
     return devices
 
 
+def host_line(host: dict) -> str:
+    """The host RAM part of a verdict: the peak, what sets it, against the host's RAM."""
+    gib = 2**30
+    line = (f"host RAM peak {host['peak_bytes'] / gib:.2f} GiB ({host['peak_of']}) of "
+            f"{host['ram_bytes'] / gib:.2f} GiB per host")
+    if host["fits"]:
+        return line
+    line += f" (over by {-host['headroom_bytes'] / gib:.2f} GiB)"
+    if host.get("host_gb"):
+        line += f"; fits with checkpoint.host_gb={host['host_gb']}"
+    return line
+
+
 def verdict_line(report: dict) -> str:
-    """One line: fits or not, peak against the device's memory, and the suggestion if any."""
+    """One line: fits or not, peak against the device's memory and the host's, and the suggestion if any."""
     gib = 2**30
     peak, hbm = report["peak_bytes"] / gib, report["hbm_bytes"] / gib
+    host = report.get("host")
     if report["fits"]:
         return (f"fits on {report['target']}: peak {peak:.2f} GiB of {hbm:.2f} GiB per device "
-                f"({report['headroom_bytes'] / gib:.2f} GiB headroom)")
+                f"({report['headroom_bytes'] / gib:.2f} GiB headroom)" + (f"; {host_line(host)}" if host else ""))
+    if report.get("hbm_fits", False):
+        return f"does not fit on {report['target']}: {host_line(host)}; peak {peak:.2f} GiB of {hbm:.2f} GiB per device"
     line = (f"does not fit on {report['target']}: peak {peak:.2f} GiB of {hbm:.2f} GiB per device "
             f"(over by {-report['headroom_bytes'] / gib:.2f} GiB)")
     fit = report.get("suggestion")
@@ -197,4 +213,6 @@ def verdict_line(report: dict) -> str:
         line += f"; fits with {' '.join(fit['overrides'])} (peak {fit['peak_bytes'] / gib:.2f} GiB)"
     elif "suggestion" in report:
         line += "; no tried change fits (more micro-batches, full remat, fsdp over dp): use a larger target"
+    if host and not host["fits"]:
+        line += f"; {host_line(host)}"
     return line

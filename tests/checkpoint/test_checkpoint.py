@@ -57,6 +57,28 @@ def test_round_trip_is_bit_exact_and_meta_round_trips(training, tmp_path):
     assert yaml.safe_load(meta["config_yaml"])["model"]["hidden_size"] == 64
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_checkpoint_with_its_host_memory_bounded_round_trips_bit_exactly(training, tmp_path, async_save, monkeypatch):
+    """`checkpoint.host_gb` gives Orbax's state handlers its bounds on host memory (bytes copied
+    from the devices, being written, being read); the step reads back as any other, params alone too."""
+    import orbax.checkpoint as ocp
+
+    bounds, handler, reader = [], ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler
+    monkeypatch.setattr(ocp, "PyTreeCheckpointHandler", lambda **kw: bounds.append(kw) or handler(**kw))
+    monkeypatch.setattr(ocp, "StandardCheckpointHandler", lambda **kw: bounds.append(kw) or reader(**kw))
+    state = random_state(training, seed=3)
+    with Checkpointer(tmp_path, CheckpointConfig(host_gb=1, async_save=async_save)) as ckpt:
+        assert ckpt.save(5, state, force=True)
+        ckpt.wait()
+        restored, _, step = ckpt.restore(training.abstract_state())
+        params, _, _ = ckpt.restore_params(training.abstract_state().params, step=5)
+    assert bounds == [{"save_concurrent_gb": 1, "save_device_host_concurrent_gb": 1, "restore_concurrent_gb": 1},
+                      {"restore_concurrent_gb": 1}]
+    assert step == 5
+    assert_bit_equal(restored, state)
+    assert_bit_equal(params, state.params)
+
+
 def test_training_continues_bit_identically_after_restore(training, tmp_path):
     """Save asynchronously, keep training (donating the state), then replay the same batches from the checkpoint."""
     batches = [random_batch(training, seed) for seed in range(4)]
@@ -267,6 +289,7 @@ def test_resume_of_an_older_step_sets_the_newer_ones_aside_and_saves_them_again(
         ({"resume": "latest"}, "checkpoint.resume: expected 'auto', 'none' or a step number, found 'latest'"),
         ({"keep": 0}, "checkpoint.keep: expected a positive integer, found 0"),
         ({"every_steps": -1}, "checkpoint.every_steps: expected a positive integer, found -1"),
+        ({"host_gb": -1}, "checkpoint.host_gb: expected 0 \\(no bound\\) or a positive number of GB, found -1"),
     ],
 )
 def test_config_errors_name_the_key(changes, message):

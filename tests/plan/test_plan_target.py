@@ -4,10 +4,12 @@ devices; `train`/`submit` refuse a TPU or GPU launch whose step does not fit, be
 The plans run as the CLI does, in a child process without the tests' CPU compile flags."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from podtrain.launch import cli
@@ -98,6 +100,13 @@ def test_v5p_plan_of_llama3_tiny_reports_memory_traffic_and_estimate():
     tokens = 8 * 128
     assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / (r["step_s"] * 8 * CHIPS["v5p"].peak_flops))
     assert r["tokens_per_s"] == pytest.approx(tokens / r["step_s"])
+    # Host RAM: 2 hosts of 4 chips. Orbax's replica-parallel save splits each array of the state
+    # (params, two AdamW moments) evenly between them; a restore reads each device's shard.
+    host = t["host"]
+    params = sum(math.prod(row["shape"]) * np.dtype(row["dtype"]).itemsize for row in out["sharding"])
+    assert host["orbax"]["save_staging_bytes"] == pytest.approx(3 * params / 2, rel=1e-6)
+    assert host["orbax"]["restore_read_bytes"] == pytest.approx(3 * 4 * t["params_bytes"], rel=1e-6)
+    assert host["ram_bytes"] == 448 * GiB and host["fits"] and t["fits"]
 
 
 @needs_tpu

@@ -28,6 +28,11 @@ def test_the_adapters_that_fit_are_where_the_compiler_accepts_the_engine_and_ref
     held = report["base_bytes"] + 2 * report["adapters_bytes"] + report["adam_bytes"]
     assert all(p["peak_bytes"] >= held for p in report["programs"].values())
     assert report["programs"]["forward_backward"]["collective_bytes_per_token"] > 0  # fsdp=4 gathers
+    # Host RAM: an adapter's save gathers one slot's weights and both Adam moments (three times its
+    # weights) on every host, and their file's bytes; the base's import one parameter's shards.
+    host = report["host"]
+    assert host["ram_bytes"] == 192 * 2**30 and host["fits"]
+    assert host["phases"]["adapter save"] >= 2 * 3 * report["adapters_bytes"] // 8
     fit = report["adapters_that_fit"]
     n = fit["max_adapters"]
     assert fit["checked"] and fit["fits_at"][str(n)] and not fit["fits_at"][str(n + 1)]
