@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,6 +27,8 @@ from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import load_config, resolve_preset
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.config.validate import validate
+
+log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PODTRAIN_SERVE_API_KEY"
 
@@ -106,10 +110,12 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, eos = service_tokenizer(config)
-    if config.cluster.kind == "none":
+    c = config.cluster
+    if c.kind == "none":
         from podtrain.orchestrator.serve.engine import Engine
+        from podtrain.orchestrator.serve.watch import WatchedEngine
 
-        backend, gang = Engine(config, eos_token_ids=eos), None
+        backend, gang = WatchedEngine(Engine(config, eos_token_ids=eos), c.hang_timeout_s, c.compile_timeout_s), None
     else:
         from podtrain.orchestrator.serve.engine import serve_info
         from podtrain.orchestrator.serve.gang import GangBackend
@@ -117,12 +123,14 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
         info, targets = serve_info(config, eos)
         # Workers on other machines reach the channel on any interface; it admits only holders of
         # the job's key. Local hosts share this machine's loopback.
-        host = "127.0.0.1" if config.cluster.kind == "local" else "0.0.0.0"
-        c = config.cluster
+        host = "127.0.0.1" if c.kind == "local" else "0.0.0.0"
         # Steps wait for a gang while it starts, joins and builds its engine: each phase's bound.
-        backend = gang = GangBackend(info, targets, host=host, step_timeout_s=c.hang_timeout_s,
+        # A step that compiles is bounded by compile_timeout_s (the workers' heartbeats say which).
+        backend = gang = GangBackend(info, targets, host=host,
+                                     step_timeout_s=max(c.hang_timeout_s, c.compile_timeout_s),
                                      ready_timeout_s=c.start_timeout_s + c.init_timeout_s + c.restore_timeout_s)
-    app = create_app(backend, Store(run_dir), api_key=key, max_request_bytes=config.serve.max_request_bytes,
+    store = Store(run_dir)
+    app = create_app(backend, store, api_key=key, max_request_bytes=config.serve.max_request_bytes,
                      decode=tokenizer.decode if tokenizer else None, encode=tokenizer.encode if tokenizer else None,
                      autosave_every=config.serve.autosave_every)
     server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level="warning",
@@ -140,9 +148,7 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
     save = _saver(app.state.service.scheduler)
     try:
         if gang is None:
-            _wait_for_stop()
-            save(config.cluster.stop_grace_s)
-            return 0
+            return _serve_in_process(backend, store, save, c.stop_grace_s)
         gang.before_stop = save
         from podtrain.orchestrator.cluster.driver import Driver
         from podtrain.orchestrator.cluster.outcomes import JobStatus
@@ -167,12 +173,26 @@ def _saver(scheduler):
     return save
 
 
-def _wait_for_stop() -> None:
-    """Blocks until SIGTERM or Ctrl-C."""
+def _serve_in_process(watch, store, save, stop_grace_s: float, stop: threading.Event | None = None) -> int:
+    """Serves until SIGTERM or Ctrl-C (`stop`), then saves the adapters with unsaved steps (exit 0);
+    or until an engine step runs past its bound: nothing can end a step in this process, so the
+    service says what hangs and where, fails the requests waiting (clients are told, not left
+    polling) and exits 1 without saving (a supervisor's restart brings the adapters back from
+    their last saves)."""
     import signal
 
-    stop = threading.Event()
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: stop.set())
+    if stop is None:
+        stop = threading.Event()
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, lambda *_: stop.set())
     while not stop.wait(1.0):
-        pass
+        hung = watch.overdue()
+        if hung:
+            log.error("%s:\n%s", hung, watch.stack())
+            store.fail_pending_futures(f"{hung}; the service stops (cluster.kind=none cannot restart its engine)")
+            print(f"podtrain: error: {hung}; the service stops without saving: its adapters come back from their "
+                  "last saves when it starts again (cluster.kind=local restarts a hung engine by itself)",
+                  file=sys.stderr, flush=True)
+            return 1
+    save(stop_grace_s)
+    return 0

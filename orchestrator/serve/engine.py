@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import zlib
@@ -78,6 +79,8 @@ from podtrain.sharding.rules import use_rules
 STATE_FILE, ARRAYS_FILE = "adapter_state.json", "adapter.safetensors"
 # The smallest padded token count of a training row or a prompt.
 MIN_TOKENS = 16
+
+logger = logging.getLogger(__name__)
 
 
 def serve_info(config, eos_token_ids: tuple[int, ...] | None = None) -> tuple[BaseInfo, tuple[str, ...]]:
@@ -198,13 +201,37 @@ class Engine:
         return slot
 
     def _guarded(self, fn, works, group, results) -> None:
-        """Runs `fn` on the items `group`; a ServeError of the whole group goes to each of them."""
+        """Runs `fn` on the items `group`; a ServeError of the whole group goes to each of them.
+
+        Any other error of a group leaves the engine's arrays as they were (a program that ran has
+        replaced them, one that failed before running has not): the group's items are run again one
+        at a time, and one that fails alone gets the error, so one request that breaks the engine
+        fails by itself and the others (of the group, and of the call) get their results. An error
+        after which an array is gone (a program failed while running) is the engine's: it is raised."""
         try:
             fn(works, group, results)
         except ServeError as e:
             for index in group:
                 if results[index] is None:
                     results[index] = e
+        except Exception as e:
+            if not self._intact():
+                raise
+            left = [index for index in group if results[index] is None]
+            if len(left) > 1:
+                logger.warning("%d %s items failed together (%s: %s); each is run alone", len(left),
+                               type(works[left[0]]).__name__, type(e).__name__, e)
+                for index in left:
+                    self._guarded(fn, works, [index], results)
+            elif left:
+                work = works[left[0]]
+                logger.exception("the engine failed on %s of %r", type(work).__name__, work.model_id)
+                results[left[0]] = ServeError(f"the engine failed on this request, run alone (the other requests of "
+                                              f"its step ran): {type(e).__name__}: {e}", status=500)
+
+    def _intact(self) -> bool:
+        """Whether every array the engine holds is still there (none donated to a program that failed)."""
+        return not any(x.is_deleted() for x in jax.tree.leaves((self.adapters, self.rest, self.grads, self.adam)))
 
     # -- one item --
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from podtrain.orchestrator.common import protocol as p
 from podtrain.orchestrator.serve.checks import check_work
+from podtrain.orchestrator.serve.watch import TRACED_EVENT
 from podtrain.orchestrator.serve.work import BaseInfo, EngineLost, EngineRestarted, ServeError, Work
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ def serve_steps(engine, env, heartbeat: p.Heartbeat, grace_s: float = 120.0) -> 
     conn = Client((host, int(port)), authkey=bytes.fromhex(env[p.ENV_SERVE_AUTHKEY]))
     conn.send((rank, world))
     heartbeat.phase("serve")
+    compiles_in_steps(heartbeat)
     told, last_beat = False, time.monotonic()
     while True:
         if noticed and not told:  # the handler only takes note: the heartbeat is written here
@@ -228,8 +230,23 @@ def serve_steps(engine, env, heartbeat: p.Heartbeat, grace_s: float = 120.0) -> 
             return p.EXIT_PREEMPTED if noticed else p.EXIT_OK
         results = engine.run(works)
         heartbeat.step += 1
-        heartbeat.beat()
+        heartbeat.phase("serve")
         conn.send(results if rank == 0 else len(results))
+
+
+def compiles_in_steps(heartbeat: p.Heartbeat) -> None:
+    """A step that compiles (a program's first shape) says so in the heartbeat: phase `compile`
+    from its first trace to the step's end, bounded by `cluster.compile_timeout_s` instead of the
+    step's `hang_timeout_s`. Only this thread's traces count (not the compiles ahead)."""
+    import jax
+
+    thread = threading.get_ident()
+
+    def traced(event: str, _seconds: float, **_) -> None:
+        if event == TRACED_EVENT and threading.get_ident() == thread and heartbeat.current == "serve":
+            heartbeat.phase("compile")
+
+    jax.monitoring.register_event_duration_secs_listener(traced)
 
 
 def worker_main(config, run_dir: Path, env, heartbeat: p.Heartbeat) -> int:

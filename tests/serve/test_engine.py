@@ -20,6 +20,7 @@ from podtrain.orchestrator.serve.work import (
     ForwardBackwardResult,
     Load,
     OptimStep,
+    OptimStepResult,
     Sample,
     Save,
     ServeError,
@@ -173,6 +174,34 @@ def test_bad_items_are_refused_alone(engine):
     full = engine.run([Create(f"f{i}", 2, TARGETS) for i in range(4)])
     assert isinstance(full[-1], ServeError) and full[-1].status == 429 and "no free adapter slot" in str(full[-1])
     engine.run([Unload(m) for m in ("q", "f0", "f1", "f2")])
+
+
+def test_a_request_that_breaks_the_engine_fails_alone_and_the_others_get_their_results(engine, monkeypatch):
+    """An error that is not a refusal (a bug a request's data brings out, here injected) fails that
+    request alone: its step's other rows, and the call's other items, get what they would without it."""
+    vocab = engine.info().vocab_size
+    rng = np.random.default_rng(7)
+    engine.run([Create("ok", 2, TARGETS, seed=1), Create("bad", 2, TARGETS, seed=2)])
+    data = tuple(sft_datum(rng, n, vocab) for n in (7, 11))
+    model = single(engine, "ok")
+    passes = engine._passes
+
+    def breaks_on_bad(works, group, results):
+        if any(works[i].model_id == "bad" for i in group):
+            raise RuntimeError("boom")
+        return passes(works, group, results)
+
+    monkeypatch.setattr(engine, "_passes", breaks_on_bad)
+    out = engine.run([ForwardBackward("ok", data, "cross_entropy"), ForwardBackward("bad", data, "cross_entropy"),
+                      OptimStep("ok", ADAM), OptimStep("bad", ADAM)])
+    assert isinstance(out[1], ServeError) and out[1].status == 500 and str(out[1]).endswith("RuntimeError: boom")
+    lps, total = reference_losses(model, data)
+    for got, want in zip(out[0].outputs, lps, strict=True):
+        np.testing.assert_allclose(got["logprobs"], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[0].metrics["loss:sum"], total, rtol=1e-5)
+    assert isinstance(out[2], OptimStepResult) and isinstance(out[3], OptimStepResult)
+    assert out[2].metrics["grad_norm:mean"] > 0 and out[3].metrics["grad_norm:mean"] == 0  # bad had no gradient
+    engine.run([Unload("ok"), Unload("bad")])
 
 
 def test_steady_work_of_other_lengths_and_adapters_does_not_recompile(engine):

@@ -22,8 +22,19 @@ import os
 from podtrain.orchestrator.common.protocol import Heartbeat
 from podtrain.orchestrator.serve.gang import serve_steps
 
+if "HEARTBEAT" in os.environ:
+    import jax
+
+    INC = jax.jit(lambda x: x + 1)
+
 class Echo:
     def run(self, works):
+        for work in works:
+            if work.startswith("compile"):  # a program at a shape, compiled on its first use
+                import time
+                import numpy as np
+                INC(np.zeros(int(work.split()[1])))
+                time.sleep(1.5)
         return [f"rank {os.environ['PODTRAIN_PROCESS_ID']} ran {work}" for work in works]
 
 raise SystemExit(serve_steps(Echo(), os.environ, Heartbeat(os.environ.get("HEARTBEAT")),
@@ -81,6 +92,33 @@ def _raises(fn, *args) -> Exception | None:
     except Exception as error:
         return error
     return None
+
+
+@pytest.mark.slow
+def test_a_step_that_compiles_says_so_in_the_heartbeat_until_it_ends(tmp_path):
+    """The driver bounds a step that compiles by `cluster.compile_timeout_s`: the workers' heartbeats
+    say `compile` from the step's first trace to its end, and `serve` for a step that reuses its programs."""
+    backend = GangBackend(INFO, (), ready_timeout_s=60)
+    gang = start_gang(backend, HEARTBEAT=str(tmp_path / "rank{rank}.heartbeat"))
+    phases = {}
+
+    def watch(name):
+        time.sleep(0.8)  # inside the step's second and a half
+        phases[name] = [p.read_heartbeat(tmp_path / f"rank{rank}.heartbeat").phase for rank in (0, 1)]
+
+    try:
+        assert backend.run(["a"], generation=None) == ["rank 0 ran a"]  # the gang has joined
+        for name in ("first", "again"):
+            watcher = threading.Thread(target=watch, args=(name,))
+            watcher.start()
+            assert backend.run(["compile 3"], generation=1) == ["rank 0 ran compile 3"]
+            watcher.join()
+            assert [p.read_heartbeat(tmp_path / f"rank{rank}.heartbeat").phase for rank in (0, 1)] == ["serve"] * 2
+        assert phases == {"first": ["compile"] * 2, "again": ["serve"] * 2}
+    finally:
+        backend.stop()
+        for worker in gang:
+            worker.wait(30)
 
 
 @pytest.mark.slow
