@@ -90,16 +90,21 @@ def fake_tpu_slices(tmp_path, monkeypatch, num_slices):
         cluster.shutdown()
 
 
-def add_fake_slice(cluster, monkeypatch, s: int) -> None:
-    """Slice `s` (named slice-<s>): its two hosts' Ray nodes, kept in `cluster.slices[s]`."""
+def add_fake_slice(cluster, monkeypatch, s: int, second_host_path: str = "") -> None:
+    """Slice `s` (named slice-<s>): its two hosts' Ray nodes, kept in `cluster.slices[s]`;
+    `second_host_path` goes first on the second host's PYTHONPATH (a broken library there)."""
     # Ray names a reserved slice by the TPU_NAME its head host sees; raylets inherit this process's env.
     monkeypatch.setenv("TPU_NAME", f"slice-{s}")
     cluster.slices[s] = []
+    path = os.environ.get("PYTHONPATH", "")
     for worker in range(2):
         resources = {"TPU": 4, **({"TPU-v4-16-head": 1} if worker == 0 else {})}
         labels = {"ray.io/tpu-slice-name": f"slice-{s}", "ray.io/tpu-worker-id": str(worker),
                   "ray.io/tpu-pod-type": "v4-16", "ray.io/tpu-topology": "2x2x2"}
+        if worker == 1 and second_host_path:
+            monkeypatch.setenv("PYTHONPATH", f"{second_host_path}:{path}".rstrip(":"))
         cluster.slices[s].append(cluster.add_node(num_cpus=1, resources=resources, labels=labels))
+        monkeypatch.setenv("PYTHONPATH", path)
 
 
 def on_tpu(cluster, num_slices=1) -> list[str]:

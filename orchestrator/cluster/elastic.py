@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter
 
-from podtrain.orchestrator.cluster.reserve import ReservationError
+from podtrain.orchestrator.cluster.reserve import ReservationError, pod_type, slice_nodes
 from podtrain.orchestrator.config.schema import ClusterConfig, Config
-from podtrain.orchestrator.plan.targets import ray_tpu_version
 
-SLICE_LABEL = "ray.io/tpu-slice-name"
-POD_TYPE_LABEL = "ray.io/tpu-pod-type"
 GROW_CHECK_S = 5.0  # how often a job on fewer slices looks for free ones
 
 
@@ -45,24 +41,16 @@ def resized(config: Config, slices: int) -> Config | str:
         train=dataclasses.replace(train, grad_accum=train.grad_accum * full // slices))
 
 
-def _pod_type(cluster: ClusterConfig) -> str:
-    return f"{ray_tpu_version(cluster.tpu_type)}-{cluster.tpu_type.partition('-')[2]}"
-
-
 def whole_slices(cluster: ClusterConfig, hosts_per_slice: int) -> int:
     """Slices of `cluster.tpu_type` whose hosts are all alive (held or not)."""
-    import ray
-
-    hosts = Counter(n.get("Labels", {}).get(SLICE_LABEL) for n in ray.nodes()
-                    if n.get("Alive") and n.get("Labels", {}).get(POD_TYPE_LABEL) == _pod_type(cluster))
-    return sum(1 for name, count in hosts.items() if name and count >= hosts_per_slice)
+    return sum(1 for nodes in slice_nodes(cluster).values() if len(nodes) >= hosts_per_slice)
 
 
 def free_slices(cluster: ClusterConfig, hosts_per_slice: int) -> int:
     """Whole slices whose head nobody holds (Ray frees a released slice's head a little later)."""
     import ray
 
-    free_heads = int(ray.available_resources().get(f"TPU-{_pod_type(cluster)}-head", 0))
+    free_heads = int(ray.available_resources().get(f"TPU-{pod_type(cluster)}-head", 0))
     return min(whole_slices(cluster, hosts_per_slice), free_heads)
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from typing import Any
 
 from podtrain.orchestrator.cluster.host import HostActor
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.common.protocol import ENV_LOCAL_DEVICE_IDS
 from podtrain.orchestrator.config.schema import ClusterConfig, Config
-from podtrain.orchestrator.plan.targets import ray_tpu_version, tpu_chips, tpu_topology
+from podtrain.orchestrator.plan.targets import parse_target, ray_tpu_version, tpu_chips, tpu_topology
 
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host
 
@@ -88,6 +89,61 @@ class Gang:
 
 
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node's own label
+# What Ray's TPU support labels a TPU host's node with.
+SLICE_LABEL = "ray.io/tpu-slice-name"
+POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+HEAD_TRY_S = 0.5  # how long to try for one slice's head before the next slice
+
+
+def pod_type(cluster: ClusterConfig) -> str:
+    """The slice type as Ray's labels and head resources name it (`v5e-16` -> `v5litepod-16`)."""
+    return f"{ray_tpu_version(cluster.tpu_type)}-{cluster.tpu_type.partition('-')[2]}"
+
+
+def slice_nodes(cluster: ClusterConfig) -> dict[str, list[str]]:
+    """Each slice of `cluster.tpu_type`: the node ids of its hosts that are alive."""
+    import ray
+
+    slices: dict[str, list[str]] = {}
+    for node in ray.nodes():
+        labels = node.get("Labels", {})
+        if node.get("Alive") and labels.get(POD_TYPE_LABEL) == pod_type(cluster) and labels.get(SLICE_LABEL):
+            slices.setdefault(labels[SLICE_LABEL], []).append(node["NodeID"])
+    return slices
+
+
+def _hold_heads(cluster: ClusterConfig, exclude: frozenset[str], hosts_per_slice: int) -> dict[str, Any]:
+    """The heads of `cluster.num_slices` whole slices none of whose hosts `exclude` names, held as
+    Ray's own slice reservation holds them (a placement group on the slice's head resource): slice
+    name -> its head's placement group. ReservationError when they are not all held within
+    `cluster.reserve_timeout_s`."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pod, held = pod_type(cluster), {}
+    deadline = time.monotonic() + cluster.reserve_timeout_s
+    while len(held) < cluster.num_slices:
+        for name, nodes in sorted(slice_nodes(cluster).items()):
+            if len(held) == cluster.num_slices:
+                break
+            if name in held or len(nodes) < hosts_per_slice or exclude & set(nodes):
+                continue
+            head = placement_group([{f"TPU-{pod}-head": 1}], bundle_label_selector=[
+                {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: pod, SLICE_LABEL: name}])
+            if ray.wait([head.ready()], timeout=HEAD_TRY_S)[0]:
+                held[name] = head
+            else:
+                remove_placement_group(head)
+        if len(held) < cluster.num_slices:
+            if time.monotonic() > deadline:
+                for head in held.values():
+                    remove_placement_group(head)
+                raise ReservationError(f"could not reserve {cluster.num_slices} x {cluster.tpu_type} without the "
+                                       "quarantined hosts within cluster.reserve_timeout_s="
+                                       f"{cluster.reserve_timeout_s:g}s")
+            time.sleep(1.0)
+    return held
 
 
 def _bundles(cluster: ClusterConfig) -> tuple[list[dict], str, dict]:
@@ -116,23 +172,39 @@ def _wait_ready(pgs: list, cluster: ClusterConfig, what: str) -> None:
         ) from None
 
 
-def _reserve_slices(cluster: ClusterConfig, name: str) -> Any:
-    """Ray's `SlicePlacementGroup` for `cluster.num_slices` slices of `cluster.tpu_type`, one group per slice."""
+def _reserve_slices(cluster: ClusterConfig, name: str, exclude: frozenset[str]) -> tuple[Any, list]:
+    """Ray's `SlicePlacementGroup` for `cluster.num_slices` slices of `cluster.tpu_type`, one group
+    per slice, and the heads held for it. With `exclude` (quarantined hosts), only slices none of
+    whose hosts it names: a single-host slice by its node, a multi-host one by its name, its head
+    held here first (a slice is one ICI domain: a host cannot be swapped out of it)."""
+    from ray.util.placement_group import remove_placement_group
     from ray.util.tpu import SlicePlacementGroup
 
     what = f"cluster.tpu_type={cluster.tpu_type!r}, cluster.tpu_topology={cluster.tpu_topology!r}"
+    heads, selector = {}, None
+    hosts_per_slice = max(1, parse_target(cluster.tpu_type, key="cluster.tpu_type").hosts)
+    if exclude and hosts_per_slice == 1:
+        selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(exclude))})"}] * cluster.num_slices
+    elif exclude:
+        heads = _hold_heads(cluster, exclude, hosts_per_slice)
+        selector = [{SLICE_LABEL: slice_name} for slice_name in heads for _ in range(hosts_per_slice)]
     try:
         return SlicePlacementGroup(
             topology=cluster.tpu_topology or tpu_topology(cluster.tpu_type),
             accelerator_version=ray_tpu_version(cluster.tpu_type), num_slices=cluster.num_slices,
             resources_per_bundle={"CPU": cluster.cpus_per_host} if cluster.cpus_per_host else None,
             head_reservation_timeout_s=cluster.reserve_timeout_s, pg_per_slice=True, name=name,
-        )
-    except ValueError as error:  # a topology Ray does not know for this TPU generation
-        raise ConfigError(f"{what}: not a slice Ray can reserve: {error}") from None
-    except (TimeoutError, RuntimeError) as error:  # no free slice (its head resource) within the timeout
-        raise ReservationError(f"could not reserve {cluster.num_slices} x {cluster.tpu_type} within "
-                               f"cluster.reserve_timeout_s={cluster.reserve_timeout_s:g}s: {error}") from None
+            bundle_label_selector=selector,
+        ), list(heads.values())
+    except BaseException as error:
+        for head in heads.values():
+            remove_placement_group(head)
+        if isinstance(error, ValueError):  # a topology Ray does not know for this TPU generation
+            raise ConfigError(f"{what}: not a slice Ray can reserve: {error}") from None
+        if isinstance(error, TimeoutError | RuntimeError):  # no free slice (its head) within the timeout
+            raise ReservationError(f"could not reserve {cluster.num_slices} x {cluster.tpu_type} within "
+                                   f"cluster.reserve_timeout_s={cluster.reserve_timeout_s:g}s: {error}") from None
+        raise
 
 
 def _host_infos(gang: Gang, cluster: ClusterConfig) -> list[dict]:
@@ -152,15 +224,16 @@ def _host_infos(gang: Gang, cluster: ClusterConfig) -> list[dict]:
 
 def reserve(cluster: ClusterConfig, name: str, exclude: frozenset[str] = frozenset()) -> Gang:
     """Reserves the whole gang for one attempt and starts one host actor per host (rank order),
-    on none of the Ray nodes `exclude` names (quarantined hosts; local and GPU kinds)."""
+    on none of the Ray nodes `exclude` names (quarantined hosts; for TPUs, none of their slices)."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     remote_host = ray.remote(max_restarts=0, max_concurrency=4)(HostActor)
     slice_handles, placements = [], []  # placements: (pg, bundle index, actor options, slice index)
+    heads = []  # slice heads held here (released with the gang)
     if cluster.kind == "tpu":
-        handle = _reserve_slices(cluster, name)
+        handle, heads = _reserve_slices(cluster, name, exclude)
         slice_handles.append(handle)
         pgs = handle.slice_placement_groups
         tpus = handle.bundle_resources.get("TPU", 0)
@@ -179,6 +252,8 @@ def reserve(cluster: ClusterConfig, name: str, exclude: frozenset[str] = frozens
     except BaseException:
         for handle in slice_handles:
             handle.shutdown()
+        for head in heads:
+            remove_placement_group(head)
         raise
     actors = [
         remote_host.options(
@@ -186,7 +261,7 @@ def reserve(cluster: ClusterConfig, name: str, exclude: frozenset[str] = frozens
         ).remote(rank)
         for rank, (pg, b, options, _) in enumerate(placements)
     ]
-    gang = Gang(actors, pgs, [], [], [pl[3] for pl in placements], slice_handles)
+    gang = Gang(actors, [*pgs, *heads], [], [], [pl[3] for pl in placements], slice_handles)
     gang.infos = _host_infos(gang, cluster)
     if cluster.kind == "tpu":  # ranks follow the TPU worker ids within each slice (worker 0 coordinates)
         order = sorted(range(len(actors)), key=lambda r: (

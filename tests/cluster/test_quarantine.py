@@ -1,5 +1,5 @@
 """A host whose workers always crash is left out of the next reservations, on a Ray cluster of
-several nodes (raylets on this machine, as Ray's own cluster tests run them)."""
+several nodes (raylets on this machine, as Ray's own cluster tests run them); on TPUs, its whole slice."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_fixtures import env, finish, start, train_command
+from cluster_fixtures import add_fake_slice, env, fake_tpu_slices, finish, job, on_tpu, start, train_command
 from xla_flags import xla_flags
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -59,3 +59,34 @@ def test_a_host_whose_workers_crash_twice_is_quarantined_and_the_job_waits_for_a
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_tpu_slice_with_a_host_whose_workers_crash_is_left_out_whole_until_another_slice_comes(
+        tmp_path, monkeypatch):
+    """One v4-16 slice (2 hosts) whose second host's workers die at `import jax`: two crashes
+    blame that host; the next reservation takes no slice it is in (a slice is one ICI domain), waits
+    for another slice, and trains on the one that joins."""
+    broken = tmp_path / "broken" / "jax"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("import os\nos.abort()\n")
+    with fake_tpu_slices(tmp_path, monkeypatch, 0) as cluster:
+        add_fake_slice(cluster, monkeypatch, 0, second_host_path=str(broken.parent))
+        cluster.wait_for_nodes()
+        bad = cluster.slices[0][1]
+        run_dir = tmp_path / "tpu-quarantine"
+        proc = start(train_command(run_dir, 4, *on_tpu(cluster)), tmp_path,
+                     run_dir.name)
+        log = tmp_path / f"{run_dir.name}-driver.log"
+        deadline = time.time() + 240
+        while "reserving without the quarantined hosts" not in log.read_text():
+            assert time.time() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(3)
+        assert "attempt 3: reserved" not in log.read_text()  # it waits: no slice without that host
+        add_fake_slice(cluster, monkeypatch, 1)
+        out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("ended: crash") == 2, out[-4000:]  # the third attempt, on slice-1, did not crash
+    assert f"(node {bad.node_id[:8]}) is left out of the next reservations" in out, out[-4000:]
+    record = job(run_dir)
+    assert [q["node"] for q in record["quarantined"]] == [bad.node_id] and record["status"] == "succeeded", record
