@@ -231,6 +231,54 @@ def test_a_rank_stopped_at_start_then_mid_run_then_a_lost_host_each_restart_the_
     assert {a: f["restart_s"] for a, f in failures.items()} == {a["attempt"]: a["restart_s"] for a in history[:3]}
 
 
+# Loaded by every worker of the test below (on its PYTHONPATH): rank 1 stops itself (SIGSTOP) as it
+# enters one phase per attempt, as a host that freezes there would.
+STOP_IN_PHASE = """
+import os, signal
+PHASE = {"1": "restore", "2": "compile", "3": "save", "4": "commit"}.get(os.environ.get("PODTRAIN_ATTEMPT", ""))
+if PHASE and os.environ.get("PODTRAIN_PROCESS_ID") == "1":
+    from podtrain.orchestrator.common import protocol
+
+    enter = protocol.Heartbeat.phase
+
+    def enter_then_stop(self, name):
+        enter(self, name)
+        if name == PHASE:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    protocol.Heartbeat.phase = enter_then_stop
+"""
+
+
+def test_a_rank_stopped_in_restore_compile_save_and_commit_is_named_in_each_phases_own_time(tmp_path):
+    """Rank 1 stops in a new phase each attempt: restoring, compiling, saving, waiting for the commit.
+    Each attempt ends as a hang of that phase once its own timeout is past, naming rank 1 as stopped;
+    the fifth attempt finishes, and every step trained twice has the same loss both times."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STOP_IN_PHASE)
+    run_dir = tmp_path / "phases"
+    timeouts = {"restore": 15, "compile": 30, "save": 10, "commit": 10}
+    proc = start_train(tmp_path, run_dir, 8, *TWO_HOSTS[:3], "cluster.init_timeout_s=60",
+                       *(f"cluster.{phase}_timeout_s={t}" for phase, t in timeouts.items()),
+                       "cluster.hang_timeout_s=30", "cluster.max_failures=4", f"cluster.env.PYTHONPATH={hook}:{ROOT}",
+                       every=4)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    history = job(run_dir)["history"]
+    assert [(a["ended"], a["rank"], a["phase"]) for a in history] == [
+        ("hang", 1, phase) for phase in timeouts] + [("done", None, None)], history
+    for attempt, (phase, timeout) in enumerate(timeouts.items(), 1):
+        assert re.search(rf"attempt {attempt} ended: hang \(rank 1\): rank 1's process is stopped .*; "
+                         rf"phase {phase} ran past cluster.{phase}_timeout_s={timeout}s", out), (phase, out[-4000:])
+        assert history[attempt - 1]["detect_s"] <= timeout + 15, history[attempt - 1]  # found within its timeout
+    seen: dict[int, float] = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        assert seen.setdefault(record["step"], record["loss"]) == record["loss"], record  # bit-exact when redone
+    assert sorted(seen) == list(range(1, 9))
+    assert_no_worker_left(run_dir)
+
+
 # A user's chat template with a bug: it divides by zero on one conversation (Python's error, not Jinja's).
 BUGGY_TEMPLATE = ("{% for m in messages %}{% if 'boom' in m['content'] %}{{ 1 // 0 }}{% endif %}"
                   "{{ m['role'][0] + ': ' + m['content'] + '\\n' }}{% endfor %}")

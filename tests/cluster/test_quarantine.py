@@ -13,6 +13,15 @@ from xla_flags import xla_flags
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+def waits_without_the_quarantined(log: Path, proc) -> None:
+    """Until the driver reserves without the quarantined hosts, and a little after (it waits)."""
+    deadline = time.time() + 240
+    while "reserving without the quarantined hosts" not in log.read_text():
+        assert time.time() < deadline and proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
+    time.sleep(3)
+
+
 def test_a_host_whose_workers_crash_twice_is_quarantined_and_the_job_waits_for_a_spare(tmp_path, monkeypatch):
     """Two nodes of one CPU each: the second one's workers die at `import jax` (a broken library on
     that host). Two crashes blame it; the third reservation leaves it out, waits (no spare), and
@@ -39,13 +48,8 @@ def test_a_host_whose_workers_crash_twice_is_quarantined_and_the_job_waits_for_a
                                    "cluster.cpus_per_host=1", f"cluster.address={cluster.address}",
                                    "cluster.init_timeout_s=60", "cluster.reserve_timeout_s=240",
                                    f"cluster.env.XLA_FLAGS={xla_flags(2)}"), tmp_path, run_dir.name)
-        log = tmp_path / f"{run_dir.name}-driver.log"
-        deadline = time.time() + 240
-        while "reserving without the quarantined hosts" not in log.read_text():
-            assert time.time() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.5)
-        time.sleep(3)
-        assert "attempt 3: reserved" not in log.read_text()  # it waits: no spare host yet
+        waits_without_the_quarantined(tmp_path / f"{run_dir.name}-driver.log", proc)
+        assert "attempt 3: reserved" not in (tmp_path / f"{run_dir.name}-driver.log").read_text()  # no spare yet
         cluster.add_node(num_cpus=1)
         out = finish(proc)
         assert proc.returncode == 0, out[-4000:]
@@ -74,15 +78,9 @@ def test_a_tpu_slice_with_a_host_whose_workers_crash_is_left_out_whole_until_ano
         cluster.wait_for_nodes()
         bad = cluster.slices[0][1]
         run_dir = tmp_path / "tpu-quarantine"
-        proc = start(train_command(run_dir, 4, *on_tpu(cluster)), tmp_path,
-                     run_dir.name)
-        log = tmp_path / f"{run_dir.name}-driver.log"
-        deadline = time.time() + 240
-        while "reserving without the quarantined hosts" not in log.read_text():
-            assert time.time() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.5)
-        time.sleep(3)
-        assert "attempt 3: reserved" not in log.read_text()  # it waits: no slice without that host
+        proc = start(train_command(run_dir, 4, *on_tpu(cluster)), tmp_path, run_dir.name)
+        waits_without_the_quarantined(tmp_path / f"{run_dir.name}-driver.log", proc)
+        assert "attempt 3: reserved" not in (tmp_path / f"{run_dir.name}-driver.log").read_text()  # no other slice
         add_fake_slice(cluster, monkeypatch, 1)
         out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
