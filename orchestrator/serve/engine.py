@@ -457,8 +457,10 @@ class Engine:
                  "model_type": self.config.model.model_type, "base_model": self._info.base_model}
         writer = jax.process_index() == 0
         final = Path(work.path)
-        partial = final.with_name(final.name + ".partial")
+        partial, previous = final.with_name(final.name + ".partial"), _previous(final)
         if writer:
+            if previous.exists() and not final.exists():  # a save that stopped between its renames
+                os.replace(previous, final)
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
             save_file(arrays, str(partial / ARRAYS_FILE))
@@ -468,13 +470,17 @@ class Engine:
             lora = LoRAConfig(rank=slot.rank, alpha=self.config.serve.lora_alpha, targets=slot.targets)
             view = slot_view(self.model, slot.index, slot.rank, lora.alpha, slot.targets)
             to_peft(view, self.config.model, lora, partial, base=self._info.base_model)  # process 0 writes
-        if writer:
+        if writer:  # the previous save stays whole until the new one is in its place
+            shutil.rmtree(previous, ignore_errors=True)
             if final.exists():
-                shutil.rmtree(final)
+                os.replace(final, previous)
             os.replace(partial, final)
+            shutil.rmtree(previous, ignore_errors=True)
 
     def _load(self, work: Load) -> LoadResult:
         path = Path(work.path)
+        if not path.exists() and _previous(path).exists():  # a save stopped between its renames
+            path = _previous(path)
         try:
             state = json.loads((path / STATE_FILE).read_text())
             arrays = load_file(str(path / ARRAYS_FILE))
@@ -520,3 +526,7 @@ class Engine:
         self.loaded[work.model_id] = slot
         return LoadResult(rank, targets, slot.steps)
 
+
+def _previous(path: Path) -> Path:
+    """Where a save keeps the save it replaces until the new one is in place."""
+    return path.with_name(path.name + ".previous")

@@ -99,9 +99,17 @@ def _datum(index: int, datum: WireDatum) -> Datum:
     other = [kind for kind in datum.chunk_kinds if kind != "encoded_text"]
     if other:
         raise not_supported(f"{where}.model_input: {other[0]} chunks (only encoded text)")
-    targets = datum.inputs.get("target_tokens")
-    if targets is not None and not np.issubdtype(targets.dtype, np.integer):
-        raise ServeError(f"{where}.loss_fn_inputs['target_tokens']: expected int64 token ids, found {targets.dtype}")
+    for name, array in datum.inputs.items():
+        field = f"{where}.loss_fn_inputs['{name}']"
+        if name == "target_tokens":
+            if not np.issubdtype(array.dtype, np.integer):
+                raise ServeError(f"{field}: expected int64 token ids, found {array.dtype}")
+        elif not np.issubdtype(array.dtype, np.floating):
+            raise ServeError(f"{field}: expected float32 values, found {array.dtype}")
+        elif not np.isfinite(array).all():
+            bad = array[~np.isfinite(array)][0]
+            raise ServeError(f"{field}: expected finite numbers, found {bad} at index "
+                             f"{int(np.flatnonzero(~np.isfinite(array.ravel()))[0])}")
     inputs = {name: array.astype(np.int64 if name == "target_tokens" else np.float32)
               for name, array in datum.inputs.items()}
     return Datum(tokens=datum.tokens.astype(np.int64), inputs=inputs)

@@ -168,10 +168,20 @@ def decode_forward_backward(body: bytes) -> WireForwardBackward:
     return WireForwardBackward(message.model_id, message.seq_id, message.loss_fn, config, message.forward_only, data)
 
 
+def _buffer(where: str, data: bytes, dtype) -> np.ndarray:
+    """`data` as an array of `dtype`; a ServeError naming the field when its length is not a
+    whole number of elements."""
+    dtype = np.dtype(dtype)
+    if len(data) % dtype.itemsize:
+        raise ServeError(f"{where}: {len(data)} bytes are not a whole number of {dtype.name} values "
+                         f"({dtype.itemsize} bytes each)")
+    return np.frombuffer(data, dtype)
+
+
 def _datum(pb, index: int, datum) -> WireDatum:
     kinds = tuple(chunk.WhichOneof("chunk") or "empty" for chunk in datum.model_input)
-    texts = [np.frombuffer(chunk.encoded_text.tokens, np.int32) for chunk in datum.model_input
-             if chunk.WhichOneof("chunk") == "encoded_text"]
+    texts = [_buffer(f"data[{index}].model_input.chunks[{i}].tokens", chunk.encoded_text.tokens, np.int32)
+             for i, chunk in enumerate(datum.model_input) if chunk.WhichOneof("chunk") == "encoded_text"]
     tokens = np.concatenate(texts) if texts else np.zeros((0,), np.int32)
     inputs = {name: _tensor(pb, f"data[{index}].loss_fn_inputs['{name}']", tensor)
               for name, tensor in datum.loss_fn_inputs.items()}
@@ -186,7 +196,7 @@ def _tensor(pb, where: str, tensor) -> np.ndarray:
     shape = tuple(tensor.shape)
     if tensor.WhichOneof("encoding") == "sparse_csr":
         return _dense_from_csr(where, tensor.sparse_csr, dtype, shape)
-    values = np.frombuffer(tensor.dense, dtype)
+    values = _buffer(where, tensor.dense, dtype)
     if shape and int(np.prod(shape)) != values.size:
         raise ServeError(f"{where}: shape {list(shape)} does not match its {values.size} values")
     return values.reshape(shape) if shape else values
@@ -195,11 +205,14 @@ def _tensor(pb, where: str, tensor) -> np.ndarray:
 def _dense_from_csr(where: str, csr, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     if len(shape) != 2:
         raise ServeError(f"{where}: a sparse tensor needs a 2-D shape, found {list(shape)}")
-    values = np.frombuffer(csr.values, dtype)
-    rows = np.frombuffer(csr.crow_indices, np.int64)
-    cols = np.frombuffer(csr.col_indices, np.int64)
-    if len(rows) != shape[0] + 1 or len(cols) != len(values) or (len(cols) and cols.max() >= shape[1]):
-        raise ServeError(f"{where}: sparse indices do not fit shape {list(shape)}")
+    values = _buffer(f"{where}.values", csr.values, dtype)
+    rows = _buffer(f"{where}.crow_indices", csr.crow_indices, np.int64)
+    cols = _buffer(f"{where}.col_indices", csr.col_indices, np.int64)
+    # Row pointers from 0 to the number of values, never decreasing; columns within the shape.
+    if (len(rows) != shape[0] + 1 or len(cols) != len(values) or rows[0] != 0 or rows[-1] != len(values)
+            or (np.diff(rows) < 0).any() or (len(cols) and (cols.min() < 0 or cols.max() >= shape[1]))):
+        raise ServeError(f"{where}: sparse indices do not fit shape {list(shape)} (row pointers from 0 to the "
+                         f"{len(values)} values, never decreasing; columns in [0, {shape[1]}))")
     dense = np.zeros(shape, dtype)
     dense[np.repeat(np.arange(shape[0]), np.diff(rows)), cols] = values
     return dense

@@ -429,6 +429,46 @@ def test_raw_requests(url, client):
     assert httpx.post(finish, headers=headers, json={"reason": {"type": "errored"}}).status_code == 200
 
 
+def _protobuf_request(weights: dict) -> bytes:
+    """A forward_backward request as the SDK encodes it, with the weights tensor given as fields."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    message = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    datum = message.data.add()
+    datum.model_input.add().encoded_text.tokens = np.array([2, 3], np.int32).tobytes()
+    targets = datum.loss_fn_inputs["target_tokens"]
+    targets.dtype, targets.dense = pb.DTYPE_INT64, np.array([3, 4], np.int64).tobytes()
+    targets.shape.append(2)
+    tensor = datum.loss_fn_inputs["weights"]
+    tensor.dtype = pb.DTYPE_FLOAT32
+    tensor.shape.extend(weights.pop("shape"))
+    if "dense" in weights:
+        tensor.dense = weights["dense"]
+    else:
+        for key, value in weights.items():
+            setattr(tensor.sparse_csr, key, value)
+    return message.SerializeToString()
+
+
+@pytest.mark.parametrize("weights, message", [
+    ({"shape": [2], "dense": b"\0" * 5}, "data[0].loss_fn_inputs['weights']: 5 bytes are not a whole number of "
+                                         "float32 values (4 bytes each)"),
+    ({"shape": [1, 2], "values": np.ones(1, np.float32).tobytes(), "crow_indices": np.array([0, 1]).tobytes(),
+      "col_indices": np.array([-1]).tobytes()}, "data[0].loss_fn_inputs['weights']: sparse indices do not fit shape"),
+    ({"shape": [1, 2], "values": np.ones(1, np.float32).tobytes(), "crow_indices": np.array([0, 1]).tobytes(),
+      "col_indices": np.array([2]).tobytes()}, "columns in [0, 2)"),
+    ({"shape": [1, 2], "values": np.ones(1, np.float32).tobytes(), "crow_indices": np.array([1, 0]).tobytes(),
+      "col_indices": np.array([0]).tobytes()}, "row pointers from 0 to the 1 values"),
+])
+def test_malformed_tensors_on_the_wire_are_a_400_naming_the_field(url, client, weights, message):
+    """Buffers the SDK would not send (a 5xx would make it retry): each one a 400, the next client served."""
+    headers = {"X-API-Key": KEY, "Content-Type": "application/x-protobuf"}
+    answer = httpx.post(f"{url}/api/v1/forward_backward", headers=headers, content=_protobuf_request(weights))
+    assert answer.status_code == 400 and message in answer.text, answer.text
+    other = client.create_lora_training_client(base_model=BASE, rank=2).result()
+    assert len(other.forward(DATA, "cross_entropy").result().loss_fn_outputs) == 2
+
+
 def test_without_an_api_key_every_caller_is_served(info, tmp_path):
     from fastapi.testclient import TestClient
 
@@ -480,6 +520,11 @@ BAD_REQUESTS: dict[str, tuple[Callable, str]] = {
     "sequence too long": (_train([datum([2] * 257, [3] * 257)]), "257 tokens exceed serve.max_seq_len (256)"),
     "sampled sequence too long": (_sample_too_long, "exceeds the 128 tokens a sampled sequence may hold "
                                                     "(serve.max_sample_tokens)"),
+    "NaN weight": (_train([datum([2, 3], [3, 4], [float("nan"), 1.0])]),
+                   "data[0].loss_fn_inputs['weights']: expected finite numbers, found nan at index 0"),
+    "integer weights": (_train([types.Datum(model_input=types.ModelInput.from_ints([2, 3]), loss_fn_inputs={
+        "target_tokens": np.array([3, 4]), "weights": np.array([1, 1], np.int64)})]),
+        "data[0].loss_fn_inputs['weights']: expected float32 values, found int64"),
     "body over the limit": (_train([datum([2] * 800, [3] * 800)]), f"request body: expected at most {MAX_BYTES} bytes"),
     "image input": (_train([_image_datum()]), "image chunks (only encoded text) is not supported"),
     "empty stop string": (_sample_until_nothing, "sampling_params.stop: a stop string must not be empty"),

@@ -149,6 +149,36 @@ def test_saved_state_comes_back_with_the_same_logprobs_and_next_step(engine, tmp
     engine.run([Unload("x"), Unload("y")])
 
 
+def test_a_save_stopped_between_its_renames_leaves_the_previous_save_loadable(engine, tmp_path, monkeypatch):
+    """A save writes the new state beside the old and swaps them: killed before the new one is in
+    place, the old one is still there to load, and the next save completes the swap."""
+    import os
+
+    vocab = engine.info().vocab_size
+    rng = np.random.default_rng(9)
+    data = tuple(sft_datum(rng, 9, vocab) for _ in range(2))
+    path = tmp_path / "state"
+    engine.run([Create("s", 2, TARGETS, seed=4), Save("s", str(path), optimizer=True),
+                ForwardBackward("s", data, "cross_entropy"), OptimStep("s", ADAM)])
+    replace = os.replace
+
+    def killed_before_the_new_is_in_place(src, dst):
+        if str(src).endswith(".partial"):
+            raise SystemExit("killed")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_before_the_new_is_in_place)
+    with pytest.raises(SystemExit):
+        engine.run([Save("s", str(path), optimizer=True)])
+    monkeypatch.setattr(os, "replace", replace)
+    loaded = engine.run([Load("back", str(path), optimizer=True)])[0]
+    assert loaded.steps == 0  # the first save, whole
+    engine.run([Save("s", str(path), optimizer=True)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+    assert engine.run([Load("again", str(path), optimizer=True)])[0].steps == 1
+    engine.run([Unload("s"), Unload("back"), Unload("again")])
+
+
 def test_bad_items_are_refused_alone(engine):
     vocab = engine.info().vocab_size
     rng = np.random.default_rng(3)
