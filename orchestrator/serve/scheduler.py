@@ -310,12 +310,20 @@ class Scheduler:
 
     def _plan(self, jobs: list[Job]) -> tuple[list[Work], list[Job | None]]:
         """The works to run, with the sampler-slot loads and unloads they need; per work, its job
-        (None for those slot works)."""
+        (None for those slot works). Sampler snapshots only cache saved weights: a new adapter that
+        finds every slot taken gets the slot of one this step does not sample from."""
         needed = {job.sampler_dir for job in jobs if job.sampler_dir is not None}
+        live = {m.model_id for m in self._store.models() if m.state == "live"}
         works: list[Work] = []
         owners: list[Job | None] = []
         for job in jobs:
             work = job.work
+            if job.sampler_dir is None and isinstance(work, Create | Load) and work.model_id not in live:
+                idle = [d for d in self._slots if d not in needed]
+                if len(live) + len(self._slots) >= self._backend.info().max_adapters and idle:
+                    works.append(Unload(model_id=self._slots.pop(idle[0])))
+                    owners.append(None)
+                live.add(work.model_id)
             if job.sampler_dir is not None:
                 slot, loads = self._slot_for(job.sampler_dir, needed)
                 works += loads

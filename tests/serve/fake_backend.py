@@ -88,7 +88,6 @@ class FakeBackend:
         if isinstance(work, Create):
             if work.model_id in self.adapters:
                 raise ServeError(f"model {work.model_id!r} already has an adapter")
-            self._need_room()
         elif isinstance(work, Load) and not (Path(work.path) / "adapter.npz").exists():
             raise ServeError(f"path: no saved adapter in {work.path}")
 
@@ -127,6 +126,7 @@ class FakeBackend:
 
     def _create(self, work: Create) -> None:
         self.check(work)
+        self._need_room()  # as the engine: a free slot is found when the step runs
         self.adapters[work.model_id] = _Adapter(work.rank, work.targets, np.zeros(self._info.vocab_size, np.float32))
 
     def _forwardbackward(self, work: ForwardBackward) -> ForwardBackwardResult:

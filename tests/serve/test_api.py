@@ -552,6 +552,26 @@ def test_bad_requests_fail_quickly_with_their_reason(case, clients, client):
     assert len(other.forward(DATA, "cross_entropy").result().loss_fn_outputs) == 2
 
 
+def test_sampler_snapshots_give_their_slots_to_new_adapters(info, tmp_path):
+    """Snapshots for sampling only cache saved weights: with every slot taken by an adapter and two
+    snapshots, new adapters still get slots (the snapshots' first), and a snapshot loads again when
+    sampled."""
+    with running(FakeBackend(replace(info, max_adapters=3)), Store(tmp_path)) as url, session(url) as client:
+        trainer = client.create_lora_training_client(base_model=BASE, rank=2).result()
+        prompt, params = types.ModelInput.from_ints([2, 3]), types.SamplingParams(max_tokens=2, seed=1)
+        paths = [trainer.save_weights_for_sampler(name).result().path for name in ("a", "b")]
+        samplers = [client.create_sampling_client(model_path=path).result() for path in paths]
+        first = [s.tokens for s in samplers[0].sample(prompt, 1, params).result().sequences]
+        samplers[1].sample(prompt, 1, params).result()
+        others = [client.create_lora_training_client(base_model=BASE, rank=2).result() for _ in range(2)]
+        for other in others:
+            assert len(other.forward(DATA, "cross_entropy").result().loss_fn_outputs) == 2
+        unload = httpx.post(f"{url}/api/v1/unload_model", headers={"X-API-Key": KEY},
+                            json={"model_id": others[1].model_id}).json()
+        httpx.post(f"{url}/api/v1/retrieve_future", headers={"X-API-Key": KEY}, json=unload)
+        assert [s.tokens for s in samplers[0].sample(prompt, 1, params).result().sequences] == first
+
+
 def test_an_engine_refusal_comes_back_in_the_future(info, tmp_path):
     with running(FakeBackend(replace(info, max_adapters=1)), Store(tmp_path)) as url, session(url) as client:
         trainer = client.create_lora_training_client(base_model=BASE, rank=2).result()
