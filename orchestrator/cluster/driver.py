@@ -186,8 +186,13 @@ class Driver:
                                           _last_checkpoint(self.config, self.run_dir), str(self.run_dir)))
             raise result
         self._write_job(result)
+        first = self.history[0].attempt if self.history else 1
+        last = first + result.attempts - 1
+        # A run directory's attempts are numbered across its jobs (a resumed run, a restarted service).
+        numbered = "" if first == 1 else f" (attempt{'s' if last > first else ''} {first}" + (
+            f"-{last}" if last > first else "") + " of this run directory)"
         self.say(f"job {result.status}: {result.reason}; last step {result.last_step}, last checkpoint "
-                 f"{result.last_checkpoint}, attempts {result.attempts}, restarts {result.restarts}")
+                 f"{result.last_checkpoint}, attempts {result.attempts}{numbered}, restarts {result.restarts}")
         return result
 
     def _write_job(self, result: JobResult) -> None:

@@ -169,6 +169,9 @@ def test_a_host_lost_while_the_gang_starts_and_the_wait_for_capacity_draw_on_pre
     assert job["restarts"] == {"node_lost": 1, "reservation": 2}, job
     assert job["reason"] == "3 preemptions, more than cluster.max_preemptions=2; last: reservation: no capacity"
     assert "attempt 3 ended: node_lost (rank None): host actor lost: ActorDiedError" in out
+    # The last line counts this job's attempts, and says where they fall among the run directory's.
+    assert out.strip().splitlines()[-1].endswith("attempts 3 (attempts 3-5 of this run directory), "
+                                                 "restarts {'node_lost': 1, 'reservation': 2}"), out
 
 
 def test_a_host_actor_that_does_not_answer_is_a_lost_node_and_a_bad_slice_a_config_error(tmp_path, monkeypatch):
