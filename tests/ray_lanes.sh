@@ -6,8 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="$1"
-lane_a=(tests/cluster/test_cluster.py tests/cluster/test_quarantine.py tests/cluster/test_driver_leftovers.py)
-lane_b=(tests/cluster/test_tpu_slices.py tests/cluster/test_resume_layout.py tests/serve/test_service.py)
+lane_a=(tests/cluster/test_cluster.py tests/cluster/test_driver_leftovers.py)
+lane_b=(tests/cluster/test_tpu_slices.py tests/cluster/test_resume_layout.py tests/serve/test_service.py
+        tests/cluster/test_quarantine.py)
 ray_tests() { bash tests/netns.sh "$py" -m pytest -q -m ray --durations=10 "$@"; }
 if ! bash tests/netns.sh --check; then
   ray_tests "${lane_a[@]}" "${lane_b[@]}"
