@@ -17,6 +17,7 @@ around a save (the state's fingerprints) count too.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, defaultdict
 
@@ -42,13 +43,29 @@ def _itemsize(leaf) -> int:
     return np.dtype(dtype).itemsize
 
 
-def _shards(leaf):
-    """(bytes of one shard, [(device, first-replica index key) per device in the sharding's order])."""
-    sharding = leaf.sharding
-    size = math.prod(sharding.shard_shape(leaf.shape)) * _itemsize(leaf)
+@functools.cache
+def _layout(shape: tuple[int, ...], itemsize: int, sharding) -> tuple[dict, dict, dict, int]:
+    """Per process, the bytes of an array of this layout that a restore reads (every shard of its
+    devices), that a save writes with Orbax's replica-parallel split and without it (a shard's
+    first replica writes it); and the most bytes the array has on one process. Arrays of one
+    layout (a parameter and its moments) share the answer: one pass over a pod's devices."""
+    size = math.prod(sharding.shard_shape(shape)) * itemsize
     order = list(getattr(sharding, "_device_assignment", None) or sharding.device_set)
-    indices = sharding.devices_indices_map(leaf.shape)
-    return size, [(d, tuple((s.start, s.stop) for s in indices[d])) for d in order]
+    indices = sharding.devices_indices_map(shape)
+    replicas: dict[tuple, list] = defaultdict(list)
+    for device in order:
+        replicas[tuple((s.start, s.stop) for s in indices[device])].append(device)
+    read, parallel, first = defaultdict(float), defaultdict(float), defaultdict(float)
+    for holders in replicas.values():
+        first[holders[0].process_index] += size
+        for device in holders:
+            read[device.process_index] += size
+            parallel[device.process_index] += size / len(holders)
+    return dict(read), dict(parallel), dict(first), int(max(read.values()))
+
+
+def _layout_of(leaf) -> tuple[dict, dict, dict, int]:
+    return _layout(tuple(leaf.shape), _itemsize(leaf), leaf.sharding)
 
 
 def state_bytes_per_host(leaves, *, written: bool, replica_parallel: bool) -> dict[int, int]:
@@ -56,32 +73,15 @@ def state_bytes_per_host(leaves, *, written: bool, replica_parallel: bool) -> di
     or of the shards it writes in a save."""
     per_host: dict[int, float] = defaultdict(float)
     for leaf in leaves:
-        size, devices = _shards(leaf)
-        replicas: dict[tuple, list] = defaultdict(list)
-        for device, key in devices:
-            replicas[key].append(device)
-        for holders in replicas.values():
-            if not written:
-                for device in holders:
-                    per_host[device.process_index] += size
-            elif replica_parallel:
-                for device in holders:
-                    per_host[device.process_index] += size / len(holders)
-            else:
-                per_host[holders[0].process_index] += size
+        read, parallel, first, _ = _layout_of(leaf)
+        for host, size in (parallel if replica_parallel else first).items() if written else read.items():
+            per_host[host] += size
     return {host: int(b) for host, b in per_host.items()}
 
 
 def largest_leaf_per_host(leaves) -> int:
     """The most bytes one array has on one process's devices."""
-    most = 0
-    for leaf in leaves:
-        size, devices = _shards(leaf)
-        count: dict[int, int] = defaultdict(int)
-        for device, _ in devices:
-            count[device.process_index] += 1
-        most = max(most, size * max(count.values()))
-    return most
+    return max((_layout_of(leaf)[3] for leaf in leaves), default=0)
 
 
 def _stacked(var) -> int:
