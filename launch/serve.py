@@ -132,7 +132,8 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
     store = Store(run_dir)
     app = create_app(backend, store, api_key=key, max_request_bytes=config.serve.max_request_bytes,
                      decode=tokenizer.decode if tokenizer else None, encode=tokenizer.encode if tokenizer else None,
-                     autosave_every=config.serve.autosave_every)
+                     autosave_every=config.serve.autosave_every, session_timeout_s=config.serve.session_timeout_s,
+                     result_ttl_s=config.serve.result_ttl_s)
     server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level="warning",
                                            timeout_keep_alive=60))
     thread = threading.Thread(target=server.run, name="serve-http", daemon=True)

@@ -37,6 +37,11 @@ class ServeConfig:
         autosave_every: every this many optimizer steps of an adapter, its whole state (weights
             and Adam moments) is saved; a new engine (after a restart, or its workers lost)
             brings each adapter back from its last save (0: only the clients' `save_state`).
+        session_timeout_s: a session with no heartbeat for this long ends (the SDK sends one every
+            10 s): its adapters' unsaved steps are saved, its slots freed (0: sessions end only
+            when their clients close them).
+        result_ttl_s: a request's answer is kept this long after the client first retrieves it (or
+            after it is made, if never retrieved); a retrieve after that is a 410.
     """
 
     host: str = "127.0.0.1"
@@ -56,6 +61,8 @@ class ServeConfig:
     loss_chunk: int = 256
     max_request_bytes: int = 64 * 2**20
     autosave_every: int = 10
+    session_timeout_s: float = 600.0
+    result_ttl_s: float = 3600.0
 
     def sample_tokens(self) -> int:
         """The longest sampled sequence (prompt plus new tokens)."""
@@ -73,6 +80,11 @@ class ServeConfig:
         if self.autosave_every < 0:
             raise ValueError(f"{prefix}.autosave_every: expected 0 (never) or a positive number of optimizer steps, "
                              f"found {self.autosave_every}")
+        if self.session_timeout_s < 0:
+            raise ValueError(f"{prefix}.session_timeout_s: expected 0 (never) or a number of seconds > 0, found "
+                             f"{self.session_timeout_s}")
+        if not self.result_ttl_s > 0:
+            raise ValueError(f"{prefix}.result_ttl_s: expected a number of seconds > 0, found {self.result_ttl_s}")
         if self.loss_chunk < 0:
             raise ValueError(f"{prefix}.loss_chunk: expected 0 (the whole logits) or a positive number of positions, "
                              f"found {self.loss_chunk}")

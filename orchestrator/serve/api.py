@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from podtrain.orchestrator.serve import translate
 from podtrain.orchestrator.serve.guard import NO_RETRY, Guard
+from podtrain.orchestrator.serve.lifetimes import Lifetimes
 from podtrain.orchestrator.serve.routes import client, futures, runs, sampling, training
 from podtrain.orchestrator.serve.scheduler import Scheduler
 from podtrain.orchestrator.serve.service import Service, Waiters
@@ -29,28 +30,34 @@ from podtrain.orchestrator.serve.work import Backend, ServeError
 
 def create_app(backend: Backend, store: Store, *, api_key: str | None, max_request_bytes: int,
                long_poll_s: float = 25.0, sampler_slots: int = 2, decode: translate.Decode | None = None,
-               encode: translate.Encode | None = None, autosave_every: int = 0) -> FastAPI:
+               encode: translate.Encode | None = None, autosave_every: int = 0, session_timeout_s: float = 0.0,
+               result_ttl_s: float = 3600.0) -> FastAPI:
     """The service's app. A new app means a new engine: the models the store lists as live come
     back from their last saves (`Scheduler`), and futures left pending are failed. `decode` and
     `encode` are the service's tokenizer, which stop strings need; every `autosave_every`
-    optimizer steps (0: never) an adapter's whole state is saved for such a restore."""
+    optimizer steps (0: never) an adapter's whole state is saved for such a restore. Sessions
+    silent for `session_timeout_s` (0: never) end, and answers expire `result_ttl_s` after
+    their first retrieve (`Lifetimes`)."""
     store.fail_pending_futures("the service restarted before this request ran")
     schema()
     waiters = Waiters()
     scheduler = Scheduler(backend, store, waiters.notify, sampler_slots, autosave_every)
+    lifetimes = Lifetimes(store, scheduler, session_timeout_s, result_ttl_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         waiters.bind(asyncio.get_running_loop())
         scheduler.start()
+        lifetimes.start()
         try:
             yield
         finally:
+            lifetimes.stop()
             scheduler.stop()
 
     app = FastAPI(title="podtrain serve", lifespan=lifespan)
-    app.state.service = Service(backend, store, scheduler, backend.info(), waiters, long_poll_s, max_request_bytes,
-                                decode, encode)
+    app.state.service = Service(backend, store, scheduler, lifetimes, backend.info(), waiters, long_poll_s,
+                                max_request_bytes, decode, encode)
     app.add_middleware(Guard, api_key=api_key, max_bytes=max_request_bytes)
     app.add_exception_handler(ServeError, _refusal)
     app.add_exception_handler(RequestValidationError, _invalid_body)

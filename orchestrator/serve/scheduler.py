@@ -12,7 +12,9 @@ first step the scheduler brings back every live model from its last whole save (
 the automatic save every `autosave_every` optimizer steps), or re-creates it from its seed when it
 has none. A step the lost engine was running runs again on the new one for each model that the
 restore brings back as it was; a model that lost steps or a pending gradient is told so, once, on
-its request in flight or its next one.
+its request in flight or its next one. An optimizer step of such a model before any new
+gradient was asked for the gradient it lost (a client pipelines `forward_backward` and
+`optim_step`): it fails with a short line pointing at the notice, and does not run.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class Scheduler:
         self._restore_due = any(model.state == "live" for model in store.models())
         self._notices: dict[str, str] = {}  # model -> what its next request is told (it lost steps)
         self._told: set[str] = set()  # models whose requests in flight were told already
+        self._no_gradient: dict[str, str] = {}  # model told of a restore -> that request, until a new gradient
+        self._forgotten: set[str] = set()  # sampler directories whose slots are to be freed
         self.engine_note: str | None = None  # why the engine is not running, while it is being restarted
         self._thread = threading.Thread(target=self._loop, name="serve-scheduler", daemon=True)
 
@@ -106,11 +110,11 @@ class Scheduler:
             self._wake.notify()
 
     def forget_sampler_weights(self, directory: str) -> None:
-        """Frees the slot holding `directory`'s weights, which were just overwritten."""
+        """Frees the slot holding `directory`'s weights (overwritten, deleted, or no longer sampled
+        from) before the next step, in the scheduler's thread, which owns the slots."""
         with self._wake:
-            if (slot := self._slots.pop(directory, None)) is not None:
-                self._pending.append(Job(None, slot, 0, Unload(model_id=slot), lambda _: (b"", "")))
-                self._wake.notify()
+            self._forgotten.add(directory)
+            self._wake.notify()
 
     def save_unsaved(self, timeout_s: float) -> tuple[int, list[str]]:
         """Saves, as the automatic save does, every live adapter with optimizer steps since its last
@@ -128,16 +132,21 @@ class Scheduler:
             time.sleep(0.05)
         return len(models) - len(left), left
 
-    def take_notice(self, model_id: str) -> str | None:
-        """What the model's request must be told, once: that a new engine brought it back from an
-        earlier save."""
+    def take_notice(self, model_id: str, request_id: str) -> str | None:
+        """The notice a new request of the model fails with, once: a new engine brought the model
+        back from an earlier save."""
         with self._wake:
-            return self._notices.pop(model_id, None)
+            return self._take_notice(model_id, request_id)
+
+    def _take_notice(self, model_id: str, request_id: str) -> str | None:
+        if (notice := self._notices.pop(model_id, None)) is not None:
+            self._no_gradient[model_id] = request_id
+        return notice
 
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._pending and not self._alone and not self._stopping and not self._restore_due:
+                while not (self._pending or self._alone or self._stopping or self._restore_due or self._forgotten):
                     self._wake.wait()
                 if not self._alone:
                     self._gather()
@@ -147,11 +156,17 @@ class Scheduler:
                     jobs = [self._alone.pop(0)]
                 else:
                     jobs, self._pending = self._pending, []
+                    forgotten, self._forgotten = self._forgotten, set()
+                    jobs = [*self._unload_slots(forgotten), *jobs]
             try:
                 self.run(jobs)
             except Exception as error:
                 logger.exception("settling %d jobs failed", len(jobs))
                 self._fail(jobs, error)
+
+    def _unload_slots(self, directories: set[str]) -> list[Job]:
+        slots = [slot for directory in directories if (slot := self._slots.pop(directory, None)) is not None]
+        return [Job(None, slot, 0, Unload(model_id=slot), lambda _: (b"", "")) for slot in slots]
 
     def _gather(self) -> None:
         """Waits while requests keep arriving (each within `GATHER_QUIET_S` of the last, for at most
@@ -181,8 +196,8 @@ class Scheduler:
             if generation != self._generation:
                 self._slots.clear()  # sampler weights are loaded again as needed
             restores = self._restores() if generation != self._generation else []
-            jobs = self._tell(jobs)
-            works, owners = self._plan(in_model_order(jobs))
+            jobs = self._tell(in_model_order(jobs))
+            works, owners = self._plan(jobs)
             if not restores and not works:
                 return
             try:
@@ -255,19 +270,28 @@ class Scheduler:
             logger.info("brought back %d adapters on a new engine", len(restores))
 
     def _tell(self, jobs: list[Job]) -> list[Job]:
-        """`jobs` but those of models with a notice, which fail with it (all of a model's requests
-        in the step: they were made for the state it lost)."""
-        told: dict[str, str] = {}
+        """`jobs` (in model order) but the requests that fail instead: the first of a model with a
+        notice, with it, and an optimizer step of a model told so, before any new gradient (it was
+        asked for the gradient the model lost), with a line pointing at the notice."""
         kept, failed = [], []
+        gradients: set[str] = set()  # models with a gradient asked for earlier in this step
         for job in jobs:
-            with self._wake:
-                notice = told.get(job.key) or self._notices.pop(job.key, None)
-            if notice is None or job.request_id is None:
+            work = job.work
+            refusal = None
+            if job.request_id is not None:
+                with self._wake:
+                    refusal = self._take_notice(job.key, job.request_id)
+                    telling = self._no_gradient.get(job.key)
+                if refusal is None and isinstance(work, OptimStep) and telling is not None and job.key not in gradients:
+                    refusal = (f"model {job.key!r} was brought back from an earlier save (request {telling} says so) "
+                               "and has no gradient since: this optimizer step did not run")
+            if refusal is None:
                 kept.append(job)
+                if isinstance(work, ForwardBackward) and work.backward:
+                    gradients.add(job.key)
                 continue
-            told[job.key] = notice
             self._told.add(job.key)
-            self._store.fail_future(job.request_id, notice, "server")
+            self._store.fail_future(job.request_id, refusal, "server")
             failed.append(job.request_id)
         if failed:
             self._notify(failed)
@@ -281,16 +305,25 @@ class Scheduler:
         self.engine_note = str(lost)
         again, failed = [], []
         alone = len(jobs) == 1
+        told: dict[str, str] = {}  # model -> the request of these that tells it
         for job in jobs:
             model_id = job.work.model_id if job.sampler_dir is None else None
             progress = self._store.progress(model_id) if model_id else None
             if progress is not None and progress.unsaved and job.request_id is not None:
                 self._told.add(model_id)
                 self._losses.pop(_loss_key(job), None)
-                self._store.fail_future(job.request_id, f"{lost}; model {model_id!r} comes back from its last save, "
-                                        f"at step {progress.saved_step}: its later steps and any gradient since its "
-                                        f"last optimizer step are gone, so continue from step {progress.saved_step}",
-                                        "server")
+                if model_id in told:
+                    answer = (f"{lost}; model {model_id!r} comes back from an earlier save (request {told[model_id]} "
+                              "says so): this request ran on the state it lost")
+                else:
+                    told[model_id] = job.request_id
+                    with self._wake:
+                        self._notices.pop(model_id, None)
+                        self._no_gradient[model_id] = job.request_id
+                    answer = (f"{lost}; model {model_id!r} comes back from its last save, at step "
+                              f"{progress.saved_step}: its later steps and any gradient since its last optimizer step "
+                              f"are gone, so continue from step {progress.saved_step}")
+                self._store.fail_future(job.request_id, answer, "server")
                 failed.append(job.request_id)
                 continue
             losses = self._losses[_loss_key(job)] = self._losses.get(_loss_key(job), 0) + 1
@@ -375,6 +408,9 @@ class Scheduler:
 
     def _record(self, work: Work, result: object) -> None:
         """A client's work done: where its model now is, and what it would be restored from."""
+        if isinstance(work, Create | Load) or (isinstance(work, ForwardBackward) and work.backward):
+            with self._wake:
+                self._no_gradient.pop(work.model_id, None)  # a state the client chose, or a new gradient
         if isinstance(work, Create):
             self._store.start_progress(work.model_id, 0, None, optimizer=True)
         elif isinstance(work, Load):

@@ -14,8 +14,9 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from podtrain.orchestrator.serve import translate
+from podtrain.orchestrator.serve.lifetimes import Lifetimes
 from podtrain.orchestrator.serve.scheduler import Job, Scheduler
-from podtrain.orchestrator.serve.store import CheckpointRecord, ModelRecord, Store
+from podtrain.orchestrator.serve.store import CheckpointRecord, ModelRecord, SamplerRecord, Store
 from podtrain.orchestrator.serve.wire import JSON
 from podtrain.orchestrator.serve.work import Backend, BaseInfo, ServeError, Work
 
@@ -60,6 +61,7 @@ class Service:
     backend: Backend
     store: Store
     scheduler: Scheduler
+    lifetimes: Lifetimes
     info: BaseInfo
     waiters: Waiters
     long_poll_s: float
@@ -76,7 +78,7 @@ class Service:
             return request_id
         self.backend.check(work)
         request_id, fresh = self.store.add_future(kind, key, dedup_key)
-        if fresh and (notice := self.scheduler.take_notice(key)) is not None:
+        if fresh and (notice := self.scheduler.take_notice(key, request_id)) is not None:
             self.store.fail_future(request_id, notice, "server")  # as a request in flight is told
         elif fresh:
             self.scheduler.submit(Job(request_id, key, math.inf if seq is None else seq, work, on_done, sampler_dir))
@@ -87,7 +89,7 @@ class Service:
         if session is None:
             raise ServeError(f"session_id: unknown session {session_id!r}", 404)
         if session.finished is not None:
-            raise ServeError(f"session {session_id!r} is finished ({session.finished})")
+            raise ServeError(f"session {session_id!r} ended ({session.finished}); start a new ServiceClient", 410)
 
     def model(self, model_id: str) -> ModelRecord:
         model = self.store.model(model_id)
@@ -100,9 +102,23 @@ class Service:
         if model.state != "live":
             resume = (f"create_training_client_from_state({model.last_checkpoint!r})" if model.last_checkpoint
                       else "a new training client (it has no saved state)")
-            raise ServeError(f"model {model_id!r} is unloaded (unload_model, its session finished, or it could not "
-                             f"be brought back after a restart); continue with {resume}")
+            session = self.store.session(model.session_id)
+            if session is not None and session.finished is not None:
+                raise ServeError(f"model {model_id!r}: its session ended ({session.finished}); continue with "
+                                 f"{resume} (its last state is the newest training checkpoint of the model)", 410)
+            raise ServeError(f"model {model_id!r} is unloaded (unload_model, or it could not be brought back after "
+                             f"a restart); continue with {resume}")
         return model
+
+    def open_sampler(self, sampler_id: str, field: str) -> SamplerRecord:
+        sampler = self.store.sampler(sampler_id)
+        if sampler is None:
+            raise ServeError(f"{field}: unknown sampling session {sampler_id!r}", 404)
+        session = self.store.session(sampler.session_id)
+        if session is not None and session.finished is not None:
+            raise ServeError(f"sampling session {sampler_id!r}: its session ended ({session.finished}); sample from "
+                             "a sampling client of a new ServiceClient", 410)
+        return sampler
 
     def checkpoint(self, path: str, field: str) -> CheckpointRecord:
         checkpoint = self.store.checkpoint(path)

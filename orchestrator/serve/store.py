@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS models (
 CREATE TABLE IF NOT EXISTS futures (
     request_id TEXT PRIMARY KEY, model_id TEXT, kind TEXT NOT NULL, dedup_key TEXT UNIQUE,
     status TEXT NOT NULL, result BLOB, media_type TEXT, error TEXT, category TEXT,
-    created REAL NOT NULL, finished REAL);
+    created REAL NOT NULL, finished REAL, retrieved REAL);
+CREATE INDEX IF NOT EXISTS futures_by_status ON futures (status);
 CREATE TABLE IF NOT EXISTS checkpoints (
     tinker_path TEXT PRIMARY KEY, model_id TEXT NOT NULL, name TEXT NOT NULL, kind TEXT NOT NULL,
     directory TEXT NOT NULL, created REAL NOT NULL);
@@ -92,7 +93,7 @@ class FutureRecord:
     request_id: str
     model_id: str | None
     kind: str
-    status: Literal["pending", "done", "error"]
+    status: Literal["pending", "done", "error", "expired"]  # expired: its result was dropped
     result: bytes | None
     media_type: str | None
     error: str | None
@@ -138,6 +139,9 @@ class Store:
             # is synced at checkpoints, not at every future's commit.
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            columns = {row["name"] for row in self._db.execute("PRAGMA table_info(futures)")}
+            if "retrieved" not in columns:  # a store written before results expired
+                self._db.execute("ALTER TABLE futures ADD COLUMN retrieved REAL")
 
     def close(self) -> None:
         with self._lock:
@@ -167,9 +171,16 @@ class Store:
     def heartbeat(self, session_id: str) -> None:
         self._run("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?", (time.time(), session_id))
 
-    def finish_session(self, session_id: str, reason: str) -> None:
-        """Marks the session finished; the first reason wins."""
-        self._run("UPDATE sessions SET finished = ? WHERE session_id = ? AND finished IS NULL", (reason, session_id))
+    def finish_session(self, session_id: str, reason: str) -> bool:
+        """Marks the session finished; the first reason wins. Whether this call finished it."""
+        with self._lock:
+            return self._db.execute("UPDATE sessions SET finished = ? WHERE session_id = ? AND finished IS NULL",
+                                    (reason, session_id)).rowcount == 1
+
+    def silent_sessions(self, since: float) -> list[str]:
+        """The open sessions with no heartbeat since `since`."""
+        rows = self._run("SELECT session_id FROM sessions WHERE finished IS NULL AND last_heartbeat < ?", (since,))
+        return [row["session_id"] for row in rows]
 
     # Models.
 
@@ -240,7 +251,8 @@ class Store:
                 if row is not None:
                     return row["request_id"], False
             request_id = uuid.uuid4().hex
-            self._db.execute("INSERT INTO futures VALUES (?, ?, ?, ?, 'pending', NULL, NULL, NULL, NULL, ?, NULL)",
+            self._db.execute("INSERT INTO futures (request_id, model_id, kind, dedup_key, status, created) "
+                             "VALUES (?, ?, ?, ?, 'pending', ?)",
                              (request_id, model_id, kind, dedup_key, time.time()))
             return request_id, True
 
@@ -261,6 +273,21 @@ class Store:
         """Fails every pending future: they died with the engine that was to run them."""
         self._run("UPDATE futures SET status = 'error', error = ?, category = 'server', finished = ? "
                   "WHERE status = 'pending'", (error, time.time()))
+
+    def retrieved(self, request_id: str) -> None:
+        """The client has the settled future's answer: it is kept `result_ttl_s` from now."""
+        self._run("UPDATE futures SET retrieved = ? WHERE request_id = ? AND retrieved IS NULL AND status != 'pending'",
+                  (time.time(), request_id))
+
+    def expire_futures(self, before: float, forget_before: float) -> None:
+        """Drops the answers of futures settled (or first retrieved) before `before`, keeping a small
+        row that says so (and still answers a retried submission), and forgets those rows
+        altogether once that was before `forget_before`."""
+        with self._lock:
+            self._db.execute("UPDATE futures SET status = 'expired', result = NULL, error = NULL, media_type = NULL "
+                             "WHERE status IN ('done', 'error') AND COALESCE(retrieved, finished) < ?", (before,))
+            self._db.execute("DELETE FROM futures WHERE status = 'expired' AND COALESCE(retrieved, finished) < ?",
+                             (forget_before,))
 
     def future(self, request_id: str) -> FutureRecord | None:
         rows = self._run("SELECT * FROM futures WHERE request_id = ?", (request_id,))
@@ -302,11 +329,30 @@ class Store:
         rows = self._run("SELECT * FROM checkpoints WHERE tinker_path = ?", (path,))
         return _checkpoint(rows[0]) if rows else None
 
+    def checkpoint_at(self, directory: str | None) -> CheckpointRecord | None:
+        """The checkpoint whose files are `directory`, if a client can name it."""
+        rows = self._run("SELECT * FROM checkpoints WHERE directory = ?", (directory,)) if directory else []
+        return _checkpoint(rows[0]) if rows else None
+
     def checkpoints(self, model_id: str | None = None) -> list[CheckpointRecord]:
         if model_id is None:
             return [_checkpoint(row) for row in self._run("SELECT * FROM checkpoints ORDER BY created")]
         return [_checkpoint(row) for row in self._run("SELECT * FROM checkpoints WHERE model_id = ? ORDER BY created",
                                                       (model_id,))]
+
+    def delete_checkpoint(self, path: str) -> None:
+        """Forgets the checkpoint at `path`; a model whose latest save it was now names its previous one."""
+        with self._lock:
+            self._db.execute("DELETE FROM checkpoints WHERE tinker_path = ?", (path,))
+            self._db.execute("UPDATE models SET last_checkpoint = (SELECT tinker_path FROM checkpoints c WHERE "
+                             "c.model_id = models.model_id AND c.kind = 'state' ORDER BY c.created DESC LIMIT 1) "
+                             "WHERE last_checkpoint = ?", (path,))
+
+    def restore_point_of(self, directory: str) -> str | None:
+        """The live model that a new engine would bring back from `directory`, if any."""
+        rows = self._run("SELECT progress.model_id FROM progress JOIN models USING (model_id) "
+                         "WHERE saved_dir = ? AND models.state = 'live'", (directory,))
+        return rows[0]["model_id"] if rows else None
 
     # Sampling sessions.
 
@@ -317,17 +363,31 @@ class Store:
 
     def sampler(self, sampler_id: str) -> SamplerRecord | None:
         rows = self._run("SELECT * FROM samplers WHERE sampler_id = ?", (sampler_id,))
-        if not rows:
-            return None
-        row = rows[0]
-        return SamplerRecord(row["sampler_id"], row["session_id"], row["base_model"], row["model_path"],
-                             row["directory"], row["created"])
+        return _sampler(rows[0]) if rows else None
+
+    def samplers(self, session_id: str | None = None, model_path: str | None = None,
+                 open_sessions: bool = False) -> list[SamplerRecord]:
+        """The sampling sessions of `session_id`, of `model_path`, and (`open_sessions`) only those
+        whose session has not finished."""
+        sql, args = "SELECT samplers.* FROM samplers JOIN sessions USING (session_id) WHERE 1", []
+        if session_id is not None:
+            sql, args = sql + " AND session_id = ?", [*args, session_id]
+        if model_path is not None:
+            sql, args = sql + " AND model_path = ?", [*args, model_path]
+        if open_sessions:
+            sql += " AND sessions.finished IS NULL"
+        return [_sampler(row) for row in self._run(sql, tuple(args))]
 
 
 def _model(row: sqlite3.Row) -> ModelRecord:
     return ModelRecord(row["model_id"], row["session_id"], row["base_model"], row["rank"],
                        tuple(json.loads(row["targets"])), row["seed"], row["created"], row["state"],
                        row["last_checkpoint"], json.loads(row["user_metadata"]))
+
+
+def _sampler(row: sqlite3.Row) -> SamplerRecord:
+    return SamplerRecord(row["sampler_id"], row["session_id"], row["base_model"], row["model_path"], row["directory"],
+                         row["created"])
 
 
 def _checkpoint(row: sqlite3.Row) -> CheckpointRecord:

@@ -63,7 +63,13 @@ def fake_info(directory: Path) -> BaseInfo:
 @contextmanager
 def running(backend: FakeBackend, store: Store, port: int = 0, **options) -> Iterator[str]:
     """The app served by uvicorn in a thread, on `port` (0: a free one); yields its URL."""
-    app = create_app(backend, store, api_key=KEY, max_request_bytes=MAX_BYTES, **options)
+    with serving(create_app(backend, store, api_key=KEY, max_request_bytes=MAX_BYTES, **options), port) as url:
+        yield url
+
+
+@contextmanager
+def serving(app, port: int = 0) -> Iterator[str]:
+    """`app` served by uvicorn in a thread, on `port` (0: a free one); yields its URL."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))

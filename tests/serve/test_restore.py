@@ -74,9 +74,9 @@ def test_a_new_engine_brings_back_every_adapter_from_its_last_save(info, tmp_pat
         assert steps(url, lost.model_id) == (4, 4)
         for trainer, before in ((lost, lost_before), (kept, kept_before), (new, new_before)):
             np.testing.assert_array_equal(logprobs(trainer)[0], before[0])
+        autosaves = list((tmp_path / "checkpoints" / lost.model_id / "autosave").iterdir())
+        assert [str(p) for p in autosaves] == [store.progress(lost.model_id).saved_dir]  # the older ones removed
         client.close("success").result()
-    autosaves = list((tmp_path / "checkpoints" / lost.model_id / "autosave").iterdir())
-    assert [str(p) for p in autosaves] == [store.progress(lost.model_id).saved_dir]  # the older ones removed
 
 
 def test_a_request_in_flight_when_the_engine_is_lost_runs_again_or_fails_naming_the_step(info, tmp_path):
@@ -147,3 +147,33 @@ def test_a_request_that_brings_the_engine_down_twice_fails_alone_and_the_others_
         backend.poisons = None
         np.testing.assert_array_equal(logprobs(good)[0], before[0])  # the service goes on
         assert len(train_steps(bad, DATA, 1)) == 1  # and so does the client whose request failed
+
+
+def test_after_a_restart_a_pipelined_step_is_told_once_and_its_optimizer_step_does_not_run(info, tmp_path):
+    """A client submits forward_backward and optim_step together, not knowing its adapter lost a
+    gradient in a restart: the first is told, the optimizer step (asked for the lost gradient)
+    fails with a line pointing at it and does not run, and the next step goes on from the save."""
+    store = Store(tmp_path)
+    backend = FakeBackend(info)
+    with running(backend, store, autosave_every=1) as url:
+        client = tinker.ServiceClient(base_url=url, api_key=KEY)
+        trainer = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+        train_steps(trainer, DATA, 1)
+        wait_saved(store, trainer.model_id, 1)
+        at_one = logprobs(trainer)
+        trainer.forward_backward(DATA, "cross_entropy").result()  # a gradient no save holds
+
+        backend.restart()
+        told = trainer.forward_backward(DATA, "cross_entropy")
+        step = trainer.optim_step(types.AdamParams(learning_rate=0.2))
+        with pytest.raises(tinker.RequestFailedError, match="brought back from its last save, at step 1") as notice:
+            told.result()
+        with pytest.raises(tinker.RequestFailedError, match="has no gradient since: this optimizer step did not "
+                                                              "run") as pointer:
+            step.result()
+        assert "brought back from its last save" not in str(pointer.value) and notice.value.request_id in str(
+            pointer.value)
+        assert steps(url, trainer.model_id) == (1, 1)
+        np.testing.assert_array_equal(logprobs(trainer)[0], at_one[0])
+        assert len(train_steps(trainer, DATA, 2)) == 2 and steps(url, trainer.model_id)[0] == 3
+        client.close("success").result()

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from fastapi import APIRouter
 
 from podtrain.orchestrator.serve import wire
-from podtrain.orchestrator.serve.scheduler import Job
-from podtrain.orchestrator.serve.service import ServiceDep, json_answer
-from podtrain.orchestrator.serve.work import ServeError, Unload
+from podtrain.orchestrator.serve.service import ServiceDep
+from podtrain.orchestrator.serve.work import ServeError
 
 router = APIRouter(prefix="/api/v1")
 
@@ -60,15 +58,10 @@ def session_heartbeat(body: wire.SessionBody, service: ServiceDep) -> dict[str, 
 
 @router.post("/sessions/{session_id}/finish")
 def finish_session(session_id: str, body: dict[str, Any], service: ServiceDep) -> dict[str, Any]:
-    store = service.store
-    if store.session(session_id) is None:
+    if service.store.session(session_id) is None:
         raise ServeError(f"session_id: unknown session {session_id!r}", 404)
-    store.finish_session(session_id, str((body.get("reason") or {}).get("type", "finished")))
-    for model in store.models(session_id):
-        if model.state == "live":
-            store.set_model_state(model.model_id, "unloaded")
-            service.scheduler.submit(Job(None, model.model_id, math.inf, Unload(model_id=model.model_id),
-                                         lambda _: json_answer({})))
+    status = str((body.get("reason") or {}).get("type", "finished"))
+    service.lifetimes.end_session(session_id, f"closed by its client: {status}")
     return {}
 
 

@@ -1,13 +1,14 @@
-"""The RestClient's reads: training runs, their checkpoints, and what a checkpoint holds, all
-answered from the store (so they outlive the engine that made them)."""
+"""The RestClient's calls: training runs, their checkpoints, and what a checkpoint holds, all
+answered from the store (so they outlive the engine that made them); and deleting a checkpoint."""
 
 from __future__ import annotations
 
+import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from podtrain.orchestrator.serve.service import ServiceDep
 from podtrain.orchestrator.serve.store import PATH_SEGMENT, CheckpointRecord, ModelRecord, Store
@@ -41,6 +42,27 @@ def list_user_checkpoints(service: ServiceDep, limit: int = 100, offset: int = 0
     checkpoints = service.store.checkpoints()
     return {"checkpoints": [_checkpoint_json(checkpoint) for checkpoint in checkpoints[offset:offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(checkpoints)}}
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}", status_code=204)
+def delete_checkpoint(model_id: str, checkpoint_id: str, service: ServiceDep) -> Response:
+    """Deletes a checkpoint's files and forgets it, unless an open session samples from it or a live
+    model would come back from it after a restart. The refusal is a 400: the SDK retries a 409 until
+    its own deadline, and waiting does not end a session."""
+    store = service.store
+    path = f"tinker://{model_id}/{checkpoint_id}"
+    checkpoint = service.checkpoint(path, "checkpoint_id")
+    if users := store.samplers(model_path=path, open_sessions=True):
+        raise ServeError(f"checkpoint_id: {path!r} is sampled from by sampling session {users[0].sampler_id!r} of an "
+                         "open session; delete it after that session is closed", 400)
+    if (model := store.restore_point_of(checkpoint.directory)) is not None:
+        raise ServeError(f"checkpoint_id: {path!r} is the save live model {model!r} comes back from after a restart; "
+                         "delete it after a newer save_state of that model, or after unloading it", 400)
+    store.delete_checkpoint(path)
+    service.scheduler.forget_sampler_weights(checkpoint.directory)
+    for directory in (checkpoint.directory, f"{checkpoint.directory}.previous"):
+        shutil.rmtree(directory, ignore_errors=True)
+    return Response(status_code=204)
 
 
 @router.post("/weights_info")

@@ -42,9 +42,7 @@ def get_sampler(sampler_id: str, service: ServiceDep) -> dict[str, Any]:
 def asample(body: wire.SampleBody, service: ServiceDep) -> dict[str, Any]:
     if body.sampling_session_id is None:
         raise translate.not_supported("asample without a sampling_session_id (create a sampling client first)")
-    sampler = service.store.sampler(body.sampling_session_id)
-    if sampler is None:
-        raise ServeError(f"sampling_session_id: unknown sampling session {body.sampling_session_id!r}", 404)
+    sampler = service.open_sampler(body.sampling_session_id, "sampling_session_id")
     work = translate.sample(body, service.info, service.decode, service.encode)
 
     def on_done(result: Any) -> tuple[bytes, str]:
