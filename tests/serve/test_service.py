@@ -254,7 +254,8 @@ def test_a_bad_request_is_one_clear_error_and_the_service_goes_on(service, base)
 
 def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
     """A stop saves the adapters of open sessions (no automatic saves here), which the restarted
-    service brings back for the same client; a checkpoint makes a new model with its next step."""
+    service brings back for the same client; a closed session's unsaved step is saved at its end;
+    a checkpoint makes a new model with its next step."""
     run_dir = tmp_path / "runs" / "restart"
     first = Service(tmp_path, base, run_dir, "cluster.kind=none", "serve.autosave_every=0", name="first")
     client = _client(first)
@@ -285,7 +286,9 @@ def test_a_restarted_service_gives_back_saved_state(tmp_path, base):
         client = _client(second)
         rest = tinker.RestClient(base_url=second.url, api_key=KEY)
         listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
-        assert [c.tinker_path for c in listed] == [path]
+        # closing the first client's session saved its step after "kept"
+        ended = f"tinker://{trainer.model_id}/weights/session-end-step-2"
+        assert sorted(c.tinker_path for c in listed) == sorted([path, ended])
         resumed = client.create_training_client_from_state_with_optimizer(path).result()
         for x, y in zip(want, _logprobs(resumed, data), strict=True):
             np.testing.assert_array_equal(x, y)
