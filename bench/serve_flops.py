@@ -1,5 +1,6 @@
 """The compiled FLOPs and collective bytes per token of the serve engine's training pass with 1 and
-16 adapter slots: the adapter axis must not multiply the base's work. Needs podtrain[aot].
+16 adapter slots (the adapter axis must not multiply the base's work), the Adam step's collective
+bytes, and what one slot's state (adapter, gradient, moments) costs each chip. Needs podtrain[aot].
 
     PYTHONPATH=. .venv/bin/python bench/serve_flops.py [-c PRESET] [--target TARGET] [key=value ...]
 
@@ -28,11 +29,14 @@ def main() -> None:
     flops, sent = {}, {}
     for slots in (1, 16):
         config, _ = serve_config(args.preset, [f"serve.max_adapters={slots}", *args.overrides])
-        report = plan_serve_on_target(config, target, devices, programs=("forward_backward",))
+        report = plan_serve_on_target(config, target, devices, programs=("forward_backward", "adam_steps"))
         flops[slots] = report["programs"]["forward_backward"]["flops_per_token"]
         sent[slots] = report["programs"]["forward_backward"]["collective_bytes_per_token"]
+        state = (2 * report["adapters_bytes"] + report["adam_bytes"]) / slots
         print(f"{slots:>2} adapter slots: {flops[slots]:,.0f} FLOPs and {sent[slots]:,.0f} collective bytes per token "
-              f"(mesh {report['mesh']})", flush=True)
+              f"(mesh {report['mesh']}); Adam step of every slot: "
+              f"{report['programs']['adam_steps']['collective_bytes']:,.0f} collective bytes; "
+              f"per slot per chip: {state / 2**20:,.1f} MiB", flush=True)
     print(f"16 / 1: FLOPs {flops[16] / flops[1]:.4f}, collective bytes {sent[16] / sent[1]:.4f}")
 
 

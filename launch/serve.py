@@ -115,7 +115,8 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
         from podtrain.orchestrator.serve.engine import Engine
         from podtrain.orchestrator.serve.watch import WatchedEngine
 
-        backend, gang = WatchedEngine(Engine(config, eos_token_ids=eos), c.hang_timeout_s, c.compile_timeout_s), None
+        engine = Engine(config, eos_token_ids=eos, page_dir=run_dir / "pages")
+        backend, gang = WatchedEngine(engine, c.hang_timeout_s, c.compile_timeout_s), None
     else:
         from podtrain.orchestrator.serve.engine import serve_info
         from podtrain.orchestrator.serve.gang import GangBackend

@@ -32,6 +32,9 @@ DEFAULT_RULES: dict[str, str | list[str] | None] = {
     "norm": None,
     "lora_rank": None,  # LoRA adapters: A (..., rank), B (rank, ...)
     "lora_adapters": None,  # the adapter axis of adapter slots, A (layers, adapters, ..., rank)
+    # The rank axis of adapter slots: their state sharded over the batch axes the weight's own axes
+    # leave free, as ZeRO shards an optimizer's (the serve engine keeps the axes that divide its rank).
+    "lora_slot_rank": ["dp", "fsdp", "ep"],
     # activations
     "batch": ["dp", "fsdp", "ep"],
     "seq": None,

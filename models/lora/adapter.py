@@ -24,7 +24,7 @@ from podtrain.models.linear import Linear, dense, gathered
 from podtrain.models.lora.config import TARGETS
 from podtrain.models.lora.rows import current_rows
 from podtrain.models.runner import created_layers, current_layer
-from podtrain.sharding.rules import constrain
+from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
 # The adapters' own random stream: `train.seed`'s key folded with this.
 STREAM = 0x10A
@@ -89,6 +89,25 @@ def initial_values(key, in_shape, out_shape, lead: int, dtype, rank: int, *, emb
     return jax.vmap(lambda i: one(jax.random.fold_in(key, i)))(created_layers(lead))
 
 
+def _rows_of(param: LoRAParam, index: jax.Array, dtype) -> jax.Array:
+    """`param`'s adapters of the batch rows (`index` into its leading adapter axis) in `dtype`,
+    whole along the axes the batch axes hold. Each device receives the fewer of: its own rows'
+    adapters (laid out as the rows, over the batch axes), or every slot's (gathered as FSDP
+    gathers a weight). Cast after the rows are taken, so each slot's gradient sums its rows' in
+    float32 and no table-sized cast is made."""
+    names = param.get_metadata()["out_sharding"]
+    value = param[...]
+    names = names[len(names) - value.ndim:]  # one layer of a stack: no layer axis
+    if names[0] != "lora_adapters":
+        raise ValueError(f"adapter slots: expected the adapter axis first, found axes {names}")
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh is None or mesh.empty else dict(mesh.shape)
+    shards = math.prod(sizes[a] for a in axes_of(logical_to_spec(("batch",), sizes)[0]))
+    if value.shape[0] * shards <= index.shape[0]:
+        return gathered(value, names)[index].astype(dtype)
+    return constrain(value[index].astype(dtype), ("batch", *names[1:]))
+
+
 class Adapter(nnx.Module):
     """`scale * (x @ A) @ B` beside a weight of input shape `(*lead, *in)` and output `out`: `A`
     is `(*lead, *in, rank)` and `B` `(*lead, rank, *out)`, `lead` the stack's layer axis and
@@ -132,11 +151,18 @@ class Adapter(nnx.Module):
         a, b = self.matrices(dtype)
         return dense(dense(self.dropped(x), a, self.n_in), b) * jnp.asarray(self.scale, dtype)
 
+    def row_matrices(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """(A[index[b]], B[index[b]]) of every batch row b, in `dtype`: each slot's matrices stay
+        where they are stored (sharded over the batch axes, `lora_slot_rank`) and only the rows'
+        adapters travel, to the devices that hold those rows, whatever the number of slots."""
+        index = current_rows().index
+        return tuple(_rows_of(m, index, dtype) for m in (self.lora_a, self.lora_b))
+
     def row_factors(self, x_B: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
         """(low (B, N, r), B (B, r, *out)): row b's `scale[b] * x[b] @ A[index[b]]` over its N
         inputs, ranks from `rank[b]` on masked, and `B[index[b]]`; the update is `low @ B`."""
         current = current_rows()
-        a, b = (m[current.index] for m in self.matrices(dtype))
+        a, b = self.row_matrices(dtype)
         batch, rank = a.shape[0], a.shape[-1]
         low = jnp.einsum("bti,bir->btr", self.dropped(x_B).reshape(batch, -1, math.prod(a.shape[1:-1])),
                          a.reshape(batch, -1, rank))
@@ -202,7 +228,7 @@ class LoRALinear(AdaptedWeight):
         w_in, w_out, row = w_axes[: self.n_in], w_axes[self.n_in:], x_axes[0]
         k = next(c for c in "zyxwvu" if c not in equation)  # the adapter's rank
         current = current_rows()
-        a, b = (m[current.index] for m in self.matrices(dtype))
+        a, b = self.row_matrices(dtype)
         keep = current.mask(a.shape[-1], dtype)
         low = jnp.einsum(f"{x_axes},{row}{w_in}{k},{row}{k}{w_out},{row}{k}->{out_axes}", x, a, b[..., part], keep)
         return self.base.contract(equation, x, dtype, part) + low
@@ -228,9 +254,9 @@ class LoRAEmbedding(AdaptedWeight):
     def __call__(self, ids_BT: jax.Array, dtype) -> jax.Array:
         if self.slots:
             current = current_rows()
-            a, b = self.lora_a[...].astype(dtype), self.lora_b[...].astype(dtype)
-            low = a[current.index[:, None], ids_BT]  # (B, T, r)
-            update = jnp.einsum("btr,brd->btd", low * current.mask(a.shape[-1], dtype)[:, None, :], b[current.index])
+            low = self.lora_a[...][current.index[:, None], ids_BT].astype(dtype)  # (B, T, r)
+            b = _rows_of(self.lora_b, current.index, dtype)
+            update = jnp.einsum("btr,brd->btd", low * current.mask(low.shape[-1], dtype)[:, None, :], b)
         else:
             low = jnp.take(self.lora_a[...].astype(dtype), ids_BT, axis=0)
             update = dense(low, self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)

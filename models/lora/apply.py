@@ -50,6 +50,12 @@ def _stacked(variable: nnx.Variable) -> bool:
     return bool(names) and names[0] == "layers"
 
 
+def rank_name(slots: int) -> str:
+    """The logical name of an adapter's rank axis: with slots, "lora_slot_rank", which shards the
+    slots' state over the batch axes its weight's axes leave free; else "lora_rank" (replicated)."""
+    return "lora_slot_rank" if slots else "lora_rank"
+
+
 def _wrap_linear(weight: Linear | Embedding, target: str, lora: LoRAConfig, key, stack: int | None, slots: int):
     names = tuple(weight.get_metadata().get("out_sharding") or (None,) * weight.ndim)
     lead = 1 if _stacked(weight) else 0
@@ -59,9 +65,9 @@ def _wrap_linear(weight: Linear | Embedding, target: str, lora: LoRAConfig, key,
     batch, batch_names = ((slots,), ("lora_adapters",)) if slots else ((), ())
     a, b = initial_values(key, in_shape, out_shape, weight.shape[0] if lead else 0, ADAPTER_DTYPE, lora.rank,
                           embedding=embedding, batch=batch, empty=bool(slots))
-    lead_names = (*names[:lead], *batch_names)
+    lead_names, rank = (*names[:lead], *batch_names), rank_name(slots)
     in_names, out_names = names[lead:lead + n_in], names[lead + n_in:]
-    args = (a, b, (*lead_names, *in_names, "lora_rank"), (*lead_names, "lora_rank", *out_names))
+    args = (a, b, (*lead_names, *in_names, rank), (*lead_names, rank, *out_names))
     kwargs = dict(n_in=n_in, scale=lora.scale, target=target, rate=lora.dropout, stack=stack, slots=slots)
     return LoRAEmbedding(weight, *args, **kwargs) if embedding else LoRALinear(weight, *args, **kwargs)
 
@@ -71,7 +77,8 @@ def _wrap_tied_head(embed: Embedding, lora: LoRAConfig, key, slots: int) -> LoRA
     batch, batch_names = ((slots,), ("lora_adapters",)) if slots else ((), ())
     a, b = initial_values(key, (hidden,), (vocab,), 0, ADAPTER_DTYPE, lora.rank, embedding=False, batch=batch,
                           empty=bool(slots))
-    return LoRATiedHead(embed, a, b, (*batch_names, hidden_name, "lora_rank"), (*batch_names, "lora_rank", vocab_name),
+    rank = rank_name(slots)
+    return LoRATiedHead(embed, a, b, (*batch_names, hidden_name, rank), (*batch_names, rank, vocab_name),
                         n_in=1, scale=lora.scale, target="lm_head", rate=lora.dropout, stack=None, slots=slots)
 
 

@@ -78,8 +78,9 @@ def _one_slot(adapter: Adapter, slot: int, rank: int, alpha: float) -> tuple[tup
     keep = (slice(None),) * axis
     a = adapter.lora_a[...][(*keep, slot)][..., :rank]
     b = adapter.lora_b[...][(*keep, slot, slice(0, rank))]
-    names_a = tuple(n for n in adapter.lora_a.get_metadata()["out_sharding"] if n != "lora_adapters")
-    names_b = tuple(n for n in adapter.lora_b.get_metadata()["out_sharding"] if n != "lora_adapters")
+    plain = {"lora_slot_rank": "lora_rank"}
+    names_a = tuple(plain.get(n, n) for n in adapter.lora_a.get_metadata()["out_sharding"] if n != "lora_adapters")
+    names_b = tuple(plain.get(n, n) for n in adapter.lora_b.get_metadata()["out_sharding"] if n != "lora_adapters")
     return (a, b, names_a, names_b), dict(n_in=adapter.n_in, scale=alpha / rank, target=adapter.target,
                                           rate=adapter.rate, stack=adapter.stack)
 

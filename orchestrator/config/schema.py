@@ -406,7 +406,7 @@ class PlanConfig:
     """
 
     check_before_launch: bool = True
-    max_fit_compiles: int = 4
+    max_fit_compiles: int = 6
 
     def validate(self, prefix: str = "plan") -> None:
         if self.max_fit_compiles < 0:

@@ -20,7 +20,12 @@ class ServeConfig:
         base_model: the name clients ask for (empty: the HF directory's name, else the preset's).
         tokenizer: what clients load as the tokenizer (`get_info`): an HF id or directory (None:
             `base`).
-        max_adapters: adapter slots on the base model.
+        max_adapters: adapter slots on the base model (on the devices).
+        max_live_adapters: how many adapters may be alive at once (None: `max_adapters`). Beyond
+            the device slots, the least recently used adapters wait in host memory, then on disk,
+            and are brought into a slot when a request names them (see docs/serve.md, "Paging").
+        host_adapters: how many adapters wait in host memory; beyond them, the least recently used
+            go to the run directory's disk (None: all of them stay in host memory).
         max_rank: the largest LoRA rank; smaller ranks are masked within it.
         lora_alpha: every adapter's `alpha` (its update is scaled by `lora_alpha / rank`).
         max_seq_len: the longest training row (and the context length clients are told).
@@ -52,6 +57,8 @@ class ServeConfig:
     base_model: str = ""
     tokenizer: str | None = None
     max_adapters: int = 8
+    max_live_adapters: int | None = None
+    host_adapters: int | None = None
     max_rank: int = 32
     lora_alpha: float = 32.0
     max_seq_len: int = 1024
@@ -63,6 +70,10 @@ class ServeConfig:
     autosave_every: int = 10
     session_timeout_s: float = 600.0
     result_ttl_s: float = 3600.0
+
+    def live_adapters(self) -> int:
+        """How many adapters may be alive at once."""
+        return self.max_adapters if self.max_live_adapters is None else self.max_live_adapters
 
     def sample_tokens(self) -> int:
         """The longest sampled sequence (prompt plus new tokens)."""
@@ -77,6 +88,12 @@ class ServeConfig:
         for key in ("max_adapters", "max_rank", "max_seq_len", "max_rows", "max_request_bytes", "max_sample_tokens"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"{prefix}.{key}: expected a positive integer, found {getattr(self, key)}")
+        if self.max_live_adapters is not None and self.max_live_adapters < self.max_adapters:
+            raise ValueError(f"{prefix}.max_live_adapters: expected at least {prefix}.max_adapters "
+                             f"({self.max_adapters}) or null, found {self.max_live_adapters}")
+        if self.host_adapters is not None and self.host_adapters < 0:
+            raise ValueError(f"{prefix}.host_adapters: expected 0 or more adapters (null: no limit), found "
+                             f"{self.host_adapters}")
         if self.autosave_every < 0:
             raise ValueError(f"{prefix}.autosave_every: expected 0 (never) or a positive number of optimizer steps, "
                              f"found {self.autosave_every}")

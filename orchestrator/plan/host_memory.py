@@ -79,6 +79,25 @@ def state_bytes_per_host(leaves, *, written: bool, replica_parallel: bool) -> di
     return {host: int(b) for host, b in per_host.items()}
 
 
+@functools.cache
+def _distinct(shape: tuple[int, ...], itemsize: int, sharding) -> dict[int, int]:
+    size = math.prod(sharding.shard_shape(shape)) * itemsize
+    held: dict[int, set] = defaultdict(set)
+    for device, index in sharding.devices_indices_map(shape).items():
+        held[device.process_index].add(tuple((s.start, s.stop) for s in index))
+    return {host: size * len(shards) for host, shards in held.items()}
+
+
+def distinct_bytes_per_host(leaves) -> dict[int, int]:
+    """Bytes per process of the distinct shards of `leaves` its devices hold (a shard two of its
+    devices hold counted once): what it keeps when it copies them to host memory once."""
+    per_host: dict[int, int] = defaultdict(int)
+    for leaf in leaves:
+        for host, size in _distinct(tuple(leaf.shape), _itemsize(leaf), leaf.sharding).items():
+            per_host[host] += size
+    return dict(per_host)
+
+
 def largest_leaf_per_host(leaves) -> int:
     """The most bytes one array has on one process's devices."""
     return max((_layout_of(leaf)[3] for leaf in leaves), default=0)

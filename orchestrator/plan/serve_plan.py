@@ -2,8 +2,8 @@
 
 The engine's three programs (`serve.engine`) are compiled at their largest shapes on the engine's
 layout (`serve.layout`): a training step of `serve.max_rows` rows of `serve.max_seq_len` tokens,
-the Adam step of every slot, and sampling whose prompt and new tokens fill `serve.max_sample_tokens`
-(by default `serve.max_seq_len`).
+the Adam step of as many slots as one program steps, and sampling whose prompt and new tokens fill
+`serve.max_sample_tokens` (by default `serve.max_seq_len`).
 Each program also takes what the engine holds and it does not use (the Adam state during a pass,
 the base during an Adam step), so the compiler's per-chip peak (arguments + outputs - aliased +
 scratch) and, on TPUs, its own check against the chip's memory cover the whole engine. The
@@ -16,6 +16,7 @@ chip's memory is then checked by compiling it and one more.
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -23,12 +24,12 @@ import jax.numpy as jnp
 
 from podtrain.orchestrator.config.compose import apply_overrides
 from podtrain.orchestrator.plan.hlo_comm import collectives, summarize
-from podtrain.orchestrator.plan.host_memory import hf_bytes
+from podtrain.orchestrator.plan.host_memory import distinct_bytes_per_host, hf_bytes
 from podtrain.orchestrator.plan.on_target import compile_or_oom, shard_bytes
 from podtrain.orchestrator.plan.targets import Target, compile_devices, host_line
 from podtrain.orchestrator.serve.engine import MIN_TOKENS
 from podtrain.orchestrator.serve.layout import EngineLayout, engine_layout
-from podtrain.orchestrator.serve.programs import adam_steps, bucket, forward_backward, sample_rows
+from podtrain.orchestrator.serve.programs import ADAM_CHUNK, adam_steps, bucket, forward_backward, sample_rows
 from podtrain.orchestrator.serve.work import ADAM_KEYS
 from podtrain.sharding.rules import use_rules
 
@@ -52,8 +53,9 @@ def _lowered(layout: EngineLayout) -> tuple[dict, dict]:
     adapters, rest, adam = layout.adapters, layout.rest, layout.adam()
     bytes_of = {"adapters": shard_bytes(jax.tree.leaves(adapters)), "rest": shard_bytes(jax.tree.leaves(rest)),
                 "adam": shard_bytes(jax.tree.leaves(adam))}
-    hyper = {key: jax.ShapeDtypeStruct((n,), jnp.float32, sharding=replicated) for key in ADAM_KEYS}
-    hyper["active"] = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=replicated)
+    stepped = bucket(min(n, ADAM_CHUNK))  # the most slots one Adam program steps
+    hyper = {key: jax.ShapeDtypeStruct((stepped,), jnp.float32, sharding=replicated) for key in ADAM_KEYS}
+    hyper["slot"] = jax.ShapeDtypeStruct((stepped,), jnp.int32, sharding=replicated)
     prompt, new = sample_shape(s.sample_tokens())
     rows = bucket(s.max_rows)
 
@@ -70,7 +72,7 @@ def _lowered(layout: EngineLayout) -> tuple[dict, dict]:
     def lower(fn, *args, donate=()):
         return jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*args)
 
-    with jax.set_mesh(layout.mesh), use_rules(layout.config.sharding.rules):
+    with jax.set_mesh(layout.mesh), use_rules(layout.placed.rules):
         return {
             "forward_backward": lower(passes, adam, adapters, rest, adapters,
                                       layout.batch(rows, bucket(s.max_seq_len, MIN_TOKENS)), donate=(3,)),
@@ -99,15 +101,15 @@ def plan_serve_on_target(config, target: Target, devices=None, *, programs=None)
         mem = compiled.memory_analysis()
         peak = int(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                    + mem.temp_size_in_bytes)
-        report[name] = {"peak_bytes": peak, "temp_bytes": int(mem.temp_size_in_bytes), "fits": peak <= chip.hbm_bytes}
+        # What every chip sends in the program's collectives (loops counted by their trips), summed over the chips.
+        sent = summarize(collectives(compiled.as_text(), layout.mesh.devices.shape, layout.mesh.axis_names))
+        report[name] = {"peak_bytes": peak, "temp_bytes": int(mem.temp_size_in_bytes), "fits": peak <= chip.hbm_bytes,
+                        "collective_bytes": sent["traffic_bytes"] * target.devices}
         if name == "forward_backward":
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list | tuple) else cost
             tokens = bucket(s.max_rows) * bucket(s.max_seq_len, MIN_TOKENS)
             report[name]["flops_per_token"] = float(cost.get("flops", 0.0)) * target.devices / tokens
-            # What every chip sends in the pass's collectives (loops counted by their trips), summed
-            # over the chips, per token of the batch.
-            sent = summarize(collectives(compiled.as_text(), layout.mesh.devices.shape, layout.mesh.axis_names))
             report[name]["collective_bytes_per_token"] = sent["traffic_bytes"] * target.devices / tokens
         if programs is not None and not report[name]["fits"]:
             break
@@ -126,22 +128,33 @@ def plan_serve_on_target(config, target: Target, devices=None, *, programs=None)
 def service_host_memory(layout: EngineLayout, ram_bytes: int) -> dict:
     """The service's host peak per host: the base's HF import (one parameter's shards of the host's
     devices, read and converted), or an adapter's save or load (one slot's weights and Adam
-    moments gathered whole on every host, and their safetensors bytes)."""
+    moments gathered whole on every host, and their safetensors bytes); and the paged adapters
+    (`serve/pages.py`): each keeps the host's shards of its weights and moments, so the RAM left
+    beside the peak holds `page_capacity` of them beyond the device slots (a page with a pending
+    gradient holds a third more)."""
     s = layout.config.serve
-    slot = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((layout.adapters, layout.adam()))
-               if x.ndim) // s.max_adapters
+    state = [x for x in jax.tree.leaves((layout.adapters, layout.adam())) if x.ndim]
+    slot = sum(x.size * x.dtype.itemsize for x in state) // s.max_adapters
+    page = max(distinct_bytes_per_host(state).values()) // s.max_adapters
     imported, _ = hf_bytes(layout.rest)
     phases = {"HF import (the base)": imported, "adapter save": 2 * slot}
     peak_of = max(phases, key=phases.get)
-    return {"ram_bytes": ram_bytes, "phases": phases, "peak_of": peak_of, "peak_bytes": phases[peak_of],
-            "fits": phases[peak_of] <= ram_bytes, "headroom_bytes": ram_bytes - phases[peak_of], "data_bytes": 0}
+    capacity = max(0, ram_bytes - phases[peak_of]) // max(1, page)
+    paged = min(s.host_adapters if s.host_adapters is not None else math.inf, s.live_adapters() - s.max_adapters)
+    phases["adapter pages"] = int(paged * page)
+    peak = phases[peak_of] + phases["adapter pages"]
+    if phases["adapter pages"]:
+        peak_of += " beside the adapter pages"
+    return {"ram_bytes": ram_bytes, "phases": phases, "peak_of": peak_of, "peak_bytes": peak,
+            "fits": peak <= ram_bytes, "headroom_bytes": ram_bytes - peak, "data_bytes": 0,
+            "page_bytes": int(page), "page_capacity": int(capacity)}
 
 
 def adapters_that_fit(config, target: Target, devices=None, *, report: dict | None = None,
                       max_compiles: int = 6) -> dict:
     """The largest `serve.max_adapters` whose engine fits `target`, at the config's rank: from the
-    per-slot bytes of two compiles, then searched from that estimate and checked by compiling it
-    (fits) and one more (does not).
+    per-slot bytes of two compiles, then searched by interpolating the compiled peaks and checked
+    by compiling it (fits) and one more (does not).
 
     Returns {"max_adapters" (0 when not even one fits), "per_adapter_bytes", "checked" (both sides
     of the boundary compiled within `max_compiles`), "peak_bytes" (at that count), "compiles"}."""
@@ -173,26 +186,46 @@ def adapters_that_fit(config, target: Target, devices=None, *, report: dict | No
         low = max((k for k in plans if plans[k]["fits"]), default=0)
         return low, min((k for k in plans if k > low and not plans[k]["fits"]), default=None)
 
-    # From the estimate to the boundary (`count` fits and one more does not): steps of 1, 1, 2,
-    # 4, ... away from the estimate, towards the boundary, until it lies between two compiled
-    # counts; then halving. An estimate one or two off costs no more compiles than steps of one.
-    upwards, probe = compiles < max_compiles and fits(max(1, estimate)), 0
+    def above(low: int) -> int:
+        """Upwards of every count compiled: where the line through the two largest counts that fit
+        meets the chip's memory."""
+        known = sorted(k for k in plans if plans[k]["fits"])[-2:]
+        a, b = (known[0], known[-1]) if len(known) == 2 else (first, second)
+        slope = (plans[b]["peak_bytes"] - plans[a]["peak_bytes"]) / (b - a) if b != a else per_adapter
+        return a + int((target.chip.hbm_bytes - plans[a]["peak_bytes"]) // max(slope, 1))
+
+    # Between a count that fits and one refused: where the line through their peaks meets the memory
+    # the compiler reported (regula falsi, with the Illinois rule: an end kept twice in a row counts
+    # half, so the search does not creep from one side as the peak grows a little faster than
+    # linearly); kept strictly inside the bracket, so next to a count when the line says the
+    # boundary is there. Upwards of every count compiled, at least a step that doubles.
+    fits(max(1, estimate))
+    up, kept, weight = 1, None, {"low": 1.0, "high": 1.0}
     while compiles < max_compiles:
         low, high = bracket()
         if high == low + 1:
             break
-        step = 2 ** max(0, probe - 1)
         if high is None:
-            n = low + step
-        elif not upwards and high - step > low:
-            n = high - step
+            n, up = max(above(low), low + up), up * 2
+        elif low == 0:
+            n = high // 2
         else:
-            n = (low + high) // 2
+            limit = plans[high].get("hbm_bytes", target.chip.hbm_bytes)
+            under = (limit - plans[low]["peak_bytes"]) * weight["low"]
+            over = max(plans[high]["peak_bytes"] - limit, 1) * weight["high"]
+            n = min(max(low + int((high - low) * under / (under + over)), low + 1), high - 1)
+            if n in plans:
+                n = (low + high) // 2
         fits(n)
-        probe += 1
+        end = "high" if plans[n]["fits"] else "low"  # the end that stays
+        weight[end] = weight[end] / 2 if kept == end else 1.0
+        weight["low" if end == "high" else "high"] = 1.0
+        kept = end
     count, high = bracket()
     checked = high == count + 1
+    host = plans[count]["host"] if count in plans else plans[first]["host"]
     return {"max_adapters": int(count), "per_adapter_bytes": int(per_adapter), "checked": checked,
+            "max_live_adapters": int(count + host["page_capacity"]), "page_bytes": host["page_bytes"],
             "peak_bytes": plans[count]["peak_bytes"] if count in plans else None,
             "fits_at": {str(k): plans[k]["fits"] for k in sorted(plans)}, "compiles": compiles}
 
@@ -216,6 +249,7 @@ def format_serve(report: dict) -> str:
                  f"per chip; {host_line(host)}")
     fit = report.get("adapters_that_fit")
     if fit:
-        lines.append(f"  adapters that fit at rank {report['max_rank']}: {fit['max_adapters']} "
-                     f"({fit['per_adapter_bytes'] / 2**20:.1f} MiB per chip each)")
+        lines.append(f"  adapters that fit at rank {report['max_rank']}: {fit['max_adapters']} in device slots "
+                     f"({fit['per_adapter_bytes'] / 2**20:.1f} MiB per chip each); {fit['max_live_adapters']} alive "
+                     f"with the rest paged in host RAM ({fit['page_bytes'] / 2**20:.1f} MiB per host each)")
     return "\n".join(lines)

@@ -36,7 +36,9 @@ from podtrain.orchestrator.placed.restore import load_base
 from podtrain.orchestrator.serve import losses
 from podtrain.orchestrator.serve.checks import check_adapter, check_work, slot_targets
 from podtrain.orchestrator.serve.layout import engine_layout
+from podtrain.orchestrator.serve.pages import Pager
 from podtrain.orchestrator.serve.programs import (
+    ADAM_CHUNK,
     Batch,
     SampleBatch,
     adam_steps,
@@ -93,7 +95,7 @@ def serve_info(config, eos_token_ids: tuple[int, ...] | None = None) -> tuple[Ba
     info = BaseInfo(base_model=s.base_model, tokenizer_id=s.tokenizer or "", model_type=m.model_type,
                     vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
                     max_adapters=s.max_adapters, eos_token_ids=eos,
-                    max_sample_tokens=s.sample_tokens())
+                    max_sample_tokens=s.sample_tokens(), max_live_adapters=s.live_adapters())
     return info, targets
 
 
@@ -109,18 +111,23 @@ def service_tokenizer(config) -> tuple[Tokenizer | None, tuple[int, ...]]:
 
 @dataclasses.dataclass
 class LoadedAdapter:
-    """An adapter in the engine: its slot `index`, rank, targets and optimizer steps taken."""
+    """An adapter alive in the engine: its slot `index` (None while paged out, `pages.py`), rank,
+    targets and optimizer steps taken; when it was last used, and whether it has a gradient pending
+    (a forward/backward since its last optimizer step)."""
 
-    index: int
+    index: int | None
     rank: int
     targets: tuple[str, ...]
     steps: int = 0
+    used: int = 0
+    pending: bool = False
 
 
 class Engine:
     """The Backend of one process: see the module docstring."""
 
-    def __init__(self, config, devices=None, eos_token_ids: tuple[int, ...] | None = None):
+    def __init__(self, config, devices=None, eos_token_ids: tuple[int, ...] | None = None,
+                 page_dir: Path | None = None):
         self._info, _ = serve_info(config, eos_token_ids)
         layout = engine_layout(config, devices)
         placed = layout.placed
@@ -143,6 +150,8 @@ class Engine:
                                  max_rows=self.config.serve.max_rows if self.config.serve.compile_ahead else 0,
                                  wait_s=self.config.cluster.compile_timeout_s)
         self.loaded: dict[str, LoadedAdapter] = {}
+        self.pager = Pager(config.serve.host_adapters, page_dir)
+        self._clock = 0
         self.sample_count = 0
 
     def _pin(self) -> None:
@@ -178,21 +187,80 @@ class Engine:
                 heads = [q[0] for q in queues.values()]
                 kind = type(works[heads[0]])
                 if kind in (ForwardBackward, Sample, OptimStep):
-                    group = []
+                    group, named = [], set()
                     for q in queues.values():
-                        # An adapter's passes (or samples) may share a batch; its steps follow one another.
+                        # An adapter's passes (or samples) may share a batch; its steps follow one
+                        # another; a group names no more adapters than there are slots.
                         while q and type(works[q[0]]) is kind and (kind is not OptimStep or not any(
-                                works[i].model_id == works[q[0]].model_id for i in group)):
+                                works[i].model_id == works[q[0]].model_id for i in group)) and (
+                                works[q[0]].model_id in named or len(named) < self._info.max_adapters):
+                            named.add(works[q[0]].model_id)
                             group.append(q.pop(0))
                     run = {ForwardBackward: self._passes, Sample: self._samples, OptimStep: self._optim_steps}[kind]
-                    self._guarded(run, works, group, results)
+                    self._guarded(self._paged(run), works, group, results)
                 else:
                     index = heads[0]
                     queues[works[index].model_id or ""].pop(0)
                     self._guarded(self._single, works, [index], results)
                 for key in [k for k, q in queues.items() if not q]:
                     del queues[key]
+            self.pager.settle()
+        self.pager.report(sum(1 for s in self.loaded.values() if s.index is not None))
         return results
+
+    # -- paging (`pages.py`) --
+
+    def _paged(self, run):
+        """`run` on a group's items once their adapters are in device slots."""
+        def paged(works, group, results):
+            self._resident({works[i].model_id for i in group} - {None})
+            run(works, group, results)
+        return paged
+
+    def _resident(self, model_ids: set[str]) -> None:
+        """The adapters `model_ids` (those alive) in device slots, paged in together; the slots
+        they take are free ones, else those of the least recently used adapters not named."""
+        self._clock += 1
+        coming = sorted((m for m in model_ids if m in self.loaded and self.loaded[m].index is None),
+                        key=lambda m: self.loaded[m].used)
+        for m in model_ids:
+            if m in self.loaded:
+                self.loaded[m].used = self._clock
+        if not coming:
+            return
+        slots = self._take_slots(len(coming), model_ids, settle=False)
+        self.adapters, self.grads, self.adam = self.pager.page_in(
+            (self.adapters, self.grads, self.adam), self.axes, (self._layout, self._adam_layout),
+            list(zip(coming, slots, strict=True)))
+        for m, slot in zip(coming, slots, strict=True):
+            self.loaded[m].index = slot
+        self._pin()
+
+    def _take_slots(self, count: int, keep: set[str], *, settle: bool = True) -> list[int]:
+        """`count` device slots: free ones, else those of the least recently used adapters not in
+        `keep`, which are paged out together (with `settle`, into host memory before this returns)."""
+        used = {s.index for s in self.loaded.values() if s.index is not None}
+        slots = [i for i in range(self._info.max_adapters) if i not in used][:count]
+        victims = sorted((s.used, m) for m, s in self.loaded.items() if s.index is not None and m not in keep)
+        if len(slots) + len(victims) < count:
+            raise ServeError(f"no free adapter slot: all {self._info.max_adapters} (serve.max_adapters) hold "
+                             "adapters this step needs", status=429)
+        outgoing = []
+        for _, model_id in victims[:count - len(slots)]:
+            victim = self.loaded[model_id]
+            outgoing.append((model_id, victim.index, victim.pending))
+            slots.append(victim.index)
+            victim.index = None
+        self.pager.page_out((self.adapters, self.grads, self.adam), self.axes, (self._layout, self._adam_layout),
+                            outgoing)
+        if settle:
+            self.pager.settle()
+        return slots
+
+    def paging(self) -> dict:
+        """Where the live adapters are (device slots, host memory, disk) and what paging did."""
+        resident = sum(1 for s in self.loaded.values() if s.index is not None)
+        return {"resident": resident, **self.pager.counts(), **self.pager.stats}
 
     def _slot(self, model_id: str) -> LoadedAdapter:
         slot = self.loaded.get(model_id)
@@ -241,32 +309,37 @@ class Engine:
         if isinstance(work, Create):
             results[index] = self._create(work)
         elif isinstance(work, Save):
+            self._resident({work.model_id})
             results[index] = self._save(work)
         elif isinstance(work, Load):
             results[index] = self._load(work)
         elif isinstance(work, Unload):
             slot = self._slot(work.model_id)
-            self._clear(slot.index)
+            if slot.index is None:
+                self.pager.drop(work.model_id)
+            else:
+                self._clear(slot.index)
             del self.loaded[work.model_id]
 
-    def _free_slot(self) -> int:
-        used = {s.index for s in self.loaded.values()}
-        free = [i for i in range(self._info.max_adapters) if i not in used]
-        if not free:
-            raise ServeError(f"no free adapter slot: all {self._info.max_adapters} (serve.max_adapters) hold "
-                             "adapters; unload one first", status=429)
-        return free[0]
+    def _free_slot(self, model_id: str) -> int:
+        """A device slot for a new adapter `model_id`, if one more may be alive."""
+        live, slots = self._info.live_adapters(), self._info.max_adapters
+        if len(self.loaded) >= live:
+            key = "serve.max_adapters" if live == slots else "serve.max_live_adapters"
+            raise ServeError(f"no free adapter slot: all {live} ({key}) hold adapters; unload one first", status=429)
+        self._clock += 1
+        return self._take_slots(1, {model_id})[0]
 
     def _create(self, work: Create) -> None:
         if work.model_id in self.loaded:
             raise ServeError(f"model_id: {work.model_id!r} already exists", status=409)
-        index = self._free_slot()
+        index = self._free_slot(work.model_id)
         self._clear(index)
         chosen = {target: jnp.asarray(target in work.targets) for target in self.targets}
         self.adapters = new_slot(self.graphdef, self.adapters, self.rest, jnp.int32(index), jnp.int32(work.seed),
                                  jnp.int32(work.rank), chosen)
         self._pin()
-        self.loaded[work.model_id] = LoadedAdapter(index, work.rank, tuple(work.targets))
+        self.loaded[work.model_id] = LoadedAdapter(index, work.rank, tuple(work.targets), used=self._clock)
 
     def _clear(self, index: int) -> None:
         """Slot `index` empty: zero adapters, gradient and Adam state."""
@@ -275,31 +348,26 @@ class Engine:
         self._pin()
 
     def _optim_steps(self, works, group, results) -> None:
-        """One Adam step of each item's adapter, all in one program, each with its own AdamParams."""
-        n = self._info.max_adapters
-        hyper = {key: np.zeros(n, np.float32) for key in ADAM_KEYS}
-        active = np.zeros(n, bool)
+        """One Adam step of each item's adapter, each with its own AdamParams, up to `ADAM_CHUNK`
+        adapters in one program."""
         stepped = []
         for index in group:
             try:
-                slot = self._slot(works[index].model_id)
+                stepped.append((index, self._slot(works[index].model_id)))
             except ServeError as e:
                 results[index] = e
-                continue
-            for key in ADAM_KEYS:
-                hyper[key][slot.index] = float(works[index].adam[key])
-            active[slot.index] = True
-            stepped.append((index, slot))
-        if not stepped:
-            return
-        hyper = {key: jnp.asarray(value) for key, value in hyper.items()} | {"active": jnp.asarray(active)}
-        self.adapters, self.grads, self.adam, norms = adam_steps(self.adapters, self.grads, self.adam, hyper,
-                                                                 axes=self.axes)
-        self._pin()
-        norms = to_host(norms)
-        for index, slot in stepped:
-            slot.steps += 1
-            results[index] = OptimStepResult({"grad_norm:mean": float(norms[slot.index])})
+        for start in range(0, len(stepped), ADAM_CHUNK):
+            chunk = stepped[start:start + ADAM_CHUNK]
+            padded = chunk + chunk[-1:] * (bucket(len(chunk)) - len(chunk))  # the last one again: the same step
+            hyper = {key: jnp.asarray([float(works[i].adam[key]) for i, _ in padded], jnp.float32)
+                     for key in ADAM_KEYS} | {"slot": jnp.asarray([slot.index for _, slot in padded], jnp.int32)}
+            self.adapters, self.grads, self.adam, norms = adam_steps(self.adapters, self.grads, self.adam, hyper,
+                                                                     axes=self.axes)
+            self._pin()
+            norms = to_host(norms)
+            for j, (index, slot) in enumerate(chunk):
+                slot.steps, slot.pending = slot.steps + 1, False
+                results[index] = OptimStepResult({"grad_norm:mean": float(norms[j])})
 
     # -- forward/backward passes of many adapters --
 
@@ -313,6 +381,7 @@ class Engine:
                 results[index] = e
                 continue
             rows.extend((index, j, datum) for j, datum in enumerate(work.data))
+            self.loaded[work.model_id].pending |= work.backward
         outputs: dict[int, list] = {index: [None] * len(works[index].data) for index in group if results[index] is None}
         width = self.config.serve.max_rows
         for start in range(0, len(rows), width):
@@ -517,8 +586,12 @@ class Engine:
         moments = (tree("mu"), tree("nu")) if work.optimizer else None
         slot = self.loaded.get(work.model_id)
         if slot is None:
-            slot = LoadedAdapter(self._free_slot(), rank, targets)
+            slot = LoadedAdapter(self._free_slot(work.model_id), rank, targets, used=self._clock)
+        elif slot.index is None:
+            self.pager.drop(work.model_id)
+            slot.index = self._take_slots(1, {work.model_id})[0]
         self._clear(slot.index)
+        slot.pending = False
         slot.rank, slot.targets, slot.steps = rank, targets, int(state["steps"])
         self.adapters, self.adam = write_slot(self.adapters, self.adam, jnp.int32(slot.index), values, moments,
                                               jnp.int32(state["adam_count"]), axes=self.axes)

@@ -254,5 +254,5 @@ def worker_main(config, run_dir: Path, env, heartbeat: p.Heartbeat) -> int:
     from podtrain.orchestrator.serve.engine import Engine
 
     heartbeat.phase("restore")
-    engine = Engine(config)
+    engine = Engine(config, page_dir=run_dir / "pages")
     return serve_steps(engine, env, heartbeat, grace_s=config.cluster.stop_grace_s)

@@ -20,7 +20,7 @@ from podtrain.orchestrator.placed.mesh import make_mesh
 from podtrain.orchestrator.placed.model import ModelSpec, PlacedModel, place
 from podtrain.orchestrator.serve.checks import slot_targets
 from podtrain.orchestrator.serve.programs import AdamState, Batch, SampleBatch, axes_tree, slot_axes
-from podtrain.sharding.rules import use_rules
+from podtrain.sharding.rules import Rules, axes_of, use_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,19 @@ class EngineLayout:
                               for f in dataclasses.fields(SampleBatch)})
 
 
+def slot_rules(rules: Rules, sizes: dict[str, int], rank: int) -> dict:
+    """`rules` with the slots' rank axis ("lora_slot_rank") on those of its mesh axes whose sizes
+    multiply to a divisor of `rank`, taken in order: the slots' state is sharded over as many
+    devices as the rank allows."""
+    kept, product = [], 1
+    for axis in axes_of(rules.get("lora_slot_rank")):
+        size = sizes.get(axis, 1)
+        if size > 1 and rank % (product * size) == 0:
+            kept.append(axis)
+            product *= size
+    return {**rules, "lora_slot_rank": kept or None}
+
+
 def engine_layout(config, devices=None) -> EngineLayout:
     """The engine of `config` (a serve config) on `devices` (default: all), laid out: the base
     model (`serve.base`, else drawn from `serve.seed`) with `serve.max_adapters` slots of rank
@@ -88,7 +101,8 @@ def engine_layout(config, devices=None) -> EngineLayout:
     mesh = make_mesh(config, devices)
     model = resolve_kernels(config.model, mesh.devices.flat[0].platform, s.max_seq_len, seq_key="serve.max_seq_len")
     lora = LoRAConfig(rank=s.max_rank, alpha=s.lora_alpha, targets=slot_targets(model), base=s.base)
-    with use_rules(config.sharding.rules):
-        placed = place(ModelSpec(model, lora, s.seed, slots=s.max_adapters), mesh, config.sharding.rules)
+    rules = slot_rules(config.sharding.rules, dict(mesh.shape), s.max_rank)
+    with use_rules(rules):
+        placed = place(ModelSpec(model, lora, s.seed, slots=s.max_adapters), mesh, rules)
     graphdef, adapters, rest = nnx.split(nnx.merge(placed.graphdef, placed.abstract_params), LoRAParam, ...)
     return EngineLayout(config, placed, graphdef, adapters, rest, slot_axes(adapters))

@@ -8,9 +8,9 @@ recompiles; a padded row or token has no loss and no gradient.
 - `forward_backward`: target logprobs, each row's own loss (`losses.token_losses`), and the
   gradient of the trained rows' summed loss with respect to every slot: a slot's gradient is that
   of its rows alone, since a row reads only its own slot.
-- `adam_steps`: one Adam step of any set of slots at once, each with its own hyperparameters
-  (optax's Adam with decoupled weight decay mapped over the adapter axis, clipped by that slot's
-  gradient norm); the other slots' parameters and moments are not touched.
+- `adam_steps`: one Adam step of any set of slots in one program, each with its own
+  hyperparameters (optax's Adam with decoupled weight decay, clipped by that slot's gradient
+  norm), slot after slot; the other slots' parameters and moments are not touched.
 - `sample_rows`: prefill then decode in one program over the stacked KV cache, each row with its
   own adapter, temperature, top-k, top-p, seed, stop sequences and token budget.
 """
@@ -160,19 +160,28 @@ def _slot_minor(tree, like, axes):
     return jax.tree.map(lambda v, x, axis: jnp.moveaxis(v, 0, axis).astype(x.dtype), tree, like, axes)
 
 
+# The most slots one Adam program steps (more run as several): what it holds beside the engine's
+# arrays grows with the slots it steps, not with the slots the engine has.
+ADAM_CHUNK = 4
+
+
 @functools.partial(jax.jit, static_argnames=("axes",), donate_argnums=(0, 1, 2))
 def adam_steps(adapters: nnx.State, grads: nnx.State, state: AdamState, hyper: dict, *, axes):
-    """One Adam step of every slot whose `hyper["active"]` (N,) is set, each on its own gradient
-    with its own hyperparameters (Tinker's AdamParams, each an (N,) array: learning_rate, beta1,
-    beta2, eps, weight_decay, grad_clip_norm (0: none)): optax's Adam with decoupled weight decay,
-    mapped over the adapter axis, the gradient clipped by the slot's own norm. Inactive slots keep
-    their parameters, moments, count and gradient exactly. Returns (adapters, grads with the
-    active slots' zeroed, state, every slot's gradient norm before clipping (N,))."""
-    axes = axes_tree(adapters, axes)
-    params = jax.tree.map(lambda p: p.astype(jnp.float32), _slot_major(adapters, axes))
-    grad = jax.tree.map(lambda g: g.astype(jnp.float32), _slot_major(grads, axes))
+    """One Adam step of each slot `hyper["slot"]` (k,), each on its own gradient with its own
+    hyperparameters (Tinker's AdamParams, each a (k,) array: learning_rate, beta1, beta2, eps,
+    weight_decay, grad_clip_norm (0: none)): optax's Adam with decoupled weight decay, the gradient
+    clipped by the slot's own norm. The k slots are taken out, stepped one after another by the
+    same loop body (so a slot's step is the same bits whatever the number of slots, or of slots
+    stepped beside it) and put back; a slot named twice must come with the same hyperparameters
+    (padding). Other slots keep their parameters, moments, count and gradient exactly. Returns
+    (adapters, grads with the stepped slots' zeroed, state, each entry's gradient norm before
+    clipping (k,))."""
+    tree = axes_tree(adapters, axes)
+    slots = hyper["slot"]
+    take = lambda x, axis: jnp.moveaxis(x[_at(axis, slots)], axis, 0).astype(jnp.float32)  # noqa: E731
 
-    def one(p, g, mu, nu, count, h):
+    def one(args):
+        p, g, mu, nu, count, h = args
         norm = optax.tree.norm(g)
         clip = h["grad_clip_norm"]
         g = optax.tree.scale(jnp.where((clip > 0) & (norm > clip), clip / norm, 1.0), g)
@@ -182,17 +191,21 @@ def adam_steps(adapters: nnx.State, grads: nnx.State, state: AdamState, hyper: d
                                                  optax.EmptyState()), p)
         return optax.apply_updates(p, updates), moments.mu, moments.nu, moments.count, norm
 
-    new, mu, nu, count, norm = jax.vmap(one)(params, grad, state.mu, state.nu, state.count, hyper)
-    active = hyper["active"]
+    per_slot = {key: value for key, value in hyper.items() if key != "slot"}
+    new, mu, nu, count, norms = jax.lax.map(one, (jax.tree.map(take, adapters, tree), jax.tree.map(take, grads, tree),
+                                                  jax.tree.map(lambda m: m[slots], state.mu),
+                                                  jax.tree.map(lambda m: m[slots], state.nu), state.count[slots],
+                                                  per_slot))
+    put = lambda x, v, axis: x.at[_at(axis, slots)].set(jnp.moveaxis(v, 0, axis).astype(x.dtype))  # noqa: E731
+    zero = lambda x, axis: x.at[_at(axis, slots)].set(0)  # noqa: E731
+    return (jax.tree.map(put, adapters, new, tree), jax.tree.map(zero, grads, tree),
+            AdamState(jax.tree.map(lambda m, v: m.at[slots].set(v), state.mu, mu),
+                      jax.tree.map(lambda m, v: m.at[slots].set(v), state.nu, nu), state.count.at[slots].set(count)),
+            norms)
 
-    def keep(new, old):
-        return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
 
-    new = jax.tree.map(keep, new, params)
-    state = AdamState(jax.tree.map(keep, mu, state.mu), jax.tree.map(keep, nu, state.nu),
-                      jnp.where(active, count, state.count))
-    grad = jax.tree.map(lambda g: keep(jnp.zeros_like(g), g), grad)
-    return _slot_minor(new, adapters, axes), _slot_minor(grad, grads, axes), state, norm
+def _at(axis: int, index):
+    return (slice(None),) * axis + (index,)
 
 
 @jax.tree_util.register_dataclass

@@ -353,7 +353,7 @@ class Scheduler:
             work = job.work
             if job.sampler_dir is None and isinstance(work, Create | Load) and work.model_id not in live:
                 idle = [d for d in self._slots if d not in needed]
-                if len(live) + len(self._slots) >= self._backend.info().max_adapters and idle:
+                if len(live) + len(self._slots) >= self._backend.info().live_adapters() and idle:
                     works.append(Unload(model_id=self._slots.pop(idle[0])))
                     owners.append(None)
                 live.add(work.model_id)

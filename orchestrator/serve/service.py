@@ -120,6 +120,14 @@ class Service:
                              "a sampling client of a new ServiceClient", 410)
         return sampler
 
+    def paging(self) -> dict[str, Any]:
+        """Where the live adapters are and what paging did, as the engine last wrote it
+        (`serve/pages.py`); {} before it has written anything."""
+        try:
+            return json.loads((self.store.run_dir / "pages" / "paging.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
     def checkpoint(self, path: str, field: str) -> CheckpointRecord:
         checkpoint = self.store.checkpoint(path)
         if checkpoint is None:

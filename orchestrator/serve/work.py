@@ -48,6 +48,10 @@ class BaseInfo:
     max_adapters: int
     eos_token_ids: tuple[int, ...] = ()  # where sampling stops when the client names no stop tokens
     max_sample_tokens: int = 0  # the longest sampled sequence, prompt plus new tokens (0: max_seq_len)
+    max_live_adapters: int = 0  # how many adapters may be alive, paged beyond the slots (0: max_adapters)
+
+    def live_adapters(self) -> int:
+        return self.max_live_adapters or self.max_adapters
 
     def sample_tokens(self) -> int:
         return self.max_sample_tokens or self.max_seq_len

@@ -173,7 +173,9 @@ def test_a_new_slot_is_the_adapter_apply_lora_makes_cut_to_its_rank(preset, slot
         assert not np.asarray(adapter.lora_a[...]).any() and not np.asarray(adapter.lora_b[...]).any()
 
 
-def test_slots_carry_an_adapter_axis_sharded_like_their_weights():
+def test_slots_carry_an_adapter_axis_sharded_like_their_weights_and_their_rank_over_the_free_batch_axes():
+    """Each slot array keeps its weight's sharding on the axes it shares with it; its rank axis
+    takes the batch axes left free (ZeRO), so no half of an adapter is whole on every device."""
     config = config_of()
     lora = LoRAConfig(rank=8, targets=("q_proj", "down_proj", "lm_head"))
     mesh = build_mesh({"fsdp": 2, "tp": 2}, jax.devices()[:4])
@@ -186,9 +188,10 @@ def test_slots_carry_an_adapter_axis_sharded_like_their_weights():
 
     layers = state["layers"]
     assert spec(layers["attn"]["wq"]["lora_a"]) == ((None, None, "fsdp", None), (L, 5, D, 8))
-    assert spec(layers["attn"]["wq"]["lora_b"]) == ((None, None, None, "tp", None), (L, 5, 8, H, HD))
-    assert spec(layers["mlp"]["w_down"]["lora_a"]) == ((None, None, "tp", None), (L, 5, config.intermediate_size, 8))
-    assert spec(state["lm_head"]["lora_b"]) == ((None, None, "tp"), (5, 8, config.vocab_size))
+    assert spec(layers["attn"]["wq"]["lora_b"]) == ((None, None, "fsdp", "tp", None), (L, 5, 8, H, HD))
+    assert spec(layers["mlp"]["w_down"]["lora_a"]) == ((None, None, "tp", "fsdp"), (L, 5, config.intermediate_size, 8))
+    assert spec(layers["mlp"]["w_down"]["lora_b"]) == ((None, None, "fsdp", None), (L, 5, 8, D))
+    assert spec(state["lm_head"]["lora_b"]) == ((None, "fsdp", "tp"), (5, 8, config.vocab_size))
 
 
 @pytest.mark.slow

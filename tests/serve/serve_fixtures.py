@@ -23,11 +23,11 @@ TARGETS = serve_targets("llama")
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01, "grad_clip_norm": 0.5}
 
 
-def make_engine(preset: str = "llama3-tiny", devices=1, overrides=()):
+def make_engine(preset: str = "llama3-tiny", devices=1, overrides=(), page_dir=None):
     given = {o.split("=", 1)[0] for o in overrides}
     defaults = [o for o in OVERRIDES if o.split("=", 1)[0] not in given]
     config = load_config(preset, [*defaults, f"serve.base_model={preset}", *overrides])
-    return Engine(config, jax.devices()[:devices])
+    return Engine(config, jax.devices()[:devices], page_dir=page_dir)
 
 
 def single(engine: Engine, model_id: str) -> nnx.Module:

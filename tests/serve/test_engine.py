@@ -255,26 +255,33 @@ def test_steady_work_of_other_lengths_and_adapters_does_not_recompile(engine):
 
 
 def test_a_sharded_engine_gives_the_one_device_results(engine):
-    """fsdp x tp over 4 devices: the same logprobs, losses, steps and samples as on one device."""
-    sharded = make_engine(devices=4, overrides=("mesh.fsdp=2", "mesh.tp=2"))
+    """fsdp=2 over 2 devices and fsdp x tp over 4: the same logprobs, losses, steps and samples as
+    on one device. Every slot array, its gradient and its moments are split over fsdp (ZeRO): no
+    half of an adapter is whole on every device."""
     vocab = engine.info().vocab_size
     rng = np.random.default_rng(5)
     data = {m: tuple(sft_datum(rng, n, vocab) for n in lengths) for m, lengths in (("g", (9, 14)), ("h", (21,)))}
     prompt = rng.integers(0, vocab, 6).astype(np.int32)
+    engines = [engine, make_engine(devices=2, overrides=("mesh.fsdp=2",)),
+               make_engine(devices=4, overrides=("mesh.fsdp=2", "mesh.tp=2"))]
     outs = []
-    for e in (engine, sharded):
+    for e in engines:
         e.run([Create("g", 4, TARGETS, seed=1), Create("h", 8, ("gate_proj", "up_proj", "down_proj"), seed=2)])
         e.run([ForwardBackward(m, d, "cross_entropy") for m, d in data.items()] + [OptimStep("g", ADAM),
                                                                                    OptimStep("h", ADAM)])
         outs.append(e.run([ForwardBackward(m, d, "cross_entropy", backward=False) for m, d in data.items()]
                           + [Sample("g", prompt, max_tokens=6, temperature=0.0)]))
         e.run([Unload("g"), Unload("h")])
-    specs = [str(leaf.sharding.spec) for leaf in jax.tree.leaves(sharded.adapters)]
-    assert any("'tp'" in spec for spec in specs) and any("'fsdp'" in spec for spec in specs), specs
-    for one, four in zip(outs[0][:2], outs[1][:2], strict=True):
-        for a, b in zip(one.outputs, four.outputs, strict=True):
-            np.testing.assert_allclose(b["logprobs"], a["logprobs"], rtol=1e-5, atol=1e-5)
-    assert outs[1][2].sequences[0].tokens.tolist() == outs[0][2].sequences[0].tokens.tolist()
+    specs = [str(leaf.sharding.spec) for leaf in jax.tree.leaves(engines[2].adapters)]
+    assert any("'tp'" in spec for spec in specs), specs
+    for e in engines[1:]:
+        for leaf in jax.tree.leaves((e.adapters, e.grads, e.adam.mu, e.adam.nu)):
+            assert "'fsdp'" in str(leaf.sharding.spec), (leaf.shape, leaf.sharding.spec)
+    for out in outs[1:]:
+        for one, many in zip(outs[0][:2], out[:2], strict=True):
+            for a, b in zip(one.outputs, many.outputs, strict=True):
+                np.testing.assert_allclose(b["logprobs"], a["logprobs"], rtol=1e-5, atol=1e-5)
+        assert out[2].sequences[0].tokens.tolist() == outs[0][2].sequences[0].tokens.tolist()
 
 
 def test_deepseek_v3_with_expert_parallel_experts_trains_and_samples_its_adapters():

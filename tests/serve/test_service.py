@@ -6,6 +6,7 @@ request is one clear error and the service goes on; a restarted service gives ba
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -42,6 +43,17 @@ def service(tmp_path_factory, base):
     assert running.stop() == 0, running.output()
 
 
+@pytest.fixture(scope="module")
+def paging_service(tmp_path_factory, base):
+    """4 device slots for 64 live adapters, 16 of them in host memory and the rest on disk."""
+    tmp = tmp_path_factory.mktemp("paging")
+    running = Service(tmp, base, tmp / "runs" / "paging", "cluster.kind=none", "serve.max_adapters=4",
+                      "serve.max_live_adapters=64", "serve.host_adapters=16", name="paging")
+    yield running
+    _close_sessions(running)
+    assert running.stop() == 0, running.output()
+
+
 _OPEN: list[tuple] = []  # (service, client) of the running test
 
 
@@ -64,6 +76,14 @@ def _close_sessions(service=None) -> None:
 def _close_clients():
     yield
     _close_sessions()
+
+
+class WORDS:
+    """The base's tokenizer without loading it: "w<n>" is token n."""
+
+    @staticmethod
+    def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(word[1:]) for word in text.split()]
 
 
 def _chat_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
@@ -231,6 +251,68 @@ def test_the_cookbooks_sft_and_rl_data_train_unchanged(service, base):
     trainer.optim_step(ADAM).result()
 
 
+def _paging(service, model_id: str) -> dict:
+    return httpx.post(f"{service.url}/api/v1/get_info", json={"model_id": model_id},
+                      headers={"X-API-Key": KEY}).json()["paging"]
+
+
+def test_six_clients_in_turns_on_four_slots_train_save_load_and_sample_as_with_a_slot_each(service, paging_service,
+                                                                                           base):
+    """Six SDK clients, each training its own adapter in turns on a service with 4 device slots,
+    get the losses, gradient norms, saved states and samples of the same clients on a service with
+    8: every adapter is paged out and back between its steps."""
+    data = [[_chat_datum(WORDS, f"w{3 + i} w{4 + i} w5", f"w{40 + i} w41 w42")] for i in range(6)]
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop=[])
+    results = []
+    for running in (service, paging_service):
+        client = _client(running)
+        trainers = [client.create_lora_training_client(base_model=base.name, rank=4 + 4 * (i % 2), seed=i).result()
+                    for i in range(6)]
+        seen = []
+        for _ in range(3):
+            for trainer, datum in zip(trainers, data, strict=True):
+                seen.append(trainer.forward_backward(datum, "cross_entropy").result().metrics["loss:sum"])
+                seen.append(trainer.optim_step(ADAM).result().metrics["grad_norm:mean"])
+        path = trainers[0].save_state("paged").result().path
+        resumed = client.create_training_client_from_state_with_optimizer(path).result()
+        logprobs = [_logprobs(t, data[0]) for t in (trainers[0], resumed)]
+        sampler = trainers[1].save_weights_and_get_sampling_client("paged-sampler")
+        tokens = [s.tokens for s in sampler.sample(types.ModelInput.from_ints([2, 3, 4]), 2, params).result().sequences]
+        results.append((seen, logprobs, tokens))
+    assert results[0][0] == results[1][0]
+    for whole, paged in zip(results[0][1], results[1][1], strict=True):
+        np.testing.assert_array_equal(whole[0], paged[0])
+    np.testing.assert_array_equal(results[1][1][0][0], results[1][1][1][0])  # the resumed state's logprobs
+    assert results[0][2] == results[1][2]
+    where = _paging(paging_service, trainers[0].model_id)
+    assert where["page_ins"] > 0 and where["resident"] == 4, where
+
+
+def test_eight_concurrent_clients_keep_64_adapters_alive_on_four_slots(paging_service, base):
+    """8 clients at once, 8 adapters each: 64 alive on 4 device slots, at most 16 in host memory and
+    the rest on disk; every request is answered and the host keeps no more than its 16 pages."""
+    def one_client(i: int) -> list[float]:
+        client = _client(paging_service)
+        trainers = [client.create_lora_training_client(base_model=base.name, rank=4, seed=8 * i + j).result()
+                    for j in range(8)]
+        datum = [_chat_datum(WORDS, f"w{5 + i} w6 w7", f"w{50 + i} w51")]
+        losses = []
+        for _ in range(2):
+            for trainer in trainers:
+                losses.append(trainer.forward_backward(datum, "cross_entropy").result().metrics["loss:sum"])
+                trainer.optim_step(ADAM).result()
+        return losses, trainers[0].model_id
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        done = list(pool.map(one_client, range(8)))
+    assert all(len(losses) == 16 and all(np.isfinite(losses)) for losses, _ in done)
+    where = _paging(paging_service, done[0][1])
+    assert where["resident"] == 4 and where["host"] <= 16 and where["resident"] + where["host"] + where["disk"] == 64
+    assert where["disk_writes"] > 0 and where["disk_reads"] > 0, where
+    pages = list((paging_service.run_dir / "pages").glob("*/process-0.safetensors"))
+    assert len(pages) == where["disk"]
+
+
 def test_a_bad_request_is_one_clear_error_and_the_service_goes_on(service, base):
     client = _client(service)
     trainer = client.create_lora_training_client(base_model=base.name, rank=2).result()
@@ -320,8 +402,9 @@ def train(trainer, steps: int) -> list[float]:
 @pytest.mark.ray
 def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemption_and_a_hang(tmp_path, base):
     """The default cluster kind over two hosts: an embedded Ray, the front end in the driver, the
-    engine over both hosts' workers in lockstep; the same losses and seeded samples as the engine in
-    one process.
+    engine over both hosts' workers in lockstep, its adapters paged (2 device slots, 1 host page,
+    the rest on disk, each host with its own shards); the same losses and seeded samples as the
+    engine in one process with a slot for each.
     - A worker killed (-9) while the client is idle: the gang restarts, the adapter comes back from
       its automatic save at step 2 (its step 3 lost, which its next request is told), and its next
       steps equal those of the one-process run from step 2.
@@ -351,7 +434,7 @@ def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemp
     run_dir = tmp_path / "runs" / "local"
     service = Service(tmp_path, base, run_dir, "cluster=local", "cluster.num_hosts=2", "cluster.devices_per_host=1",
                       "cluster.compile_timeout_s=240", "cluster.hang_timeout_s=45", "serve.autosave_every=2",
-                      name="local")
+                      "serve.max_adapters=2", "serve.max_live_adapters=4", "serve.host_adapters=1", name="local")
 
     def worker(attempt: int, rank: int) -> int:
         path = run_dir / "logs" / f"attempt-{attempt}" / f"rank{rank}.pid"
@@ -362,9 +445,19 @@ def test_two_local_hosts_give_the_one_process_losses_and_survive_a_kill_a_preemp
         return int(path.read_text())
 
     try:
-        trainer = _client(service).create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
-        np.testing.assert_allclose(train(trainer, 3), expected[:3], rtol=1e-5)
+        client = _client(service)
+        trainer = client.create_lora_training_client(base_model=base.name, rank=4, seed=1).result()
+        others = [client.create_lora_training_client(base_model=base.name, rank=4, seed=s).result() for s in (2, 3)]
+        losses = []
+        for _ in range(3):  # the others' steps page the trainer out (2 device slots, 1 host page) and back
+            losses += train(trainer, 1)
+            for other in others:
+                train(other, 1)
+        np.testing.assert_allclose(losses, expected[:3], rtol=1e-5)
         assert seeded_samples(trainer) == samples  # every host samples the same tokens as one process
+        paging = httpx.post(f"{service.url}/api/v1/get_info", json={"model_id": trainer.model_id},
+                            headers={"X-API-Key": KEY}).json()["paging"]
+        assert paging["disk_writes"] > 0 and paging["page_ins"] > 0, paging
         os.kill(worker(1, 1), signal.SIGKILL)
         # Told on its next request, or on the one in flight when the step found the worker gone.
         with pytest.raises(tinker.RequestFailedError, match="back from its last save, at step 2"):

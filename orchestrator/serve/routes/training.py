@@ -40,11 +40,13 @@ def get_info(body: wire.ModelBody, service: ServiceDep) -> dict[str, Any]:
     model = service.model(body.model_id)
     progress = service.store.progress(model.model_id)
     # Beyond Tinker's fields (its SDK keeps extra ones): the optimizer steps the adapter has
-    # taken, and the step of the save a restart would bring it back from.
+    # taken, the step of the save a restart would bring it back from, and where the service's
+    # live adapters are (device slots, host memory, disk: `serve/pages.py`).
     steps = {} if progress is None else {"step": progress.steps, "saved_step": progress.saved_step}
     return {"type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": model.rank,
             "model_name": info.base_model, "model_data": {"arch": info.model_type, "model_name": info.base_model,
-                                                          "tokenizer_id": info.tokenizer_id}, **steps}
+                                                          "tokenizer_id": info.tokenizer_id}, **steps,
+            "paging": service.paging()}
 
 
 @router.post("/forward_backward")
