@@ -45,6 +45,8 @@ bench: install
 	$(PY) bench/plan_targets.py
 	$(PY) bench/chat_sft.py
 	$(PY) bench/host_memory.py
+	$(PY) bench/paging.py
+	$(PY) bench/serve_state.py
 	bash tests/netns.sh $(PY) bench/serve.py --no-skyrl
 	bash tests/netns.sh $(PY) bench/cluster.py
 

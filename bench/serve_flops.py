@@ -23,6 +23,7 @@ def main() -> None:
     from podtrain.launch.serve import serve_config
     from podtrain.orchestrator.plan.serve_plan import plan_serve_on_target
     from podtrain.orchestrator.plan.targets import compile_devices, parse_target
+    from podtrain.orchestrator.serve.programs import ADAM_CHUNK
 
     target = parse_target(args.target)
     devices = compile_devices(target)
@@ -34,7 +35,7 @@ def main() -> None:
         sent[slots] = report["programs"]["forward_backward"]["collective_bytes_per_token"]
         state = (2 * report["adapters_bytes"] + report["adam_bytes"]) / slots
         print(f"{slots:>2} adapter slots: {flops[slots]:,.0f} FLOPs and {sent[slots]:,.0f} collective bytes per token "
-              f"(mesh {report['mesh']}); Adam step of every slot: "
+              f"(mesh {report['mesh']}); one Adam program (up to {ADAM_CHUNK} slots): "
               f"{report['programs']['adam_steps']['collective_bytes']:,.0f} collective bytes; "
               f"per slot per chip: {state / 2**20:,.1f} MiB", flush=True)
     print(f"16 / 1: FLOPs {flops[16] / flops[1]:.4f}, collective bytes {sent[16] / sent[1]:.4f}")

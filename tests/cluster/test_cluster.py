@@ -189,7 +189,9 @@ def test_a_rank_stopped_at_start_then_mid_run_then_a_lost_host_each_restart_the_
                and max(losses(run_dir), default=0) >= 3, 300,
                "step 3 in attempt 3")
     stacks = run_dir / "stacks" / "attempt-2"
-    assert {p.name for p in stacks.glob("rank*.txt")} == {"rank0.txt", "rank1.txt"}
+    proc.log.flush()
+    assert {p.name for p in stacks.glob("rank*.txt")} == {"rank0.txt", "rank1.txt"}, \
+        (tmp_path / f"{run_dir.name}-driver.log").read_text()[-6000:]
     dumped = (stacks / "rank1.txt").read_text()
     assert "orchestrator" in dumped or "Thread" in dumped, dumped[:2000]
     assert stacks.stat().st_mtime - stopped_at < 8 + 60  # detected within the timeout (plus polling)
