@@ -31,13 +31,10 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from podtrain.orchestrator.serve.programs import AdamState, axes_tree, bucket
+from podtrain.orchestrator.serve.programs import AdamState, at_slot, axes_tree, bucket
 
 ShardKey = tuple[tuple[int, int], ...]
 
-
-def _at(axis: int, index):
-    return (slice(None),) * axis + (index,)
 
 
 def _key(index: tuple, shape: tuple[int, ...]) -> ShardKey:
@@ -63,7 +60,7 @@ def take_slots(adapters, grads, state: AdamState, indices, *, axes):
     """The slots `indices` (k,): adapters and gradient with their adapter axis k long, moments with
     their leading one, and the step counts (k,)."""
     tree = axes_tree(adapters, axes)
-    pick = lambda x, axis: x[_at(axis, indices)]  # noqa: E731
+    pick = lambda x, axis: x[at_slot(axis, indices)]  # noqa: E731
     return (jax.tree.map(pick, adapters, tree), jax.tree.map(pick, grads, tree),
             jax.tree.map(lambda m: m[indices], state.mu), jax.tree.map(lambda m: m[indices], state.nu),
             state.count[indices])
@@ -73,7 +70,7 @@ def take_slots(adapters, grads, state: AdamState, indices, *, axes):
 def put_slots(adapters, grads, state: AdamState, indices, values, grad_values, mu, nu, count, *, axes):
     """`take_slots` undone: slots `indices` set to the given pages (a repeated index repeats its page)."""
     tree = axes_tree(adapters, axes)
-    put = lambda x, v, axis: x.at[_at(axis, indices)].set(v.astype(x.dtype))  # noqa: E731
+    put = lambda x, v, axis: x.at[at_slot(axis, indices)].set(v.astype(x.dtype))  # noqa: E731
     return (jax.tree.map(put, adapters, values, tree), jax.tree.map(put, grads, grad_values, tree),
             AdamState(jax.tree.map(lambda m, v: m.at[indices].set(v), state.mu, mu),
                       jax.tree.map(lambda m, v: m.at[indices].set(v), state.nu, nu),

@@ -178,7 +178,7 @@ def adam_steps(adapters: nnx.State, grads: nnx.State, state: AdamState, hyper: d
     clipping (k,))."""
     tree = axes_tree(adapters, axes)
     slots = hyper["slot"]
-    take = lambda x, axis: jnp.moveaxis(x[_at(axis, slots)], axis, 0).astype(jnp.float32)  # noqa: E731
+    take = lambda x, axis: jnp.moveaxis(x[at_slot(axis, slots)], axis, 0).astype(jnp.float32)  # noqa: E731
 
     def one(args):
         p, g, mu, nu, count, h = args
@@ -196,15 +196,16 @@ def adam_steps(adapters: nnx.State, grads: nnx.State, state: AdamState, hyper: d
                                                   jax.tree.map(lambda m: m[slots], state.mu),
                                                   jax.tree.map(lambda m: m[slots], state.nu), state.count[slots],
                                                   per_slot))
-    put = lambda x, v, axis: x.at[_at(axis, slots)].set(jnp.moveaxis(v, 0, axis).astype(x.dtype))  # noqa: E731
-    zero = lambda x, axis: x.at[_at(axis, slots)].set(0)  # noqa: E731
+    put = lambda x, v, axis: x.at[at_slot(axis, slots)].set(jnp.moveaxis(v, 0, axis).astype(x.dtype))  # noqa: E731
+    zero = lambda x, axis: x.at[at_slot(axis, slots)].set(0)  # noqa: E731
     return (jax.tree.map(put, adapters, new, tree), jax.tree.map(zero, grads, tree),
             AdamState(jax.tree.map(lambda m, v: m.at[slots].set(v), state.mu, mu),
                       jax.tree.map(lambda m, v: m.at[slots].set(v), state.nu, nu), state.count.at[slots].set(count)),
             norms)
 
 
-def _at(axis: int, index):
+def at_slot(axis: int, index):
+    """The index of slot(s) `index` along an array's adapter axis `axis`."""
     return (slice(None),) * axis + (index,)
 
 

@@ -18,18 +18,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from podtrain.models.lora import LoRAParam, init_slot
-from podtrain.orchestrator.serve.programs import AdamState, axes_tree
-
-
-def _at(axis: int, index):
-    return (slice(None),) * axis + (index,)
+from podtrain.orchestrator.serve.programs import AdamState, at_slot, axes_tree
 
 
 @functools.partial(jax.jit, static_argnames=("axes",), donate_argnums=(0, 1, 2))
 def clear_slot(adapters: nnx.State, grads: nnx.State, state: AdamState, index, *, axes):
     """Slot `index` empty: zero adapters, gradient, moments and step count."""
     tree = axes_tree(adapters, axes)
-    zero = lambda x, axis: x.at[_at(axis, index)].set(0)  # noqa: E731
+    zero = lambda x, axis: x.at[at_slot(axis, index)].set(0)  # noqa: E731
     moments = lambda m: m.at[index].set(0)  # noqa: E731
     return (jax.tree.map(zero, adapters, tree), jax.tree.map(zero, grads, tree),
             AdamState(jax.tree.map(moments, state.mu), jax.tree.map(moments, state.nu), state.count.at[index].set(0)))
@@ -50,7 +46,8 @@ def write_slot(adapters: nnx.State, state: AdamState, index, values, moments, co
     """Slot `index` set to `values` (the adapters' leaves without their adapter axis) and, unless
     `moments` is None, its Adam moments `(mu, nu)` (shaped as `values`) and step `count`."""
     tree = axes_tree(adapters, axes)
-    adapters = jax.tree.map(lambda x, v, axis: x.at[_at(axis, index)].set(v.astype(x.dtype)), adapters, values, tree)
+    put = lambda x, v, axis: x.at[at_slot(axis, index)].set(v.astype(x.dtype))  # noqa: E731
+    adapters = jax.tree.map(put, adapters, values, tree)
     if moments is not None:
         mu, nu = (jax.tree.map(lambda m, v, axis: m.at[index].set(v), old, new, tree)
                   for old, new in zip((state.mu, state.nu), moments, strict=True))
@@ -63,7 +60,7 @@ def read_slot(adapters: nnx.State, state: AdamState, index, *, axes, optimizer: 
     """Slot `index`'s adapters (and, with `optimizer`, its moments `(mu, nu)`), without the adapter
     axis, replicated so that every process can read them whole."""
     tree = axes_tree(adapters, axes)
-    values = jax.tree.map(lambda x, axis: x[_at(axis, index)], adapters, tree)
+    values = jax.tree.map(lambda x, axis: x[at_slot(axis, index)], adapters, tree)
     if not optimizer:
         return values, None
     return values, (jax.tree.map(lambda m: m[index], state.mu), jax.tree.map(lambda m: m[index], state.nu))
