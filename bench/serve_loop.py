@@ -6,7 +6,8 @@
 `forward_backward` (cross-entropy on random tokens) and one `optim_step` per step, all submitted
 before any is waited for so the server may batch clients together. The rows of a step are split
 among the adapters (at least one each), so adapter counts up to `rows` train the same tokens per
-step. The first step (compilation) is timed on its own; tokens/s is over the steps after it.
+step. The warm-up steps (the first compiles) are timed on their own; tokens/s is at the median of the
+timed steps after them.
 
 `sample_loop` measures sampling throughput: the weights of a fresh adapter are saved for sampling,
 then rounds of one sample per prompt are submitted at once; the first round is timed on its own.
@@ -18,6 +19,7 @@ import argparse
 import contextlib
 import json
 import random
+import statistics
 import time
 from collections.abc import Callable
 
@@ -54,12 +56,20 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def spread(seconds: list[float]) -> dict:
+    """Median, quartiles and extremes of step times."""
+    q = statistics.quantiles(seconds, n=4, method="inclusive") if len(seconds) > 1 else seconds * 3
+    return {"median_s": statistics.median(seconds), "p25_s": q[0], "p75_s": q[2], "min_s": min(seconds),
+            "max_s": max(seconds)}
+
+
 def run_loop(
     base_url: str,
     base_model: str,
     *,
     adapters: int,
     steps: int,
+    warmup: int = 1,
     rows: int = 8,
     tokens: int = 128,
     rank: int = 8,
@@ -67,12 +77,14 @@ def run_loop(
     seed: int = 0,
     vocab_size: int = 512,
 ) -> dict:
-    """Trains `adapters` LoRA clients for `steps` steps of `rows` x `tokens` tokens in all.
+    """Trains `adapters` LoRA clients for `warmup` untimed then `steps` timed steps of `rows` x
+    `tokens` tokens in all.
 
-    Returns the first (compiling) step's seconds, the tokens/s of steps 2..`steps` and every step's seconds.
+    Returns the first (compiling) step's seconds, every warm-up and timed step's seconds, the
+    timed steps' median and spread, and tokens/s at the median step and over all timed steps.
     """
-    if steps < 2:
-        raise ValueError(f"steps must be at least 2 (one warm-up, one timed), got {steps}")
+    if steps < 1 or warmup < 1:
+        raise ValueError(f"steps and warmup must be at least 1, got steps={steps}, warmup={warmup}")
     rng = random.Random(seed)
     rows_per_adapter = max(1, rows // adapters)
     service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
@@ -86,17 +98,23 @@ def run_loop(
             future.result()
 
     data = [[[random_datum(rng, tokens, vocab_size) for _ in range(rows_per_adapter)] for _ in clients]
-            for _ in range(steps)]  # fmt: skip
+            for _ in range(warmup + steps)]  # fmt: skip
     try:
         step_s = [timed(lambda batches=batches: step(batches)) for batches in data]
     finally:
         end_session(service)
-    trained = (steps - 1) * adapters * rows_per_adapter * tokens
+    per_step = adapters * rows_per_adapter * tokens
+    timed_s = step_s[warmup:]
+    stats = spread(timed_s)
     return {
         "first_step_s": step_s[0],
-        "tokens_per_s": trained / sum(step_s[1:]),
-        "step_s": step_s,
+        "tokens_per_s": per_step / stats["median_s"],
+        "tokens_per_s_mean": per_step * steps / sum(timed_s),
+        **stats,
+        "warmup_s": step_s[:warmup],
+        "step_s": timed_s,
         "steps": steps,
+        "warmup": warmup,
         "adapters": adapters,
         "rows": adapters * rows_per_adapter,
         "tokens": tokens,
@@ -150,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("base_model")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--adapters", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=4)
@@ -160,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "train":
         result = run_loop(
             args.base_url, args.base_model, adapters=args.adapters, steps=args.steps,
-            rows=args.rows, tokens=args.tokens, rank=args.rank,
+            warmup=args.warmup, rows=args.rows, tokens=args.tokens, rank=args.rank,
         )  # fmt: skip
     else:
         result = sample_loop(

@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                                   round(statistics.median(timed), 4), "min_step_s": round(min(timed), 4),
                                   "requests_per_step": 2 * adapters,
                                   # CPU over every step, the first included, and the clients' creation
-                                  "client_cpu_s_per_step": round((cpu_s() - client) / args.steps, 4),
-                                  "server_cpu_s_per_step": round((cpu_s(server.pid) - served) / args.steps, 4)}),
+                                  "client_cpu_s_per_step": round((cpu_s() - client) / (args.steps + 1), 4),
+                                  "server_cpu_s_per_step": round((cpu_s(server.pid) - served) / (args.steps + 1), 4)}),
                       flush=True)
         finally:
             server.send_signal(signal.SIGINT)  # uvicorn ends on it, so the profile is written

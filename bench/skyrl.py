@@ -73,22 +73,31 @@ def ensure_skyrl_venv(path: Path) -> Path:
     return path
 
 
-def make_qwen3_dir(path: Path) -> Path:
-    """Writes a tiny random float32 Qwen3 (2 layers, hidden 64, vocab 512) and a 512-word tokenizer."""
+MODEL_SIZES = {
+    # name: (layers, hidden, intermediate, heads, kv heads, head dim)
+    "tiny": (2, 64, 128, 4, 2, 16),
+    "mid": (8, 512, 1536, 8, 4, 64),
+}
+
+
+def make_qwen3_dir(path: Path, size: str = "tiny") -> Path:
+    """Writes a random float32 Qwen3 of `size` (`MODEL_SIZES`; vocab 512, untied head) and a
+    512-word tokenizer."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
     vocab_size = 512
+    layers, hidden, intermediate, heads, kv_heads, head_dim = MODEL_SIZES[size]
     config = Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -204,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "podtrain" / "skyrl-venv")
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -222,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             server = skyrl_server(venv, model_dir, free_port(), max_lora_adapters=adapters + 1, max_lora_rank=args.rank)
             with server as (url, base_model):
                 results[f"train_adapters_{adapters}"] = run_loop(
-                    url, base_model, adapters=adapters, steps=args.steps, rank=args.rank
+                    url, base_model, adapters=adapters, steps=args.steps, warmup=args.warmup, rank=args.rank
                 )
             print(json.dumps(results[f"train_adapters_{adapters}"]), file=sys.stderr, flush=True)
         with skyrl_server(venv, model_dir, free_port(), max_lora_adapters=2, max_lora_rank=args.rank) as server:
