@@ -10,13 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from podtrain.models.config import ModelConfig
+from podtrain.models.context import balanced_order, context_shards, to_natural
 from podtrain.models.kernels.attention import (
     NEG_INF,
     cudnn_attention,
+    flash_multiple,
+    run_splash,
     sharded,
     splash_attention,
+    splash_kernel,
     xla_attention,
 )
 from podtrain.models.layers import RMSNorm
@@ -55,9 +61,12 @@ def make_mask(backend: str, q_positions_BT, kv_positions_BS, segment_ids_BT=None
     `model.attention`). The flash kernels mask by index within segments, which equals the
     causal-by-position mask when positions count up from each segment's start (as the data
     pipeline makes them); `padded` (keys' positions mark padding with -1) and sequences that are
-    not a multiple of the kernels' tile take the xla path."""
-    if backend == "auto" or backend == "xla" or padded or q_positions_BT.shape[1] % 128:
-        return Mask(dense_BTS=causal_mask(q_positions_BT, kv_positions_BS, segment_ids_BT, segment_ids_BT))
+    not a multiple of the kernels' tile on each device take the xla path."""
+    if backend == "auto" or backend == "xla" or padded or q_positions_BT.shape[1] % flash_multiple(context_shards()[1]):
+        dense = causal_mask(q_positions_BT, kv_positions_BS, segment_ids_BT, segment_ids_BT)
+        return Mask(dense_BTS=constrain(dense, ("batch", "seq", None)))
+    if segment_ids_BT is not None:  # whole on every device: each layer's keys take them in full (`context_attention`)
+        segment_ids_BT = constrain(segment_ids_BT, ("batch", None))
     return Mask(segments_BT=segment_ids_BT, backend=backend, interpret=interpret)
 
 
@@ -80,6 +89,9 @@ def self_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, scale: float) -> jax.A
     """Grouped-query self-attention, `scale` applied to q: (B, T, H, D) queries against (B, S, K, D)
     keys and (B, S, K, E) values (H a multiple of K) -> (B, T, H, E), by `mask.backend`."""
     q_BTHD = q_BTHD * scale
+    seq_axes, shards = context_shards()
+    if shards > 1:
+        return context_attention(q_BTHD, k_BSKD, v_BSKE, mask, seq_axes=seq_axes, shards=shards)
     if mask.backend == "xla":
         return xla_attention(q_BTHD, k_BSKD, v_BSKE, mask.dense_BTS)
     dtype = q_BTHD.dtype
@@ -97,6 +109,62 @@ def self_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, scale: float) -> jax.A
     if pad:
         args = tuple(None if x is None else jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in args)
     out = sharded(local, *args, batch_axes=batch_axes, head_axes=head_axes)
+    return out[:b].astype(dtype)
+
+
+def _entry(axes: tuple[str, ...]):
+    """A PartitionSpec entry for mesh axes: None, one name, or a tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def context_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, seq_axes: tuple[str, ...], shards: int) -> jax.Array:
+    """Self-attention of sequences split over `seq_axes` (`shards` devices) in the balanced order
+    (`models.context`), q already scaled.
+
+    Each device gathers the keys and values of the whole sequence once per pass (the gather's
+    gradient is a reduce-scatter of theirs) and attends its own queries to them: the xla path by
+    the dense mask of positions (its rows for these queries), splash with the kernel's mask rows
+    for these queries, evaluated at their natural indices, so fully masked blocks are skipped.
+    """
+    dtype = q_BTHD.dtype
+    heads, kv_heads = q_BTHD.shape[2], k_BSKD.shape[2]
+    batch_axes, head_axes, row_shards = _kernel_axes(heads, kv_heads)
+    b, t = q_BTHD.shape[:2]
+    pad = -b % row_shards
+    # Rows the batch axes do not divide get padding rows, cut off after (as `self_attention`).
+    rows = lambda x: x if x is None or not pad else jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+    q_BTHD, k_BSKD, v_BSKE = rows(q_BTHD), rows(k_BSKD), rows(v_BSKE)
+    gather = lambda x: jax.lax.all_gather(x, seq_axes, axis=1, tiled=True)  # noqa: E731
+    batch, seq = _entry(batch_axes), _entry(seq_axes)
+    x_spec = P(batch, seq, _entry(head_axes), None)
+    if mask.backend == "xla":
+        def local(q, k, v, dense_BTS):
+            return xla_attention(q, gather(k), gather(v), dense_BTS)
+
+        args = (q_BTHD, k_BSKD, v_BSKE, rows(mask.dense_BTS))
+        specs = (x_spec,) * 3 + (P(batch, seq, None),)
+    elif mask.backend == "splash":
+        k_BSKD, v_BSKE = k_BSKD.astype(dtype), v_BSKE.astype(dtype)
+        head_split = math.prod(dict(jax.sharding.get_abstract_mesh().shape)[a] for a in head_axes)
+        kernel = splash_kernel(heads // head_split, t, t, shards=shards, q_sequence=balanced_order(t, shards),
+                               interpret=mask.interpret)
+        kernel_spec = kernel.manual_sharding_spec(NamedSharding(jax.sharding.get_abstract_mesh(), P(None, seq)))
+
+        def local(kernel, q, k, v, segments=None):
+            k, v = (to_natural(gather(x), shards) for x in (k, v))
+            if segments is None:
+                return run_splash(kernel, q, k, v)
+            # Every device holds the whole rows' segment ids (`make_mask`): its queries' are a slice.
+            mine = jax.lax.dynamic_slice_in_dim(segments, jax.lax.axis_index(seq_axes) * q.shape[1], q.shape[1], 1)
+            return run_splash(kernel, q, k, v, mine, to_natural(segments, shards))
+
+        segments = rows(mask.segments_BT)
+        args = (kernel, q_BTHD, k_BSKD, v_BSKE) + (() if segments is None else (segments,))
+        specs = ((kernel_spec,) + (x_spec,) * 3 + (P(batch, None),))[:len(args)]
+    else:
+        raise ValueError(f"model.attention={mask.backend} cannot attend over a sequence split over {list(seq_axes)}; "
+                         "use splash (TPU) or xla")
+    out = jax.shard_map(local, in_specs=specs, out_specs=x_spec, check_vma=False)(*args)
     return out[:b].astype(dtype)
 
 

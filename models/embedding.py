@@ -33,7 +33,29 @@ def embed_tokens(table_VD: jax.Array, ids_BT: jax.Array, dtype) -> jax.Array:
     h = jnp.take(table, ids_BT, axis=0).astype(dtype)
     if hidden is not None:
         h = jax.lax.with_sharding_constraint(h, PartitionSpec(batch, None, hidden))
+        h = _hidden_to_tokens(h, batch_axes, list(axes_of(hidden)), dict(mesh.shape))
     return constrain(h, ("batch", "seq", "act_embed"))
+
+
+def _hidden_to_tokens(h_BTD: jax.Array, batch_axes: list[str], hidden_axes: list[str], sizes: dict) -> jax.Array:
+    """Moves the hidden dimension's mesh axes to the token dimensions their rules give them (batch or
+    sequence), one axis per all-to-all: XLA cannot move two at once (fsdp to the batch and cp to the
+    sequence) without replicating the array."""
+    to_batch = axes_of(logical_to_spec(("batch",), sizes)[0])
+    to_seq = axes_of(logical_to_spec(("seq",), sizes)[0])
+    seq_axes: list[str] = []
+    entry = lambda axes: tuple(axes) or None  # noqa: E731
+    for axis in list(hidden_axes):
+        if axis in to_batch:
+            batch_axes = sorted([*batch_axes, axis], key=to_batch.index)
+        elif axis in to_seq:
+            seq_axes = sorted([*seq_axes, axis], key=to_seq.index)
+        else:
+            continue
+        hidden_axes.remove(axis)
+        h_BTD = jax.lax.with_sharding_constraint(h_BTD, PartitionSpec(entry(batch_axes), entry(seq_axes),
+                                                                      entry(hidden_axes)))
+    return h_BTD
 
 
 class Embedding(nnx.Param):

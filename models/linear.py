@@ -81,14 +81,16 @@ def gathered(w: jax.Array, names) -> jax.Array:
 
 def gather_specs(names, ndim: int) -> tuple[PartitionSpec, PartitionSpec] | None:
     """(whole, sharded): the layout of an `ndim`-dimensional weight with logical `names` once
-    gathered over the batch axes, and its own; None when there is nothing to gather."""
+    gathered over the batch and sequence axes, and its own; None when there is nothing to gather."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not names or "experts" in names:
         return None
     sizes = dict(mesh.shape)
     spec = list(logical_to_spec(names, sizes))[len(names) - ndim:]
-    batch = set(axes_of(logical_to_spec(("batch",), sizes)[0]))
-    kept = [tuple(a for a in axes_of(entry) if a not in batch) for entry in spec]
+    # Devices that hold different tokens (the batch axes, and the sequence's under context
+    # parallelism) each need the whole weight: it is gathered over all of them at once.
+    tokens = set(axes_of(logical_to_spec(("batch",), sizes)[0])) | set(axes_of(logical_to_spec(("seq",), sizes)[0]))
+    kept = [tuple(a for a in axes_of(entry) if a not in tokens) for entry in spec]
     whole = PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in kept))
     sharded = PartitionSpec(*spec)
     return None if whole == sharded else (whole, sharded)

@@ -1,4 +1,4 @@
-"""Device meshes with the axes (dp, fsdp, ep, tp), on one process, many processes or many slices."""
+"""Device meshes with the axes (dp, fsdp, ep, cp, tp), on one process, many processes or many slices."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def device_grid(
     *,
     num_slices: int | None = None,
 ) -> np.ndarray:
-    """Arranges `devices` into an array of shape (dp, fsdp, ep, tp), tp innermost.
+    """Arranges `devices` into an array of shape (dp, fsdp, ep, cp, tp), tp innermost.
 
     On several slices (see `device_slices`), `dp` spans the slices: each slice holds
     `dp // num_slices` of it and the other axes stay inside a slice (fast interconnect).
@@ -123,7 +123,7 @@ def build_mesh(
     *,
     num_slices: int | None = None,
 ) -> Mesh:
-    """Builds a Mesh with axes (dp, fsdp, ep, tp) over `devices` (default: all), every axis `Auto`."""
+    """Builds a Mesh with axes (dp, fsdp, ep, cp, tp) over `devices` (default: all), every axis `Auto`."""
     grid = device_grid(sizes, jax.devices() if devices is None else devices, num_slices=num_slices)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 

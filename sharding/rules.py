@@ -15,20 +15,23 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-MESH_AXES = ("dp", "fsdp", "ep", "tp")
+MESH_AXES = ("dp", "fsdp", "ep", "cp", "tp")
 
 DEFAULT_RULES: dict[str, str | list[str] | None] = {
     # parameters
     "layers": None,
     "vocab": "tp",
-    "embed": "fsdp",
+    # Parameters are sharded over the context axis too: its devices hold different tokens of the
+    # same rows, so they gather weights as FSDP's devices do.
+    "embed": ["fsdp", "cp"],
     "heads": "tp",
     "kv_heads": "tp",
     "head_dim": None,
     "mlp": "tp",
     "experts": "ep",
-    "q_lora": "fsdp",  # DeepSeek-V3 up-projections (L, rank, heads, dim): among its largest arrays if replicated
-    "kv_lora": "fsdp",
+    # DeepSeek-V3 up-projections (L, rank, heads, dim): among its largest arrays if replicated
+    "q_lora": ["fsdp", "cp"],
+    "kv_lora": ["fsdp", "cp"],
     "norm": None,
     "lora_rank": None,  # LoRA adapters: A (..., rank), B (rank, ...)
     "lora_adapters": None,  # the adapter axis of adapter slots, A (layers, adapters, ..., rank)
@@ -37,7 +40,7 @@ DEFAULT_RULES: dict[str, str | list[str] | None] = {
     "lora_slot_rank": ["dp", "fsdp", "ep"],
     # activations
     "batch": ["dp", "fsdp", "ep"],
-    "seq": None,
+    "seq": "cp",  # context parallelism: one sequence split over devices (`models.context`)
     "act_embed": None,
     "act_heads": "tp",
     "act_vocab": "tp",

@@ -26,24 +26,33 @@ FLASH_SEQ_MULTIPLE = 128  # the splash kernel's tiles are multiples of the TPU's
 _SPLASH_BLOCK = 512
 
 
-def resolve_backend(name: str, platform: str, dtype: str = "bfloat16", seq_len: int | None = None) -> str:
+def flash_multiple(context: int = 1) -> int:
+    """What a sequence length must be a multiple of for the flash kernels when split over `context`
+    devices: their tile, or one tile per chunk of the balanced order (2 per device)."""
+    return FLASH_SEQ_MULTIPLE if context == 1 else 2 * context * FLASH_SEQ_MULTIPLE
+
+
+def resolve_backend(name: str, platform: str, dtype: str = "bfloat16", seq_len: int | None = None,
+                    context: int = 1) -> str:
     """The backend `name` resolves to on devices of `platform` ("cpu", "tpu", "gpu") for sequences
-    of `seq_len` tokens (None: any length the kernels take)."""
+    of `seq_len` tokens (None: any length the kernels take) split over `context` devices (context
+    parallelism: splash only, on a whole number of tiles per chunk)."""
     if name != "auto":
         return name
-    if seq_len is not None and seq_len % FLASH_SEQ_MULTIPLE:
+    if seq_len is not None and seq_len % flash_multiple(context):
         return "xla"
     if platform == "tpu":
         return "splash"
-    if platform in ("gpu", "cuda") and dtype in ("bfloat16", "float16"):
+    if platform in ("gpu", "cuda") and dtype in ("bfloat16", "float16") and context == 1:
         return "cudnn"
     return "xla"
 
 
 def check_backend(name: str, platform: str, dtype: str, seq_len: int | None = None, key: str = "model.attention",
-                  seq_key: str = "train.seq_len"):
+                  seq_key: str = "train.seq_len", context: int = 1, context_key: str = "mesh.cp"):
     """Raises ValueError naming `key` when backend `name` cannot run on `platform` at `dtype`, or
-    on sequences of `seq_len` tokens (the config key `seq_key`)."""
+    on sequences of `seq_len` tokens (the config key `seq_key`) split over `context` devices (the
+    config key `context_key`)."""
     if name not in BACKENDS:
         raise ValueError(f"{key}: expected one of {list(BACKENDS)}, found {name!r}")
     if name == "cudnn":
@@ -51,11 +60,16 @@ def check_backend(name: str, platform: str, dtype: str, seq_len: int | None = No
             raise ValueError(f"{key}=cudnn: cuDNN attention needs CUDA GPUs, found {platform} devices")
         if dtype not in ("bfloat16", "float16"):
             raise ValueError(f"{key}=cudnn: cuDNN attention needs model.dtype bfloat16 or float16, found {dtype}")
+        if context > 1:
+            raise ValueError(f"{key}=cudnn: cuDNN attention cannot take a sequence split over devices, found "
+                             f"{context_key}={context}; use {key}=xla (or splash on TPU)")
     if name == "splash" and platform not in ("tpu", "cpu"):
         raise ValueError(f"{key}=splash: splash attention runs on TPU (interpreted on CPU), found {platform} devices")
-    if name in ("splash", "cudnn") and seq_len is not None and seq_len % FLASH_SEQ_MULTIPLE:
-        raise ValueError(f"{key}={name}: {seq_key} must be a multiple of {FLASH_SEQ_MULTIPLE}, "
-                         f"found {seq_len}")
+    multiple = flash_multiple(context)
+    if name in ("splash", "cudnn") and seq_len is not None and seq_len % multiple:
+        per = f" ({FLASH_SEQ_MULTIPLE} per chunk, 2 chunks per device of {context_key}={context})"
+        per = per if context > 1 else ""
+        raise ValueError(f"{key}={name}: {seq_key} must be a multiple of {multiple}{per}, found {seq_len}")
 
 
 def _batched_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -119,24 +133,47 @@ def xla_attention(q_BTHD, k_BSKD, v_BSKE, mask_BTS):
     return out.reshape(b, kv_heads, group, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e)
 
 
-def splash_attention(q_BTHD, k_BSKD, v_BSKE, segments_BT, *, interpret: bool = False):
-    """One device's splash attention: causal within segments, GQA by the kernel's head groups."""
+def splash_kernel(heads: int, q_len: int, kv_len: int, *, shards: int = 1, q_sequence: np.ndarray | None = None,
+                  interpret: bool = False):
+    """Splash attention's kernel for `heads` heads of a causal mask over `q_len` queries and `kv_len` keys.
+
+    `q_sequence` is each query's index among the keys when the queries are held in another order
+    (context parallelism's balanced order); the mask is evaluated on it, so blocks that no query
+    of theirs may see are still skipped. With `shards` > 1 the kernel's mask data is split over
+    the queries (`q_seq_shards`): inside a `shard_map`, each device gets its own queries' rows
+    (`kernel.manual_sharding_spec`). Its blocks then lie within one chunk of the balanced order
+    (2 per device), so each device visits the same number of blocks.
+    """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    _, t, heads, _ = q_BTHD.shape
-    s = k_BSKD.shape[1]
-    bq, bkv = math.gcd(_SPLASH_BLOCK, t), math.gcd(_SPLASH_BLOCK, s)
+    tile = q_len if shards == 1 else q_len // (2 * shards)
+    bq, bkv = math.gcd(_SPLASH_BLOCK, tile), math.gcd(_SPLASH_BLOCK, kv_len if shards == 1 else tile)
     sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                               block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    mask = splash.MultiHeadMask([splash.CausalMask((t, s))] * heads)
-    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    causal = splash.CausalMask((q_len, kv_len), shard_count=shards)
+    if q_sequence is not None:
+        causal.q_sequence = np.asarray(q_sequence, np.int32)
+    return splash.make_splash_mha(splash.MultiHeadMask([causal] * heads), block_sizes=sizes, head_shards=1,
+                                  q_seq_shards=shards, interpret=interpret)
+
+
+def run_splash(kernel, q_BTHD, k_BSKD, v_BSKE, segments_q_BT=None, segments_kv_BS=None):
+    """`kernel` (`splash_kernel`) on each batch row; causal within equal segment ids when given."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BTHD, k_BSKD, v_BSKE))
-    if segments_BT is None:
-        out = jax.vmap(kernel)(q, k, v)
+    if segments_q_BT is None:
+        out = jax.vmap(lambda q, k, v: kernel(q, k, v))(q, k, v)
     else:
-        out = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg)))(
-            q, k, v, segments_BT)
+        out = jax.vmap(lambda q, k, v, sq, skv: kernel(q, k, v, segment_ids=splash.SegmentIds(q=sq, kv=skv)))(
+            q, k, v, segments_q_BT, segments_kv_BS)
     return out.transpose(0, 2, 1, 3)
+
+
+def splash_attention(q_BTHD, k_BSKD, v_BSKE, segments_BT, *, interpret: bool = False):
+    """One device's splash attention: causal within segments, GQA by the kernel's head groups."""
+    kernel = splash_kernel(q_BTHD.shape[2], q_BTHD.shape[1], k_BSKD.shape[1], interpret=interpret)
+    return run_splash(kernel, q_BTHD, k_BSKD, v_BSKE, segments_BT, segments_BT)
 
 
 def cudnn_attention(q_BTHD, k_BSKD, v_BSKE, segments_BT):

@@ -26,6 +26,7 @@ class MeshConfig:
     dp: int = 1
     fsdp: int = -1
     ep: int = 1
+    cp: int = 1  # context parallelism: each sequence split over this many devices
     tp: int = 1
 
 

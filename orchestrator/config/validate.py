@@ -51,10 +51,12 @@ def validate(config: Config, num_devices: int | None = None, *, serving: bool = 
     m, mesh = config.model, config.mesh
     seq_len, seq_key = ((config.serve.max_seq_len, "serve.max_seq_len") if serving
                         else (config.train.seq_len, "train.seq_len"))
+    context = max(mesh.cp, 1)  # -1 is checked again once the mesh is resolved
+    check_context(config, context, decode="podtrain serve" if serving else None)
     platform = cluster_platform(config.cluster)
     if platform is not None:
         try:
-            check_backend(m.attention, platform, m.dtype, seq_len, seq_key=seq_key)
+            check_backend(m.attention, platform, m.dtype, seq_len, seq_key=seq_key, context=context)
         except ValueError as e:
             raise ConfigError(f"{e} (cluster.kind={config.cluster.kind})") from None
     if mesh.tp > 0:
@@ -74,9 +76,24 @@ def validate(config: Config, num_devices: int | None = None, *, serving: bool = 
     if num_devices is None:
         return None
     sizes = mesh_sizes(config, num_devices)
+    check_context(config, sizes["cp"], decode="podtrain serve" if serving else None)
     if not serving:
         check_batch(config, sizes)
     return sizes
+
+
+def check_context(config: Config, cp: int, *, decode: str | None = None) -> None:
+    """A ConfigError when a sequence cannot be split over `cp` devices (`mesh.cp`): a command that
+    decodes (`decode` names it), or a `train.seq_len` not divisible by 2 * cp (each device holds two
+    equal chunks, one early and one late)."""
+    if cp == 1:
+        return
+    if decode is not None:
+        raise ConfigError(f"mesh.cp={cp}: {decode} samples token by token (the decode path), which cannot split a "
+                          "sequence over devices; expected mesh.cp=1")
+    if config.train.seq_len % (2 * cp):
+        raise ConfigError(f"train.seq_len={config.train.seq_len} must be divisible by 2 * mesh.cp = {2 * cp}: each "
+                          f"of the mesh.cp={cp} devices holds two equal chunks of every sequence")
 
 
 def _check_training(config: Config) -> None:

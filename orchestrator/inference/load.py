@@ -15,6 +15,7 @@ from podtrain.models import from_hf
 from podtrain.models.hf_read import is_hf_directory
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.schema import Config
+from podtrain.orchestrator.config.validate import check_context
 from podtrain.orchestrator.placed.kernels import resolve_kernels
 from podtrain.orchestrator.placed.restore import HF_RUNTIME_KEYS, kernel_keys, restore_model
 from podtrain.sharding.mesh import build_mesh
@@ -26,6 +27,7 @@ def load_model(config: Config, checkpoint: str, step: int | None = None,
     sharded on the config's mesh. `model_overrides` are the model keys the command line set: for an
     HF directory those of `HF_RUNTIME_KEYS` apply (`param_dtype` casts the weights) and any other
     is an error, since config.json describes the model."""
+    check_context(config, config.mesh.cp, decode="podtrain generate")
     directory = Path(checkpoint).expanduser()
     if not is_hf_directory(checkpoint):
         mesh, model, _ = restore_model(config, checkpoint, step)

@@ -11,17 +11,19 @@ from podtrain.models.kernels.grouped_matmul import resolve_grouped_matmul
 from podtrain.orchestrator.common.errors import ConfigError
 
 
-def resolve_kernels(model: ModelConfig, platform: str, seq_len: int, *, seq_key: str = "train.seq_len") -> ModelConfig:
+def resolve_kernels(model: ModelConfig, platform: str, seq_len: int, *, seq_key: str = "train.seq_len",
+                    context: int = 1) -> ModelConfig:
     """`model` with its kernels resolved for devices of `platform` and sequences of `seq_len`
-    tokens (the config key `seq_key`): `attention`, `moe.grouped_matmul`, `moe.exchange`, and
-    `interpret_kernels` (Pallas kernels interpreted on CPU devices). "auto" is decided here and
-    nowhere else, and this is the only question asked of the platform. A ConfigError when the
-    chosen attention cannot run there."""
+    tokens (the config key `seq_key`), each split over `context` devices: `attention`,
+    `moe.grouped_matmul`, `moe.exchange`, and `interpret_kernels` (Pallas kernels interpreted on
+    CPU devices). "auto" is decided here and nowhere else, and this is the only question asked of
+    the platform. A ConfigError when the chosen attention cannot run there."""
     try:
-        check_backend(model.attention, platform, model.dtype, seq_len, seq_key=seq_key)
+        check_backend(model.attention, platform, model.dtype, seq_len, seq_key=seq_key, context=context)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     moe = dataclasses.replace(model.moe, grouped_matmul=resolve_grouped_matmul(model.moe.grouped_matmul, platform),
                               exchange=resolve_exchange(model.moe.exchange, platform))
-    return dataclasses.replace(model, attention=resolve_backend(model.attention, platform, model.dtype, seq_len),
-                               moe=moe, interpret_kernels=model.interpret_kernels or platform == "cpu")
+    attention = resolve_backend(model.attention, platform, model.dtype, seq_len, context)
+    return dataclasses.replace(model, attention=attention, moe=moe,
+                               interpret_kernels=model.interpret_kernels or platform == "cpu")

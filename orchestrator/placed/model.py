@@ -16,7 +16,7 @@ from podtrain.models.runner import only_layer
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.placed.kernels import resolve_kernels
 from podtrain.sharding.place import abstract_model, create_sharded_state, state_shardings
-from podtrain.sharding.rules import Rules
+from podtrain.sharding.rules import Rules, sharded_over
 
 
 def model_factory(config: ModelConfig, seed: int = 0, lora: LoRAConfig | None = None, *,
@@ -119,5 +119,6 @@ def place_model(config: Config, mesh: Mesh) -> PlacedModel:
     """The model of a training run's config (its `model`, `lora` and `train.seed`) placed on
     `mesh` (`make_mesh`), its kernels resolved for the mesh's devices and `train.seq_len`; nothing
     is made."""
-    model = resolve_kernels(config.model, mesh.devices.flat[0].platform, config.train.seq_len)
+    _, context = sharded_over(("seq",), dict(mesh.shape), config.sharding.rules)
+    model = resolve_kernels(config.model, mesh.devices.flat[0].platform, config.train.seq_len, context=context)
     return place(ModelSpec(model, config.lora, config.train.seed), mesh, config.sharding.rules)

@@ -82,14 +82,19 @@ def ideal_traffic(training: Training) -> dict:
     gathered once. Tensor parallelism: per layer two
     activation all-reduces in the forward pass and two in the backward, one more when remat
     recomputes the attention output projection; one for the LM head's input gradient, and the
-    loss's reductions over the vocabulary (the logits' max, two float32 sums).
+    loss's reductions over the vocabulary (the logits' max, two float32 sums). Context
+    parallelism: the sequence's axes count as batch axes for the parameters, and each attention
+    layer gathers the whole sequence's keys and values in every forward pass and reduce-scatters
+    their gradients.
     """
     config, mesh = training.config, training.mesh
     m = config.model
     sizes = dict(mesh.shape)
     order = list(mesh.axis_names)
     rules = config.sharding.rules
-    batch_axes = set(axes_of(logical_to_spec(("batch",), sizes, rules=rules)[0]))
+    # Devices that hold different tokens: the batch axes, and the sequence's (context parallelism).
+    seq_axes = axes_of(logical_to_spec(("seq",), sizes, rules=rules)[0])
+    batch_axes = set(axes_of(logical_to_spec(("batch",), sizes, rules=rules)[0])) | set(seq_axes)
     itemsize = np.dtype(m.dtype).itemsize
     accum = config.train.grad_accum
     token_shards = math.prod(sizes[a] for a in batch_axes)
@@ -138,6 +143,18 @@ def ideal_traffic(training: Training) -> dict:
         experts_axes = axes_of(logical_to_spec(("experts",), sizes, rules=rules)[0])
         add("all-to-all", experts_axes, m.num_moe_layers * 2 * passes * routed)
     tp = sizes.get("tp", 1)
+    cp = math.prod(sizes[a] for a in seq_axes)
+    if cp > 1:
+        # Each attention layer gathers its keys and values over the sequence's devices in every
+        # forward pass (the remat recompute too) and reduce-scatters their gradients.
+        passes = 2 if REMAT[m.remat].reruns_forward else 1
+        if m.model_type == "deepseek_v3":  # MLA: per-head keys (no-rope and rope parts) and values
+            width = m.num_heads * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim + m.mla.v_head_dim)
+        else:
+            width = 2 * m.num_kv_heads * m.head_dim
+        whole = tokens * cp * width * itemsize / tp  # a device's rows, the whole sequence
+        add("all-gather", seq_axes, m.num_layers * passes * whole * (cp - 1) / cp)
+        add("reduce-scatter", seq_axes, m.num_layers * whole * (cp - 1) / cp)
     if tp > 1:
         count = (4 + REMAT[m.remat].tp_all_reduces_again) * m.num_layers + 1
         share = 2 * (tp - 1) / tp

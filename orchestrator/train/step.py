@@ -10,6 +10,7 @@ import optax
 from flax import nnx, struct
 
 from podtrain.models import causal_lm_loss
+from podtrain.models.context import balance
 from podtrain.models.lora import dropout, dropout_stream
 from podtrain.models.loss import chunked_causal_lm_loss
 
@@ -95,6 +96,7 @@ def make_eval_step(graphdef: nnx.GraphDef, *, loss_chunk: int = 0) -> Callable:
 
     def eval_step(params, batch, frozen=None, key=None):
         model = nnx.merge(graphdef, params, *(() if frozen is None else (frozen,)))
+        batch = balance(batch)  # a sequence split over devices (context parallelism) in its balanced order
         inputs = (batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
         with dropout(key):
             if loss_chunk:

@@ -53,7 +53,7 @@ def test_round_trip_is_bit_exact_and_meta_round_trips(training, tmp_path):
     for r, s in zip(jax.tree.leaves(restored), jax.tree.leaves(training.state_shardings), strict=True):
         assert r.sharding == s
     assert meta == run_meta | {"data_position": 123, "step": 7}
-    assert meta["mesh"]["axes"] == {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}
+    assert meta["mesh"]["axes"] == {"dp": 1, "fsdp": 4, "ep": 1, "cp": 1, "tp": 2}
     assert yaml.safe_load(meta["config_yaml"])["model"]["hidden_size"] == 64
 
 
@@ -129,7 +129,8 @@ def test_relative_directory_is_made_absolute(training, tmp_path, monkeypatch):
     assert (tmp_path / "run" / "checkpoints" / "2" / "state").is_dir()
 
 
-@pytest.mark.parametrize("mesh, num_devices", [(["mesh.fsdp=2", "mesh.tp=2"], 4), (["mesh.fsdp=1", "mesh.dp=8"], 8)])
+@pytest.mark.parametrize("mesh, num_devices", [(["mesh.fsdp=2", "mesh.tp=2"], 4), (["mesh.fsdp=1", "mesh.dp=8"], 8),
+                                                (["mesh.fsdp=2", "mesh.cp=4"], 8)])
 def test_restore_onto_another_mesh_is_bit_equal(training, tmp_path, mesh, num_devices):
     state = random_state(training, seed=4)
     with checkpointer(tmp_path) as ckpt:

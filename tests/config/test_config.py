@@ -191,12 +191,12 @@ def test_mesh_product_must_match_devices():
     with pytest.raises(ConfigError) as info:
         validate(config, num_devices=8)
     assert "= 4 devices, but 8 devices are present" in str(info.value)
-    assert validate(config, num_devices=4) == {"dp": 1, "fsdp": 2, "ep": 1, "tp": 2}
+    assert validate(config, num_devices=4) == {"dp": 1, "fsdp": 2, "ep": 1, "cp": 1, "tp": 2}
     assert validate(load_config("llama3-tiny", ["mesh.tp=2"]), num_devices=8)["fsdp"] == 4
     with pytest.raises(ConfigError) as info:  # mesh.tp=8 comes from the preset: the error names it
         validate(load_config("llama3-70b"), num_devices=1)
-    assert "the fixed axes mesh.dp=1 * mesh.ep=1 * mesh.tp=8 = 8, which does not divide the 1 devices" in str(
-        info.value)
+    fixed = "the fixed axes mesh.dp=1 * mesh.ep=1 * mesh.cp=1 * mesh.tp=8 = 8, which does not divide the 1 devices"
+    assert fixed in str(info.value)
 
 
 def test_unknown_preset_and_bad_file(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ def test_plan_json_has_the_promised_fields(capsys):
         assert key in plan
     for key in ("argument_bytes", "output_bytes", "temp_bytes"):
         assert plan["memory"][key] > 0
-    assert plan["mesh"]["axes"] == {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}
+    assert plan["mesh"]["axes"] == {"dp": 1, "fsdp": 4, "ep": 1, "cp": 1, "tp": 2}
     c = load_config("llama3-tiny", ["model.num_layers=2"]).model
     expected_params = c.vocab_size * c.hidden_size * 2 + c.hidden_size + 2 * (
         2 * c.hidden_size + c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)

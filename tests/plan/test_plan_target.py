@@ -121,6 +121,25 @@ def test_llama3_8b_on_16_v5p_chips_needs_no_more_memory_or_traffic_than_maxtext(
 
 
 @needs_tpu
+def test_llama3_8b_at_131072_tokens_split_over_8_chips_fits_in_less_than_maxtext_needs():
+    """cp 8 x fsdp 2 on v5p-32, one 131072-token sequence per fsdp shard, full remat: MaxText's
+    compile of the same config (load-balanced all-gather context parallelism, splash) peaks at
+    20.1 GiB per chip and its collectives' results add up to 101 GB per chip and step."""
+    t = plan("v5p-32", "train.seq_len=131072", "train.batch_size=2", "mesh.cp=8", "mesh.fsdp=2",
+             preset="llama3-8b")["target"]
+    assert t["attention"] == "splash" and t["fits"] and t["peak_bytes"] <= 20.1 * GiB
+    collectives = t["communication"]["collectives"]
+    assert sum(c["bytes"] * c["executions"] for c in collectives) <= 101e9
+    # Each device gathers the keys and values (8 heads of 128, bfloat16) of both sequences' other
+    # chunks in the forward and in its recompute: 4 gathers per layer, and reduce-scatters their
+    # gradients (none is an all-reduce).
+    kv = [c for c in collectives if "attention.py" in c["source"]]
+    gathered = 32 * 4 * 131072 * 8 * 128 * 2
+    assert sum(c["bytes"] * c["executions"] for c in kv if c["kind"] == "all-gather") == gathered
+    assert {c["kind"] for c in kv} == {"all-gather", "reduce-scatter"}
+
+
+@needs_tpu
 def test_a_step_over_the_chips_memory_does_not_fit_and_the_suggested_change_fits():
     t = plan("v5e-8", *REPLICATED_TOO_BIG, code=1)["target"]
     assert not t["fits"] and t["checked_by"] == "the TPU compiler (RESOURCE_EXHAUSTED)"

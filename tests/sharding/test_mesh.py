@@ -11,7 +11,7 @@ from podtrain.sharding.mesh import device_grid, device_slices
 
 
 def test_resolve_axis_sizes():
-    assert resolve_axis_sizes({"fsdp": -1, "tp": 2}, 8) == {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}
+    assert resolve_axis_sizes({"fsdp": -1, "tp": 2}, 8) == {"dp": 1, "fsdp": 4, "ep": 1, "cp": 1, "tp": 2}
     with pytest.raises(ValueError, match="at most one axis may be -1"):
         resolve_axis_sizes({"fsdp": -1, "tp": -1}, 8)
     with pytest.raises(ValueError, match="does not divide the 8 devices"):
@@ -22,8 +22,8 @@ def test_resolve_axis_sizes():
 
 def test_mesh_axes_and_order():
     mesh = build_mesh({"dp": 2, "fsdp": 2, "tp": 2})
-    assert mesh.axis_names == ("dp", "fsdp", "ep", "tp")
-    assert dict(mesh.shape) == {"dp": 2, "fsdp": 2, "ep": 1, "tp": 2}
+    assert mesh.axis_names == ("dp", "fsdp", "ep", "cp", "tp")
+    assert dict(mesh.shape) == {"dp": 2, "fsdp": 2, "ep": 1, "cp": 1, "tp": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
@@ -35,7 +35,7 @@ def test_multislice_dp_spans_slices():
         for i in range(8)
     ]
     grid = device_grid({"dp": 2, "fsdp": 2, "tp": 2}, devices)
-    assert grid.shape == (2, 2, 1, 2)
+    assert grid.shape == (2, 2, 1, 1, 2)
     slices = np.vectorize(lambda d: d.slice_index)(grid)
     assert (slices[0] == 0).all() and (slices[1] == 1).all()
     with pytest.raises(ValueError, match="multiple of the number of slices"):
