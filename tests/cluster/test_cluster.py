@@ -18,7 +18,7 @@ import pytest
 from cluster_fixtures import TWO_HOSTS, env, finish, job, run_train, start, train_command
 from train_fixtures import ROOT, TINY, losses
 
-from podtrain.orchestrator.train.goodput import read_ledger, summarize
+from podtrain.orchestrator.train.goodput import LEDGER, read_ledger, summarize
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -166,6 +166,15 @@ def test_expert_parallel_across_two_hosts_matches_one_process(tmp_path):
         assert [sum(layer) for layer in b["expert_load"]] == [4 * 32 * 2]  # tokens x experts per token
 
 
+def recovered(run_dir, attempt: int) -> bool:
+    """Whether the driver has seen the first step after `attempt` ended (its failure line in the
+    goodput ledger then carries the restart time); steps logged by the attempt before do not say so."""
+    ledger = run_dir / LEDGER
+    lines = map(json.loads, ledger.read_text().splitlines()) if ledger.exists() else []
+    return any(line.get("attempt") == attempt and (line.get("failure") or {}).get("restart_s") is not None
+               for line in lines)
+
+
 def test_a_rank_stopped_at_start_then_mid_run_then_a_lost_host_each_restart_the_gang(tmp_path):
     """Attempt 1: rank 1 stops (SIGSTOP) as soon as its process exists; rank 0 waits in
     `jax.distributed` past `cluster.init_timeout_s` and the hang names rank 1, its host and pid.
@@ -186,8 +195,8 @@ def test_a_rank_stopped_at_start_then_mid_run_then_a_lost_host_each_restart_the_
     stopped_at = time.time()
     os.kill(worker_pid(run_dir, 2, 1), signal.SIGSTOP)
     wait_until(lambda: (run_dir / "logs" / "attempt-3" / "rank1.pid").exists()
-               and max(losses(run_dir), default=0) >= 3, 300,
-               "step 3 in attempt 3")
+               and max(losses(run_dir), default=0) >= 3 and recovered(run_dir, 2), 300,
+               "step 3 in attempt 3, and the driver seeing attempt 3's first step")
     stacks = run_dir / "stacks" / "attempt-2"
     proc.log.flush()
     assert {p.name for p in stacks.glob("rank*.txt")} == {"rank0.txt", "rank1.txt"}, \
