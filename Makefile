@@ -44,6 +44,7 @@ bench: install
 	$(PY) bench/generate_tp.py
 	$(PY) bench/plan_targets.py
 	$(PY) bench/context.py
+	$(PY) bench/step_estimate.py
 	$(PY) bench/chat_sft.py
 	$(PY) bench/host_memory.py
 	$(PY) bench/paging.py

@@ -38,7 +38,7 @@ def row(seq_len: int, t: dict) -> dict:
     tokens = 2 * seq_len
     return {"seq_len": seq_len, "fits": t["fits"], "peak_gib": t["peak_bytes"] / GiB, "temp_gib": t["temp_bytes"] / GiB,
             "params_and_optimizer_gib": (t["params_bytes"] + t["optimizer_bytes"]) / GiB,
-            "model_flops_per_chip": t["roofline"]["model_flops_per_step"] / t["devices"],
+            "model_flops_per_chip": t["estimate"]["model_flops_per_step"] / t["devices"],
             "collective_gb": total / 1e9, "collective_kb_per_token": total / tokens / 1e3,
             "by_part_gb": {k: v / 1e9 for k, v in sorted(moved.items())}, "compile_s": t["compile_s"]}
 

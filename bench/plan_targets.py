@@ -1,5 +1,5 @@
 """`podtrain plan --target` of the large presets on TPU and GPU targets: per-device memory, verdict,
-compile time, traffic by kind and the roofline estimate, as one Markdown table.
+compile time, traffic by kind and the step estimate, as one Markdown table.
 
 Each plan runs in its own process (`podtrain plan --json`), one after the other; with `--only`
 a substring of the preset or target picks rows. Needs the `aot` extra.
@@ -45,8 +45,8 @@ def row(preset: str, target: str, plan: dict | None, error: str, seconds: float)
     t = plan["target"]
     comm = t.get("communication", {}).get("by_kind", {})
     traffic = ", ".join(f"{k} {v['traffic_bytes'] / 1e9:.1f}" for k, v in comm.items()) or "-"
-    r = t.get("roofline")
-    estimate = f"{r['step_s']:.2f} s, MFU {r['mfu']:.0%} ({r['bound_by']})" if r else "-"
+    r = t.get("estimate")
+    estimate = f"{r['step_s']:.2f} s, MFU {r['mfu']:.1%} ({r['bound_by']})" if r else "-"
     fit = "yes" if t["fits"] else "no"
     if not t["fits"] and t.get("suggestion"):
         fit += " (fits with " + " ".join(t["suggestion"]["overrides"]) + ")"
@@ -64,7 +64,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args()
     print("| preset | target | batch x seq | params GiB | optimizer GiB | temp GiB | peak GiB | headroom GiB | fits "
-          "| compile s | traffic GB/device/step | estimate (roofline) |")
+          "| compile s | traffic GB/device/step | estimate |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for preset, target, overrides in ROWS:
         if args.only and args.only not in preset and args.only not in target:

@@ -15,7 +15,8 @@ GiB = 2**30
 @dataclass(frozen=True)
 class Chip:
     """Per-chip (TPU) or per-GPU facts. Bandwidths are bytes/s one device can send: `ici` inside a
-    slice or node (ICI, NVLink), `dcn` across slices or nodes (data-centre network, InfiniBand)."""
+    slice or node (ICI over all its `ici_links` torus links together; NVLink through the node's
+    switch, to any GPU), `dcn` across slices or nodes (data-centre network, InfiniBand)."""
 
     name: str
     platform: str  # "tpu" or "cuda"
@@ -33,6 +34,7 @@ class Chip:
     tpu_generation: str = ""
     chip_config: str = "default"
     torus_dims: int = 0
+    ici_links: int = 0  # links per chip, two per torus dimension
     # CUDA: what XLA's GPU compiler needs of the device.
     compute_capability: tuple[int, int] = (0, 0)
     sm_count: int = 0
@@ -43,26 +45,27 @@ class Chip:
 
 CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
     # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s; ICI: the pod's
-    # all-reduce bandwidth, 1.1 PB/s over 4096 chips (~270 GB/s per chip); DCN taken as v5e's.
+    # all-reduce bandwidth, 1.1 PB/s over 4096 chips (~270 GB/s per chip), 6 links of a 3-D torus;
+    # DCN taken as v5e's.
     # Host: ct4p-hightpu-4t, 240 vCPUs and 407 GiB (the GKE cluster autoscaler's machine-type table).
     Chip("v4", "tpu", "TPU v4", 32 * GiB, 275e12, 1200e9, 270e9, 25e9 / 4, 4, 407 * GiB,
-         tpu_generation="v4", chip_config="megacore", torus_dims=3),
+         tpu_generation="v4", chip_config="megacore", torus_dims=3, ici_links=6),
     # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 16 GiB HBM2 at 819 GB/s, ICI 400 GB/s bidirectional
-    # per chip; 2 x 100 Gb/s NICs per host.
+    # per chip over 4 ports (2-D torus; the v6e page's table); 2 x 100 Gb/s NICs per host.
     # Host: the 4-chip VM, ct5lp-hightpu-4t, 112 vCPUs and 192 GB (cloud.google.com/tpu/docs/v5e).
     Chip("v5e", "tpu", "TPU v5 lite", 16 * GiB, 197e12, 819e9, 200e9, 25e9 / 4, 4, 192 * GiB, ("TPU v5e",),
-         tpu_generation="v5e", torus_dims=2),
+         tpu_generation="v5e", torus_dims=2, ici_links=4),
     # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s, 95 GiB HBM2e at 2765 GB/s, ICI 1200 GB/s
-    # bidirectional per chip, DCN 50 Gb/s per chip.
+    # bidirectional per chip over the 6 links of its 3-D torus, DCN 50 Gb/s per chip.
     # Host: the 4-chip VM, ct5p-hightpu-4t, 208 vCPUs and 448 GB (cloud.google.com/tpu/docs/v5p-training).
     Chip("v5p", "tpu", "TPU v5", 95 * GiB, 459e12, 2765e9, 600e9, 50e9 / 8, 4, 448 * GiB, ("TPU v5p",),
-         tpu_generation="v5p", chip_config="megacore", torus_dims=3),
+         tpu_generation="v5p", chip_config="megacore", torus_dims=3, ici_links=6),
     # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s, 32 GB HBM at 1638 GB/s, ICI 800 GB/s bidirectional
-    # per chip (the DCN share per chip taken as v5e's).
+    # per chip over 4 ICI ports (the DCN share per chip taken as v5e's).
     # Host: the 4-chip VM of multi-host slices, ct6e-standard-4t, 180 vCPUs and 720 GiB
     # (cloud.google.com/kubernetes-engine/docs/concepts/plan-tpus).
     Chip("v6e", "tpu", "TPU v6 lite", 32 * GiB, 918e12, 1638e9, 400e9, 25e9 / 4, 4, 720 * GiB, ("TPU v6e",),
-         tpu_generation="v6e", torus_dims=2),
+         tpu_generation="v6e", torus_dims=2, ici_links=4),
     # nvidia.com/en-us/data-center/h100: SXM5, 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s dense bf16, NVLink
     # 900 GB/s bidirectional; DGX H100: one 400 Gb/s InfiniBand NDR port per GPU. SM 9.0, 132 SMs.
     # Host: a3-highgpu-8g, 208 vCPUs and 1,872 GB (cloud.google.com/compute/docs/accelerator-optimized-machines).

@@ -1,5 +1,5 @@
 """The train step compiled for a real target (a TPU slice, GPU nodes) on compile-only devices: does
-it fit, how close is it, what it communicates, and a roofline estimate of a step.
+it fit, how close is it, what it communicates, and how long a step should take.
 
 The step is the one `podtrain train` runs (`build_training`: shardings, remat, micro-batches,
 optimizer state, loss chunking). The TPU compiler checks memory itself and refuses a step that does
@@ -27,6 +27,7 @@ from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.config.compose import apply_overrides
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.plan.hlo_comm import as_rows, collectives, summarize
+from podtrain.orchestrator.plan.hlo_cost import step_time
 from podtrain.orchestrator.plan.host_memory import host_memory
 from podtrain.orchestrator.plan.targets import Target, compile_devices
 from podtrain.orchestrator.train.build import Training, build_training
@@ -163,32 +164,40 @@ def ideal_traffic(training: Training) -> dict:
     return {"by_kind": dict(by_kind), "by_category": dict(by_category), "traffic_bytes": sum(by_kind.values())}
 
 
-def roofline(training: Training, target: Target, traffic: list[dict]) -> dict:
-    """A step-time and MFU estimate: the largest of compute, HBM and communication time, each at the
-    chip's peak (assuming they overlap). An estimate, not a measurement."""
+def link_bandwidth(row: dict, mesh, target: Target) -> float:
+    """Bytes/s a device sends one collective's data at: across slices or nodes the data-centre
+    network's share per chip; inside a GPU node NVLink; inside a TPU slice the links of the torus
+    dimensions its group spans, two per dimension (a bidirectional ring, or a line sending both
+    ways), one along a dimension of 2 chips, and one link for a collective-permute (a shift to a
+    neighbour)."""
+    chip = target.chip
+    if row["crosses"]:
+        return chip.dcn_bandwidth
+    if chip.platform != "tpu" or not chip.ici_links:
+        return chip.ici_bandwidth
+    link = chip.ici_bandwidth / chip.ici_links
+    if row["kind"] == "collective-permute":
+        return link
+    flat = list(mesh.devices.flat)
+    coords = np.array([flat[i].coords for i in _members(row, mesh)])
+    extents = [len(set(coords[:, d].tolist())) for d in range(coords.shape[1])]
+    return link * max(1, sum(1 if e == 2 else 2 for e in extents if e > 1))
+
+
+def estimate(training: Training, target: Target, hlo: str, rows: list[dict]) -> dict:
+    """The step time of the compiled program (`hlo_cost.step_time`: each instruction's FLOPs at the
+    chip's peak or its HBM bytes at the chip's bandwidth, collectives at their links', overlapped as
+    the schedule allows), with tokens/s and MFU (model FLOPs, as `flops_per_token` counts them)."""
     config, chip = training.config, target.chip
-    model_flops = flops_per_token(config.model, config.train.seq_len) * config.train.batch_size * config.train.seq_len
-    recompute = 4 / 3 if REMAT[config.model.remat].reruns_forward else 1.0  # the forward pass twice
-    compute_s = model_flops * recompute / (target.devices * chip.peak_flops)
-    params = sum(math.prod(v.get_value().shape) for _, v in nnx.to_flat_state(training.abstract_params))
-    itemsize = np.dtype(config.model.dtype).itemsize
-    tp = dict(training.mesh.shape).get("tp", 1)
-    # Weights read by forward, recompute and both backward matmuls per micro-batch; AdamW reading and
-    # writing params, moments and gradients (float32) once per step; layer inputs saved and re-read.
-    weight_bytes = (3 + (recompute > 1)) * params * itemsize / tp * config.train.grad_accum
-    trained = sum(math.prod(v.shape) for v in jax.tree.leaves(training.abstract_state().params))
-    optimizer_bytes = 7 * 4 * trained / target.devices
-    tokens = config.train.batch_size * config.train.seq_len / target.devices * tp
-    activation_bytes = 2 * tokens * config.model.hidden_size * itemsize * config.model.num_layers
-    hbm_s = (weight_bytes + optimizer_bytes + activation_bytes) / chip.hbm_bandwidth
-    ici = sum(c["traffic"] for c in traffic if not c["crosses"]) / chip.ici_bandwidth
-    dcn = sum(c["traffic"] for c in traffic if c["crosses"]) / chip.dcn_bandwidth
-    step_s = max(compute_s, hbm_s, ici + dcn)
-    bound = {compute_s: "compute", hbm_s: "HBM bandwidth", ici + dcn: "communication"}[step_s]
-    return {"estimate": True, "model_flops_per_step": model_flops, "compute_s": compute_s, "hbm_s": hbm_s,
-            "ici_s": ici, "dcn_s": dcn, "step_s": step_s, "bound_by": bound,
-            "tokens_per_s": config.train.batch_size * config.train.seq_len / step_s,
-            "mfu": model_flops / (step_s * target.devices * chip.peak_flops)}
+    seconds = {r["name"]: r["traffic"] / max(r["executions"], 1) / link_bandwidth(r, training.mesh, target)
+               for r in rows}
+    t = step_time(hlo, peak_flops=chip.peak_flops, hbm_bandwidth=chip.hbm_bandwidth,
+                  comm_seconds=lambda name: seconds.get(name, 0.0))
+    tokens = config.train.batch_size * config.train.seq_len
+    model_flops = flops_per_token(config.model, config.train.seq_len) * tokens
+    return {"estimate": True, "model_flops_per_step": model_flops} | t | {
+        "tokens_per_s": tokens / t["step_s"], "tokens_per_s_per_chip": tokens / t["step_s"] / target.devices,
+        "mfu": model_flops / (t["step_s"] * target.devices * chip.peak_flops)}
 
 
 def _group_of(device, target: Target) -> int:
@@ -199,7 +208,7 @@ def _group_of(device, target: Target) -> int:
 
 
 def plan_on_target(config: Config, target: Target, devices=None) -> dict:
-    """Compiles `config`'s train step for `target`: memory, verdict, communication, roofline."""
+    """Compiles `config`'s train step for `target`: memory, verdict, communication, step estimate."""
     devices = compile_devices(target) if devices is None else devices
     m = config.model
     attention_note = None
@@ -242,7 +251,8 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
     grid = np.asarray(groups).reshape(mesh.devices.shape)  # the slice or node of each mesh position
     slice_axes = tuple(name for i, name in enumerate(mesh.axis_names)
                        if (grid.max(axis=i) != grid.min(axis=i)).any())
-    found = collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names,
+    hlo = compiled.as_text()
+    found = collectives(hlo, mesh.devices.shape, mesh.axis_names,
                         num_slices=len(set(groups)) if target.chip.platform == "tpu" else 1, slice_axes=slice_axes)
     rows = as_rows(found)
     for row in rows:
@@ -258,7 +268,7 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
     unexplained = sorted((r for r in rows if category(r["kind"], r["axes"]) in over), key=lambda r: -r["traffic"])
     report["communication"] = summarize(found) | {"ideal": ideal, "by_category": compared,
                                                   "unexplained": unexplained[:12], "collectives": rows}
-    report["roofline"] = roofline(training, target, rows)
+    report["estimate"] = estimate(training, target, hlo, rows)
     return report
 
 

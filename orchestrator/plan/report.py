@@ -192,7 +192,7 @@ def _bytes(n: float) -> str:
 
 
 def format_target(report: dict) -> str:
-    """The compiled-for-target part of a plan: memory and verdict, traffic, ideal, roofline."""
+    """The compiled-for-target part of a plan: memory and verdict, traffic, ideal, step estimate."""
     lines = [
         f"target     {report['target']}: {report['devices']} {report['chip']} devices in {report['hosts']} host(s); "
         f"attention {report['attention']}; compiled in {report['compile_s']:.1f} s, checked by {report['checked_by']}",
@@ -221,12 +221,12 @@ def format_target(report: dict) -> str:
             for c in comm["unexplained"]:
                 lines.append(f"  {c['kind']:<18} {c['shape'][:48]:<48} over {'+'.join(c['axes']) or '-':<8} "
                              f"x{c['executions']:<4} {_bytes(c['traffic']):>8}  {c['op_name'][-60:]} {c['source']}")
-    r = report.get("roofline")
+    r = report.get("estimate")
     if r:
         lines.append(
-            f"estimate   step {r['step_s'] * 1e3:,.1f} ms bound by {r['bound_by']} "
-            f"(compute {r['compute_s'] * 1e3:,.1f} ms, "
-            f"HBM {r['hbm_s'] * 1e3:,.1f} ms, ICI {r['ici_s'] * 1e3:,.1f} ms, DCN {r['dcn_s'] * 1e3:,.1f} ms): "
-            f"{_human(r['tokens_per_s'])} tokens/s, MFU {r['mfu']:.0%} -- a roofline estimate at the chip's peaks, "
-            "not a measurement")
+            f"estimate   step {r['step_s'] * 1e3:,.1f} ms bound by {r['bound_by']}: "
+            f"{_human(r['tokens_per_s_per_chip'])} tokens/s per chip, MFU {r['mfu']:.1%} "
+            f"(compute {r['compute_s'] * 1e3:,.1f} ms, HBM {r['hbm_s'] * 1e3:,.1f} ms, collectives "
+            f"{r['comm_s'] * 1e3:,.1f} ms of which {r['exposed_s'] * 1e3:,.1f} ms not overlapped) -- "
+            "from the compiled program at the chip's published rates, not a measurement")
     return "\n".join(lines)
