@@ -29,7 +29,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128|f8e\w+)\[([0-9,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$", re.DOTALL)
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$", re.DOTALL)
 _HEADER = re.compile(r"^(ENTRY )?%?(\S+) .*\{\s*$")
 
 
@@ -51,7 +51,7 @@ def arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(m[1], tuple(int(d) for d in m[2].split(",") if d)) for m in _ARRAY.finditer(text)]
 
 
-def _nbytes(arrays) -> int:
+def nbytes(arrays) -> int:
     return int(sum(math.prod(dims) * _DTYPE_BYTES.get(dtype, 1) for dtype, dims in arrays))
 
 
@@ -125,7 +125,7 @@ def _source(frame: int, tables: dict[str, dict[int, str]]) -> str:
     return ""
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+def computations_of(hlo: str) -> tuple[dict[str, list[str]], str]:
     computations: dict[str, list[str]] = {}
     entry, current = "", None
     for line in hlo.splitlines():
@@ -144,21 +144,21 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
-def _instructions(computations: dict[str, list[str]]):
+def instructions(computations: dict[str, list[str]]):
     """(computation name, instruction match) of every instruction: groups 1 name, 2 shape, 3 opcode,
     4 operands and attributes."""
     for name, lines in computations.items():
         for line in lines:
-            if m := _INSTRUCTION.match(line):
+            if m := INSTRUCTION.match(line):
                 yield name, m
 
 
-def _operands(rest: str) -> list[str]:
+def operand_names(rest: str) -> list[str]:
     """The operand names of an instruction, from the text after its opcode's parenthesis."""
     return re.findall(r"%([^\s,()]+)", rest.split(")")[0])
 
 
-def _trip_count(attrs: str, computations: dict[str, list[str]], defs: dict) -> int | None:
+def trip_count(attrs: str, computations: dict[str, list[str]], defs: dict) -> int | None:
     """A while loop's trip count: its `known_trip_count`, else ceil((bound - start) / step) from its
     condition's `counter < bound`, its body's `counter + step` and its initial tuple's `start`.
 
@@ -181,12 +181,12 @@ def _trip_count(attrs: str, computations: dict[str, list[str]], defs: dict) -> i
             c = re.match(r"(-?\d+)\)", m[4])
             return ("const", int(c[1])) if c else None
         if m[3] in ("copy", "convert", "bitcast"):
-            operands = _operands(m[4])
+            operands = operand_names(m[4])
             return value(operands[0], depth + 1) if operands else None
         if m[3] == "get-tuple-element":
             return ("counter", int(re.search(r"index=(\d+)", m[4])[1]))
         if m[3] == "add":
-            terms = [value(o, depth + 1) for o in _operands(m[4])[:2]]
+            terms = [value(o, depth + 1) for o in operand_names(m[4])[:2]]
             kinds = sorted(t[0] for t in terms if t)
             if kinds == ["const", "counter"]:
                 counter, const = sorted(terms, key=lambda t: t[0] != "counter")
@@ -194,9 +194,9 @@ def _trip_count(attrs: str, computations: dict[str, list[str]], defs: dict) -> i
         return None
 
     compare = next((m for line in computations.get(cond[1], [])
-                    if (m := _INSTRUCTION.match(line)) and m[3] == "compare"), None)
+                    if (m := INSTRUCTION.match(line)) and m[3] == "compare"), None)
     direction = re.search(r"direction=(\w+)", compare[4]) if compare else None
-    counter, bound = (value(o) for o in _operands(compare[4])[:2]) if compare else (None, None)
+    counter, bound = (value(o) for o in operand_names(compare[4])[:2]) if compare else (None, None)
     direction = direction[1] if direction else None
     if bound and bound[0] == "counter":  # `bound > counter` is `counter < bound`
         counter, bound, direction = bound, counter, {"GT": "LT", "GE": "LE", "NE": "NE"}.get(direction)
@@ -205,27 +205,27 @@ def _trip_count(attrs: str, computations: dict[str, list[str]], defs: dict) -> i
         return None
     index, bound = counter[1], bound[1] + (direction == "LE")
     root = next((m for line in computations.get(body[1], [])
-                 if line.lstrip().startswith("ROOT") and (m := _INSTRUCTION.match(line))), None)
-    next_value = _operands(root[4]) if root is not None and root[3] == "tuple" else []
+                 if line.lstrip().startswith("ROOT") and (m := INSTRUCTION.match(line))), None)
+    next_value = operand_names(root[4]) if root is not None and root[3] == "tuple" else []
     step = value(next_value[index]) if index < len(next_value) else None
     step = step[2] if step and step[0] == "step" and step[1] == index and step[2] > 0 else 1
-    initial = defs.get((_operands(attrs) or [""])[0])
-    starts = _operands(initial[4]) if initial is not None and initial[3] == "tuple" else []
+    initial = defs.get((operand_names(attrs) or [""])[0])
+    starts = operand_names(initial[4]) if initial is not None and initial[3] == "tuple" else []
     start = value(starts[index]) if index < len(starts) else None
     start = start[1] if start and start[0] == "const" else 0
     return max(0, math.ceil((bound - start) / step))
 
 
-def _multipliers(computations: dict[str, list[str]], entry: str) -> tuple[dict[str, int], list[str]]:
+def multipliers(computations: dict[str, list[str]], entry: str) -> tuple[dict[str, int], list[str]]:
     """How many times each computation runs per step (loop bodies by their trip counts)."""
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)  # callee -> (caller, times per call)
     unknown = []
-    defs = {m[1]: m for _, m in _instructions(computations)}
-    for name, m in _instructions(computations):
+    defs = {m[1]: m for _, m in instructions(computations)}
+    for name, m in instructions(computations):
         rest = m[4]
         if m[3] == "while":
             body = re.search(r"body=%?([^\s,]+)", rest)
-            trips = _trip_count(rest, computations, defs)
+            trips = trip_count(rest, computations, defs)
             if trips is None:
                 unknown.append(m[1])
             calls[body[1]].append((name, 1 if trips is None else trips))
@@ -245,6 +245,15 @@ def _multipliers(computations: dict[str, list[str]], entry: str) -> tuple[dict[s
     return {name: times(name) for name in computations}, unknown
 
 
+def chain_of(attrs: str) -> str | None:
+    """The chain of a collective the TPU compiler's asynchronous collective fusion
+    (`--xla_tpu_enable_async_collective_fusion`) splits into an `async-collective-start` fusion,
+    continuation fusions beside other work and an `async-collective-done` fusion, each holding a
+    copy of the collective: the copies share a `chain_id` and move its bytes once."""
+    m = re.search(r'chain_id="(\d+)"', attrs)
+    return m[1] if m else None
+
+
 def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], *,
                 num_slices: int = 1, slice_axes: tuple[str, ...] = ()) -> list[Collective]:
     """Every collective of the optimized HLO `hlo` with its bytes, group, mesh axes and executions.
@@ -252,22 +261,26 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
     Between TPU slices the compiler sends data over the data-centre network with `send`s to the
     MegaScale runtime (`_xla_megascale_transfer_type`): each is counted as that collective over the
     `num_slices` slices, along `slice_axes` (the mesh axes that span slices)."""
-    computations, entry = _computations(hlo)
-    times, _ = _multipliers(computations, entry)
+    computations, entry = computations_of(hlo)
+    times, _ = multipliers(computations, entry)
     tables = _tables(hlo)
     callers = {}  # a fused computation -> the attributes of the fusion calling it (its op name, source)
-    for _, m in _instructions(computations):
+    for _, m in instructions(computations):
         if m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4])):
             callers[c[1]] = m[4]
     num_devices = math.prod(mesh_shape)
-    found = []
-    for comp, m in _instructions(computations):
+    found, chains = [], set()
+    for comp, m in instructions(computations):
         dcn = re.search(r'_xla_megascale_transfer_type="(\w+)"', m[4]) if m[3] == "send" else None
         if dcn:
             found.append(_megascale(m, dcn[1], num_slices, slice_axes, times.get(comp, 1), tables))
             continue
         if m[3].removesuffix("-start") not in KINDS:
             continue
+        if (chain := chain_of(m[4])) is not None:  # one collective split over a start, continuations and a done
+            if chain in chains:
+                continue
+            chains.add(chain)
         kind, shape, rest = m[3].removesuffix("-start"), m[2], m[4]
         # The TPU compiler writes a reduce-scatter as a fusion of an all-reduce and a slice (a
         # computation named all-reduce-scatter...): it moves what a reduce-scatter does.
@@ -277,7 +290,7 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
             data = [a for a in data if a[0] != "u32" or a[1]]  # drop the async context scalars
             if kind != "all-reduce" and len(data) > 1:  # (operands..., outputs...): the outputs
                 data = data[len(data) // 2:]
-        size = _nbytes(data)
+        size = nbytes(data)
         if kind == "collective-permute":
             listed = rest.split("source_target_pairs=")[1].split("}}")[0] + "}"
             pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", listed)]
@@ -311,7 +324,7 @@ def collectives(hlo: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ..
 def _megascale(m, transfer: str, num_slices: int, slice_axes, executions: int, tables) -> Collective:
     kind = transfer.lower().replace("_", "-")
     data = [a for a in arrays(m[2]) if a[0] != "u32" or a[1]][:1]  # (data, context, token)
-    size = _nbytes(data)
+    size = nbytes(data)
     g = max(num_slices, 1)
     per_run = {"all-reduce": 2 * size * (g - 1) / g, "reduce-scatter": size * (g - 1)}.get(kind, size * (g - 1) / g)
     op_name = re.search(r'op_name="([^"]*)"', m[4])

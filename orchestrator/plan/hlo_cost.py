@@ -17,7 +17,9 @@ Per instruction outside fused computations (a fusion counts as one, with the wor
   instruction), summed in schedule order. A collective takes its bytes over the links of its group
   (`comm_seconds`). An asynchronous one (`*-start` ... `*-done`, a DCN `send`) runs under the
   instructions scheduled between its start and its done, one at a time in the order they started;
-  the part not hidden is waited for at its done. A synchronous one is waited for whole. An
+  the part not hidden is waited for at its done; so does one the TPU compiler's asynchronous
+  collective fusion splits over fusions (`hlo_comm.chain_of`), from its first part to its
+  `async-collective-done`. A synchronous one is waited for whole. An
   asynchronous copy between HBM and on-chip memory (`copy-start` ... `copy-done`) runs the same
   way, at the HBM bandwidth.
 """
@@ -30,15 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from podtrain.orchestrator.plan.hlo_comm import (
-    _INSTRUCTION,
+    INSTRUCTION,
     KINDS,
-    _computations,
-    _instructions,
-    _multipliers,
-    _nbytes,
-    _operands,
-    _trip_count,
     arrays,
+    chain_of,
+    computations_of,
+    instructions,
+    multipliers,
+    nbytes,
+    operand_names,
+    trip_count,
 )
 
 ELEMENTWISE = frozenset((
@@ -84,7 +87,7 @@ def _elements(shape: str) -> int:
 def _matmul_flops(m, defs) -> float:
     """FLOPs of a `dot` or `convolution` instruction match `m`."""
     out = _elements(m[2])
-    operands = _operands(m[4])
+    operands = operand_names(m[4])
     if m[3] == "dot":
         lhs = defs.get(operands[0]) if operands else None
         dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", m[4])
@@ -110,7 +113,7 @@ def _kernel_flops(m, defs) -> float:
     """FLOPs of a custom call: a cuBLAS matmul's as a `dot`'s; a Pallas kernel's cost estimate, or
     for splash attention its causal blocks."""
     if "cublas" in m[4] and (dims := re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', m[4])):
-        operands = _operands(m[4])
+        operands = operand_names(m[4])
         lhs = defs.get(operands[0]) if operands else None
         if lhs is None:
             return 0.0
@@ -141,7 +144,7 @@ def _flops(m, defs) -> float:
     if m[3] in ELEMENTWISE:
         return float(_elements(m[2]))
     if m[3] == "reduce":
-        operands = _operands(m[4])
+        operands = operand_names(m[4])
         return float(_elements(defs[operands[0]][2])) if operands and operands[0] in defs else 0.0
     if m[3] == "custom-call":
         return _kernel_flops(m, defs)
@@ -151,7 +154,7 @@ def _flops(m, defs) -> float:
 def _fused_flops(comp: str, computations, defs, seen=()) -> float:
     total = 0.0
     for line in computations.get(comp, []):
-        if not (m := _INSTRUCTION.match(line)):
+        if not (m := INSTRUCTION.match(line)):
             continue
         if m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4])) and c[1] not in seen:
             total += _fused_flops(c[1], computations, defs, (*seen, c[1]))
@@ -173,36 +176,36 @@ def _fusion_bytes(m, callee: str, computations, defs) -> float:
     local = {x[2]: x for x in lines}
     params = {int(re.match(r"(\d+)", x[5])[1]): x[2] for x in lines if x[4] == "parameter"}
     root = next((x for x in lines if x[1]), None)
-    results = [local.get(o) for o in _operands(root[5])] if root and root[4] == "tuple" else [root]
+    results = [local.get(o) for o in operand_names(root[5])] if root and root[4] == "tuple" else [root]
     total, in_place = 0.0, set()
     for r in results:
         if r is None:
             continue
         if r[4] == "dynamic-update-slice":
-            buffer, update = _operands(r[5])[:2]
+            buffer, update = operand_names(r[5])[:2]
             in_place.add(buffer)
-            total += _nbytes(_dims(local[update][3])) if update in local else 0
+            total += nbytes(_dims(local[update][3])) if update in local else 0
         else:
-            total += _nbytes(_dims(r[3]))
-    for index, name in enumerate(_operands(m[4])):
+            total += nbytes(_dims(r[3]))
+    for index, name in enumerate(operand_names(m[4])):
         param = params.get(index)
         if name not in defs or param is None or param in in_place:
             continue
-        total += _read(callee, param, computations, _nbytes(_dims(defs[name][2])))
+        total += _read(callee, param, computations, nbytes(_dims(defs[name][2])))
     return total
 
 
 def _read(comp: str, param: str, computations, whole: float, depth: int = 0) -> float:
     """Bytes a fused computation reads of its parameter `param`: the slices when every use of it
     (through bitcasts and nested fusions) is a dynamic-slice, else the whole array."""
-    users = [x for x in _parsed(comp, computations) if param in _operands(x[5])]
+    users = [x for x in _parsed(comp, computations) if param in operand_names(x[5])]
     if not users or depth > 8:
         return whole
     total = 0.0
     for x in users:
-        operands = _operands(x[5])
+        operands = operand_names(x[5])
         if x[4] == "dynamic-slice" and operands[0] == param:
-            total += _nbytes(_dims(x[3]))
+            total += nbytes(_dims(x[3]))
         elif x[4] == "bitcast":
             total += _read(comp, x[2], computations, whole, depth + 1)
         elif x[4] == "fusion" and (callee := re.search(r"calls=%?([^\s,]+)", x[5])):
@@ -218,15 +221,15 @@ def _read(comp: str, param: str, computations, whole: float, depth: int = 0) -> 
 def op_costs(hlo: str):
     """(computations, entry, multipliers, {computation: [Op in schedule order]}): the cost of every
     instruction outside fused computations, for one execution."""
-    computations, entry = _computations(hlo)
-    times, _ = _multipliers(computations, entry)
-    defs = {m[1]: m for _, m in _instructions(computations)}
+    computations, entry = computations_of(hlo)
+    times, _ = multipliers(computations, entry)
+    defs = {m[1]: m for _, m in instructions(computations)}
     fused = set()
-    for _, m in _instructions(computations):
+    for _, m in instructions(computations):
         if m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4])):
             fused.add(c[1])
     ops: dict[str, list[Op]] = {}
-    for comp, m in _instructions(computations):
+    for comp, m in instructions(computations):
         if comp in fused:
             continue
         opcode = m[3]
@@ -244,16 +247,16 @@ def op_costs(hlo: str):
             pass
         elif opcode == "copy-start":  # (destination, source, context): reads the source, writes the destination
             destination = _placed(m[2])[:1]
-            op.bytes = sum(_nbytes([(t, d)]) for t, d, on_chip in destination if not on_chip) + sum(
-                _nbytes(_dims(defs[o][2])) for o in _operands(m[4]) if o in defs)
+            op.bytes = sum(nbytes([(t, d)]) for t, d, on_chip in destination if not on_chip) + sum(
+                nbytes(_dims(defs[o][2])) for o in operand_names(m[4]) if o in defs)
         elif opcode == "dynamic-slice":
-            op.bytes = 2 * _nbytes(_dims(m[2]))
+            op.bytes = 2 * nbytes(_dims(m[2]))
         elif opcode == "dynamic-update-slice":
-            ops_ = _operands(m[4])
-            op.bytes = 2 * _nbytes(_dims(defs[ops_[1]][2])) if len(ops_) > 1 and ops_[1] in defs else 0
+            ops_ = operand_names(m[4])
+            op.bytes = 2 * nbytes(_dims(defs[ops_[1]][2])) if len(ops_) > 1 and ops_[1] in defs else 0
         else:  # matmuls, kernels, copies and other unfused ops: read the operands, write the result
             op.flops = _flops(m, defs)
-            op.bytes = _nbytes(_dims(m[2])) + sum(_nbytes(_dims(defs[o][2])) for o in _operands(m[4]) if o in defs)
+            op.bytes = nbytes(_dims(m[2])) + sum(nbytes(_dims(defs[o][2])) for o in operand_names(m[4]) if o in defs)
         ops.setdefault(comp, []).append(op)
     return computations, entry, times, ops
 
@@ -264,10 +267,14 @@ def step_time(hlo: str, *, peak_flops: float, hbm_bandwidth: float,
     FLOPs, HBM bytes, compute-bound and HBM-bound seconds, collective seconds, and how much of the
     collectives' time was not hidden under other work (`exposed_s`)."""
     computations, entry, times, ops = op_costs(hlo)
-    defs = {m[1]: m for _, m in _instructions(computations)}
+    defs = {m[1]: m for _, m in instructions(computations)}
     totals = {"flops": 0.0, "hbm_bytes": 0.0, "compute_s": 0.0, "hbm_s": 0.0, "comm_s": 0.0, "exposed_s": 0.0}
     memo: dict[str, float] = {}
     conditions: dict[str, int] = {}
+    chained: dict[str, list[str]] = {}  # chain -> its collectives (the copies of one collective)
+    for name, m in defs.items():
+        if m[3] in KINDS and (chain := chain_of(m[4])) is not None:
+            chained.setdefault(chain, []).append(name)
 
     def walk(comp: str, depth: int = 0) -> float:
         """Seconds of one run of `comp`; adds each instruction's per-step share to `totals`."""
@@ -280,7 +287,7 @@ def step_time(hlo: str, *, peak_flops: float, hbm_bandwidth: float,
             if op.opcode == "while":
                 body = re.search(r"body=%?([^\s,]+)", m[4])[1]
                 cond = re.search(r"condition=%?([^\s,]+)", m[4])[1]
-                trips = _trip_count(m[4], computations, defs) or 1
+                trips = trip_count(m[4], computations, defs) or 1
                 conditions[cond] = trips * runs  # not among `times`, which counts bodies
                 clock += trips * (walk(body, depth + 1) + walk(cond, depth + 1))
                 continue
@@ -302,13 +309,23 @@ def step_time(hlo: str, *, peak_flops: float, hbm_bandwidth: float,
                 in_flight[op.name] = [op.bytes / hbm_bandwidth, "hbm_s"]
                 continue
             if op.opcode.endswith("-done") or op.opcode in ("send-done", "async-done"):
-                start = _operands(m[4])[0] if _operands(m[4]) else ""
+                start = operand_names(m[4])[0] if operand_names(m[4]) else ""
                 waited, part = in_flight.pop(start, [0.0, "exposed_s"])
                 clock += waited
                 totals[part] += waited * runs
                 continue
-            if op.opcode in KINDS or op.collectives:
-                seconds = comm_seconds(op.name) + sum(comm_seconds(c) for c in op.collectives)
+            for chain in {chain_of(defs[c][4]) for c in op.collectives} - {None}:
+                if chain not in in_flight:  # the chain's start: its collective runs under what follows
+                    seconds = sum(comm_seconds(c) for c in chained.get(chain, ()))
+                    totals["comm_s"] += seconds * runs
+                    in_flight[chain] = [seconds, "exposed_s"]
+                if op.name.startswith("async-collective-done"):
+                    waited, part = in_flight.pop(chain)
+                    clock += waited
+                    totals[part] += waited * runs
+            plain = [c for c in op.collectives if chain_of(defs[c][4]) is None]
+            if op.opcode in KINDS or plain:
+                seconds = comm_seconds(op.name) + sum(comm_seconds(c) for c in plain)
                 totals["comm_s"] += seconds * runs
                 totals["exposed_s"] += seconds * runs
                 clock += seconds

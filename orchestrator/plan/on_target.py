@@ -179,7 +179,7 @@ def link_bandwidth(row: dict, mesh, target: Target) -> float:
     if row["kind"] == "collective-permute":
         return link
     flat = list(mesh.devices.flat)
-    coords = np.array([flat[i].coords for i in _members(row, mesh)])
+    coords = np.array([flat[i].coords for i in members(row, mesh)])
     extents = [len(set(coords[:, d].tolist())) for d in range(coords.shape[1])]
     return link * max(1, sum(1 if e == 2 else 2 for e in extents if e > 1))
 
@@ -256,7 +256,7 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
                         num_slices=len(set(groups)) if target.chip.platform == "tpu" else 1, slice_axes=slice_axes)
     rows = as_rows(found)
     for row in rows:
-        row["crosses"] = bool(row["axes"]) and len({groups[i] for i in _members(row, mesh)}) > 1
+        row["crosses"] = bool(row["axes"]) and len({groups[i] for i in members(row, mesh)}) > 1
     ideal = ideal_traffic(training)
     measured: dict[str, float] = defaultdict(float)
     for row in rows:
@@ -272,7 +272,7 @@ def plan_on_target(config: Config, target: Target, devices=None) -> dict:
     return report
 
 
-def _members(row: dict, mesh) -> list[int]:
+def members(row: dict, mesh) -> list[int]:
     """Logical device positions along a collective's axes through position 0 (enough to tell
     whether its group leaves a slice or node: groups along the same axes are alike)."""
     names = list(mesh.axis_names)

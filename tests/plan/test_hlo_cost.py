@@ -15,7 +15,7 @@ pytest.importorskip("libtpu")
 from podtrain.orchestrator.common.chips import CHIPS  # noqa: E402
 from podtrain.orchestrator.plan.hlo_comm import as_rows, collectives  # noqa: E402
 from podtrain.orchestrator.plan.hlo_cost import step_time  # noqa: E402
-from podtrain.orchestrator.plan.on_target import _members, link_bandwidth  # noqa: E402
+from podtrain.orchestrator.plan.on_target import link_bandwidth, members  # noqa: E402
 from podtrain.orchestrator.plan.targets import compile_devices, parse_target  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
@@ -80,7 +80,7 @@ def test_one_all_gather_takes_its_bytes_over_the_links_its_group_spans(devices):
     row = rows[0] | {"crosses": False}
     result = 8 * 1024 * 4096 * 2
     assert row["traffic"] == result * 7 / 8
-    coords = {tuple(devices[i].coords) for i in _members(row, mesh)}
+    coords = {tuple(devices[i].coords) for i in members(row, mesh)}
     assert coords == {(x, y, z) for x in (0, 1) for y in (0, 1) for z in (0, 1)}
     bandwidth = link_bandwidth(row, mesh, TARGET)
     assert bandwidth == 3 * V5P.ici_bandwidth / 6
