@@ -163,16 +163,16 @@ def _fused_flops(comp: str, computations, defs, seen=()) -> float:
     return total
 
 
-def _parsed(comp: str, computations) -> list:
-    """(root, name, shape, opcode, rest) of each instruction of a computation."""
-    return [x for line in computations.get(comp, []) if (x := _LINE.match(line))]
+def _parsed(computations) -> dict[str, list]:
+    """(root, name, shape, opcode, rest) of each instruction, by computation."""
+    return {name: [x for line in lines if (x := _LINE.match(line))] for name, lines in computations.items()}
 
 
-def _fusion_bytes(m, callee: str, computations, defs) -> float:
+def _fusion_bytes(m, callee: str, parsed, defs) -> float:
     """HBM bytes a fusion reads and writes: each operand whole, or its dynamic slices when the
     fusion only slices it; nothing for the buffer a dynamic-update-slice result writes into, whose
     update is written instead of the whole result."""
-    lines = _parsed(callee, computations)
+    lines = parsed.get(callee, [])
     local = {x[2]: x for x in lines}
     params = {int(re.match(r"(\d+)", x[5])[1]): x[2] for x in lines if x[4] == "parameter"}
     root = next((x for x in lines if x[1]), None)
@@ -191,14 +191,14 @@ def _fusion_bytes(m, callee: str, computations, defs) -> float:
         param = params.get(index)
         if name not in defs or param is None or param in in_place:
             continue
-        total += _read(callee, param, computations, nbytes(_dims(defs[name][2])))
+        total += _read(callee, param, parsed, nbytes(_dims(defs[name][2])))
     return total
 
 
-def _read(comp: str, param: str, computations, whole: float, depth: int = 0) -> float:
+def _read(comp: str, param: str, parsed, whole: float, depth: int = 0) -> float:
     """Bytes a fused computation reads of its parameter `param`: the slices when every use of it
     (through bitcasts and nested fusions) is a dynamic-slice, else the whole array."""
-    users = [x for x in _parsed(comp, computations) if param in operand_names(x[5])]
+    users = [x for x in parsed.get(comp, []) if param in operand_names(x[5])]
     if not users or depth > 8:
         return whole
     total = 0.0
@@ -207,23 +207,24 @@ def _read(comp: str, param: str, computations, whole: float, depth: int = 0) -> 
         if x[4] == "dynamic-slice" and operands[0] == param:
             total += nbytes(_dims(x[3]))
         elif x[4] == "bitcast":
-            total += _read(comp, x[2], computations, whole, depth + 1)
+            total += _read(comp, x[2], parsed, whole, depth + 1)
         elif x[4] == "fusion" and (callee := re.search(r"calls=%?([^\s,]+)", x[5])):
             index = operands.index(param)
-            inner = next((y[2] for y in _parsed(callee[1], computations)
+            inner = next((y[2] for y in parsed.get(callee[1], [])
                           if y[4] == "parameter" and re.match(rf"{index}\)", y[5])), None)
-            total += _read(callee[1], inner, computations, whole, depth + 1) if inner else whole
+            total += _read(callee[1], inner, parsed, whole, depth + 1) if inner else whole
         else:
             return whole
     return min(total, whole)
 
 
 def op_costs(hlo: str):
-    """(computations, entry, multipliers, {computation: [Op in schedule order]}): the cost of every
-    instruction outside fused computations, for one execution."""
+    """(computations, entry, multipliers, instructions by name, {computation: [Op in schedule
+    order]}): the cost of every instruction outside fused computations, for one execution."""
     computations, entry = computations_of(hlo)
     times, _ = multipliers(computations, entry)
     defs = {m[1]: m for _, m in instructions(computations)}
+    parsed = _parsed(computations)
     fused = set()
     for _, m in instructions(computations):
         if m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4])):
@@ -237,11 +238,11 @@ def op_costs(hlo: str):
         if opcode == "fusion":
             callee = re.search(r"calls=%?([^\s,]+)", m[4])[1]
             op.flops = _fused_flops(callee, computations, defs)
-            op.bytes = _fusion_bytes(m, callee, computations, defs)
-            op.collectives = [x[2] for x in _parsed(callee, computations) if x[4] in KINDS]
+            op.bytes = _fusion_bytes(m, callee, parsed, defs)
+            op.collectives = [x[2] for x in parsed.get(callee, []) if x[4] in KINDS]
         elif opcode == "async-start":  # a collective wrapped to run asynchronously
             callee = re.search(r"calls=%?([^\s,]+)", m[4])
-            op.collectives = [x[2] for x in _parsed(callee[1], computations) if x[4] in KINDS] if callee else []
+            op.collectives = [x[2] for x in parsed.get(callee[1], []) if x[4] in KINDS] if callee else []
         elif opcode in _FREE or opcode.removesuffix("-start").removesuffix("-done") in KINDS \
                 or opcode in ("send", "async-update", "async-done"):
             pass
@@ -258,7 +259,7 @@ def op_costs(hlo: str):
             op.flops = _flops(m, defs)
             op.bytes = nbytes(_dims(m[2])) + sum(nbytes(_dims(defs[o][2])) for o in operand_names(m[4]) if o in defs)
         ops.setdefault(comp, []).append(op)
-    return computations, entry, times, ops
+    return computations, entry, times, defs, ops
 
 
 def step_time(hlo: str, *, peak_flops: float, hbm_bandwidth: float,
@@ -266,8 +267,7 @@ def step_time(hlo: str, *, peak_flops: float, hbm_bandwidth: float,
     """A step's time from the schedule (see the module's docstring), and its parts per step:
     FLOPs, HBM bytes, compute-bound and HBM-bound seconds, collective seconds, and how much of the
     collectives' time was not hidden under other work (`exposed_s`)."""
-    computations, entry, times, ops = op_costs(hlo)
-    defs = {m[1]: m for _, m in instructions(computations)}
+    computations, entry, times, defs, ops = op_costs(hlo)
     totals = {"flops": 0.0, "hbm_bytes": 0.0, "compute_s": 0.0, "hbm_s": 0.0, "comm_s": 0.0, "exposed_s": 0.0}
     memo: dict[str, float] = {}
     conditions: dict[str, int] = {}
