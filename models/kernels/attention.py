@@ -13,6 +13,7 @@ segments (packed documents) and run per device on its batch rows and heads (`sha
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -133,6 +134,37 @@ def xla_attention(q_BTHD, k_BSKD, v_BSKE, mask_BTS):
     return out.reshape(b, kv_heads, group, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, e)
 
 
+@functools.cache
+def _causal_mask(splash):
+    """Splash's causal mask, answering a block that lies wholly inside or outside it from the
+    block's first and last indices. Splash classifies every (query block, key block) pair when it
+    builds a kernel, four times over; evaluated element by element that takes minutes at 131072
+    tokens. The kernel still computes the mask from `mask_function` and `q_sequence`."""
+
+    class BlockCausalMask(splash.CausalMask):
+        def __getitem__(self, idx):
+            q_slice, kv_slice = idx
+            if not (isinstance(q_slice, slice) and isinstance(kv_slice, slice)) or self.offset:
+                return super().__getitem__(idx)
+            rows = self.q_sequence[q_slice]
+            first, stop, step = kv_slice.indices(self.shape[1])
+            if rows.size and stop > first and step == 1:
+                seen_all, seen_none = rows.min() >= stop - 1, rows.max() < first
+                if seen_all or seen_none:
+                    return _constant_block(bool(seen_all), (rows.size, stop - first))
+            return super().__getitem__(idx)
+
+    return BlockCausalMask
+
+
+@functools.cache
+def _constant_block(value: bool, shape: tuple[int, int]) -> np.ndarray:
+    """One read-only block of `value` per shape, shared by every block it stands for."""
+    block = np.full(shape, value)
+    block.flags.writeable = False
+    return block
+
+
 def splash_kernel(heads: int, q_len: int, kv_len: int, *, shards: int = 1, q_sequence: np.ndarray | None = None,
                   interpret: bool = False):
     """Splash attention's kernel for `heads` heads of a causal mask over `q_len` queries and `kv_len` keys.
@@ -150,7 +182,7 @@ def splash_kernel(heads: int, q_len: int, kv_len: int, *, shards: int = 1, q_seq
     bq, bkv = math.gcd(_SPLASH_BLOCK, tile), math.gcd(_SPLASH_BLOCK, kv_len if shards == 1 else tile)
     sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                               block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    causal = splash.CausalMask((q_len, kv_len), shard_count=shards)
+    causal = _causal_mask(splash)((q_len, kv_len), shard_count=shards)
     if q_sequence is not None:
         causal.q_sequence = np.asarray(q_sequence, np.int32)
     return splash.make_splash_mha(splash.MultiHeadMask([causal] * heads), block_sizes=sizes, head_shards=1,

@@ -90,6 +90,29 @@ def blocks_per_device(q_sequence, length: int, shards: int) -> list[int]:
     return [int(rows.sum()) for rows in np.split(visited, shards)]
 
 
+@pytest.mark.parametrize("length, shards", [(2048, 1), (2048, 4), (4096, 8)])
+def test_the_kernels_block_map_is_the_one_splash_builds_from_its_own_causal_mask(length, shards):
+    """podtrain's mask answers wholly seen and wholly hidden blocks without building them: the
+    kernel's forward, dq and dkv block maps, their next-block indices and partial blocks are
+    those of splash's CausalMask, in the balanced order and the natural one."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    for order in (None, balanced_order(length, shards)):
+        ours = splash_kernel(2, length, length, shards=shards, q_sequence=order)
+        reference = splash.CausalMask((length, length), shard_count=shards)
+        if order is not None:
+            reference.q_sequence = np.asarray(order, np.int32)
+        theirs = splash.make_splash_mha(splash.MultiHeadMask([reference] * 2), block_sizes=ours.kwargs["block_sizes"],
+                                        head_shards=1, q_seq_shards=shards)
+        for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
+            got, want = getattr(ours, name), getattr(theirs, name)
+            for field in want._fields:
+                a, b = getattr(got, field), getattr(want, field)
+                assert (a is None) == (b is None), (name, field)
+                if b is not None and not callable(b):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}.{field}")
+
+
 def test_causal_work_is_even_over_the_devices():
     """8 devices, 16 chunks of 128 queries: in the natural order the last device visits 31 blocks and
     the first 3; in the balanced order every device visits 17."""
