@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 from xla_flags import FAST_COMPILE, xla_flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -21,3 +22,17 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """A pytest worker runs hundreds of test files in one process: after each, JAX's caches of traced
+    and compiled programs are dropped so that their executables are freed (the persistent cache
+    keeps the compiles), and the worker's memory does not grow with every file it has run."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
