@@ -55,7 +55,6 @@ _FREE = frozenset(("parameter", "get-tuple-element", "tuple", "bitcast", "consta
                    "add-dependency", "recv", "recv-done", "copy-done", "send-done", "domain"))
 _SPLASH_MATMULS = (("dkv", 4), ("dq", 3), ("fwd", 2))
 _ON_CHIP = re.compile(r"S\(([1-9]\d*)\)")
-_LINE = re.compile(r"^\s*(ROOT )?%?(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$", re.DOTALL)
 
 
 @dataclass
@@ -151,21 +150,19 @@ def _flops(m, defs) -> float:
     return 0.0
 
 
-def _fused_flops(comp: str, computations, defs, seen=()) -> float:
+def _fused_flops(comp: str, parsed, defs, seen=()) -> float:
     total = 0.0
-    for line in computations.get(comp, []):
-        if not (m := INSTRUCTION.match(line)):
-            continue
+    for m in parsed.get(comp, []):
         if m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4])) and c[1] not in seen:
-            total += _fused_flops(c[1], computations, defs, (*seen, c[1]))
+            total += _fused_flops(c[1], parsed, defs, (*seen, c[1]))
         else:
             total += _flops(m, defs)
     return total
 
 
 def _parsed(computations) -> dict[str, list]:
-    """(root, name, shape, opcode, rest) of each instruction, by computation."""
-    return {name: [x for line in lines if (x := _LINE.match(line))] for name, lines in computations.items()}
+    """Each instruction's match (`INSTRUCTION`: name, shape, opcode, rest), by computation."""
+    return {name: [x for line in lines if (x := INSTRUCTION.match(line))] for name, lines in computations.items()}
 
 
 def _fusion_bytes(m, callee: str, parsed, defs) -> float:
@@ -173,20 +170,20 @@ def _fusion_bytes(m, callee: str, parsed, defs) -> float:
     fusion only slices it; nothing for the buffer a dynamic-update-slice result writes into, whose
     update is written instead of the whole result."""
     lines = parsed.get(callee, [])
-    local = {x[2]: x for x in lines}
-    params = {int(re.match(r"(\d+)", x[5])[1]): x[2] for x in lines if x[4] == "parameter"}
-    root = next((x for x in lines if x[1]), None)
-    results = [local.get(o) for o in operand_names(root[5])] if root and root[4] == "tuple" else [root]
+    local = {x[1]: x for x in lines}
+    params = {int(re.match(r"(\d+)", x[4])[1]): x[1] for x in lines if x[3] == "parameter"}
+    root = next((x for x in lines if x[0].lstrip().startswith("ROOT")), None)
+    results = [local.get(o) for o in operand_names(root[4])] if root and root[3] == "tuple" else [root]
     total, in_place = 0.0, set()
     for r in results:
         if r is None:
             continue
-        if r[4] == "dynamic-update-slice":
-            buffer, update = operand_names(r[5])[:2]
+        if r[3] == "dynamic-update-slice":
+            buffer, update = operand_names(r[4])[:2]
             in_place.add(buffer)
-            total += nbytes(_dims(local[update][3])) if update in local else 0
+            total += nbytes(_dims(local[update][2])) if update in local else 0
         else:
-            total += nbytes(_dims(r[3]))
+            total += nbytes(_dims(r[2]))
     for index, name in enumerate(operand_names(m[4])):
         param = params.get(index)
         if name not in defs or param is None or param in in_place:
@@ -198,20 +195,20 @@ def _fusion_bytes(m, callee: str, parsed, defs) -> float:
 def _read(comp: str, param: str, parsed, whole: float, depth: int = 0) -> float:
     """Bytes a fused computation reads of its parameter `param`: the slices when every use of it
     (through bitcasts and nested fusions) is a dynamic-slice, else the whole array."""
-    users = [x for x in parsed.get(comp, []) if param in operand_names(x[5])]
+    users = [x for x in parsed.get(comp, []) if param in operand_names(x[4])]
     if not users or depth > 8:
         return whole
     total = 0.0
     for x in users:
-        operands = operand_names(x[5])
-        if x[4] == "dynamic-slice" and operands[0] == param:
-            total += nbytes(_dims(x[3]))
-        elif x[4] == "bitcast":
-            total += _read(comp, x[2], parsed, whole, depth + 1)
-        elif x[4] == "fusion" and (callee := re.search(r"calls=%?([^\s,]+)", x[5])):
+        operands = operand_names(x[4])
+        if x[3] == "dynamic-slice" and operands[0] == param:
+            total += nbytes(_dims(x[2]))
+        elif x[3] == "bitcast":
+            total += _read(comp, x[1], parsed, whole, depth + 1)
+        elif x[3] == "fusion" and (callee := re.search(r"calls=%?([^\s,]+)", x[4])):
             index = operands.index(param)
-            inner = next((y[2] for y in parsed.get(callee[1], [])
-                          if y[4] == "parameter" and re.match(rf"{index}\)", y[5])), None)
+            inner = next((y[1] for y in parsed.get(callee[1], [])
+                          if y[3] == "parameter" and re.match(rf"{index}\)", y[4])), None)
             total += _read(callee[1], inner, parsed, whole, depth + 1) if inner else whole
         else:
             return whole
@@ -237,12 +234,12 @@ def op_costs(hlo: str):
         op = Op(m[1], opcode)
         if opcode == "fusion":
             callee = re.search(r"calls=%?([^\s,]+)", m[4])[1]
-            op.flops = _fused_flops(callee, computations, defs)
+            op.flops = _fused_flops(callee, parsed, defs)
             op.bytes = _fusion_bytes(m, callee, parsed, defs)
-            op.collectives = [x[2] for x in parsed.get(callee, []) if x[4] in KINDS]
+            op.collectives = [x[1] for x in parsed.get(callee, []) if x[3] in KINDS]
         elif opcode == "async-start":  # a collective wrapped to run asynchronously
             callee = re.search(r"calls=%?([^\s,]+)", m[4])
-            op.collectives = [x[2] for x in parsed.get(callee[1], []) if x[4] in KINDS] if callee else []
+            op.collectives = [x[1] for x in parsed.get(callee[1], []) if x[3] in KINDS] if callee else []
         elif opcode in _FREE or opcode.removesuffix("-start").removesuffix("-done") in KINDS \
                 or opcode in ("send", "async-update", "async-done"):
             pass
@@ -314,7 +311,8 @@ def step_time(hlo: str, *, peak_flops: float, hbm_bandwidth: float,
                 clock += waited
                 totals[part] += waited * runs
                 continue
-            for chain in {chain_of(defs[c][4]) for c in op.collectives} - {None}:
+            chain_by_part = {c: chain_of(defs[c][4]) for c in op.collectives}
+            for chain in set(chain_by_part.values()) - {None}:
                 if chain not in in_flight:  # the chain's start: its collective runs under what follows
                     seconds = sum(comm_seconds(c) for c in chained.get(chain, ()))
                     totals["comm_s"] += seconds * runs
@@ -323,7 +321,7 @@ def step_time(hlo: str, *, peak_flops: float, hbm_bandwidth: float,
                     waited, part = in_flight.pop(chain)
                     clock += waited
                     totals[part] += waited * runs
-            plain = [c for c in op.collectives if chain_of(defs[c][4]) is None]
+            plain = [c for c, chain in chain_by_part.items() if chain is None]
             if op.opcode in KINDS or plain:
                 seconds = comm_seconds(op.name) + sum(comm_seconds(c) for c in plain)
                 totals["comm_s"] += seconds * runs
