@@ -145,10 +145,11 @@ def context_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, seq_axes: tuple[str
         specs = (x_spec,) * 3 + (P(batch, seq, None),)
     elif mask.backend == "splash":
         k_BSKD, v_BSKE = k_BSKD.astype(dtype), v_BSKE.astype(dtype)
-        head_split = math.prod(dict(jax.sharding.get_abstract_mesh().shape)[a] for a in head_axes)
+        mesh = jax.sharding.get_abstract_mesh()
+        head_split = math.prod(dict(mesh.shape)[a] for a in head_axes)
         kernel = splash_kernel(heads // head_split, t, t, shards=shards, q_sequence=balanced_order(t, shards),
                                interpret=mask.interpret)
-        kernel_spec = kernel.manual_sharding_spec(NamedSharding(jax.sharding.get_abstract_mesh(), P(None, seq)))
+        kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, seq)))
 
         def local(kernel, q, k, v, segments=None):
             k, v = (to_natural(gather(x), shards) for x in (k, v))

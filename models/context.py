@@ -65,7 +65,7 @@ def balance(batch: dict) -> dict:
         return batch
     b, t = batch["inputs"].shape
     if t % (2 * shards):
-        raise ValueError(f"train.seq_len={t} must be divisible by 2 * mesh.cp = {2 * shards}")
+        raise ValueError(f"a sequence of {t} tokens cannot be split into 2 chunks on each of {shards} devices")
     if batch.get("positions") is None:
         batch = {**batch, "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
     return {key: None if x is None else to_balanced(x, shards) for key, x in batch.items()}
