@@ -37,7 +37,6 @@ from podtrain.orchestrator.plan.hlo_comm import (
     arrays,
     chain_of,
     computations_of,
-    instructions,
     multipliers,
     nbytes,
     operand_names,
@@ -220,14 +219,12 @@ def op_costs(hlo: str):
     order]}): the cost of every instruction outside fused computations, for one execution."""
     computations, entry = computations_of(hlo)
     times, _ = multipliers(computations, entry)
-    defs = {m[1]: m for _, m in instructions(computations)}
     parsed = _parsed(computations)
-    fused = set()
-    for _, m in instructions(computations):
-        if m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4])):
-            fused.add(c[1])
+    every = [(comp, m) for comp, found in parsed.items() for m in found]
+    defs = {m[1]: m for _, m in every}
+    fused = {c[1] for _, m in every if m[3] == "fusion" and (c := re.search(r"calls=%?([^\s,]+)", m[4]))}
     ops: dict[str, list[Op]] = {}
-    for comp, m in instructions(computations):
+    for comp, m in every:
         if comp in fused:
             continue
         opcode = m[3]
