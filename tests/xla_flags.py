@@ -1,10 +1,13 @@
 """XLA flags for the tests and for the processes they start."""
 
-# XLA:CPU's generated code built by LLVM without optimisation: a cold test run is mostly compiling,
-# and this compiles markedly faster. What XLA decides (HLO passes, shardings, buffer assignment, so
-# memory_analysis and cost_analysis) is the same; the benchmarks and `make train` run at the
-# default level.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# XLA:CPU's code generated quickly rather than well: a cold test run is mostly compiling. LLVM
+# without optimisation or its expensive passes, one codegen module instead of several split for
+# threads, and XLA:CPU's elemental emitter for fusions rather than its MLIR fusion emitters
+# together halve the compile time of the tests' programs. The shardings XLA decides are the same;
+# XLA:CPU's own fusion and buffer sizes may differ, and a fused chain may round an ulp apart from
+# the same ops run one by one. The benchmarks and `make train` run at XLA's defaults.
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_parallel_codegen_split_count=1 --xla_cpu_use_fusion_emitters=false")
 
 
 def xla_flags(devices: int) -> str:

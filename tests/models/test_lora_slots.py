@@ -132,11 +132,11 @@ def test_empty_slots_and_new_adapters_leave_the_base_unchanged():
         np.testing.assert_allclose(np.asarray(model(ids)[0]), want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("preset, slot_targets, targets, exact", [
-    ("llama3-tiny", SLOT_TARGETS, ("q_proj", "down_proj", "embed_tokens"), True),
-    ("deepseek-v3-tiny", ("q_a_proj", "gate_proj", "experts"), ("q_a_proj", "experts"), False),
+@pytest.mark.parametrize("preset, slot_targets, targets", [
+    ("llama3-tiny", SLOT_TARGETS, ("q_proj", "down_proj", "embed_tokens")),
+    ("deepseek-v3-tiny", ("q_a_proj", "gate_proj", "experts"), ("q_a_proj", "experts")),
 ])
-def test_a_new_slot_is_the_adapter_apply_lora_makes_cut_to_its_rank(preset, slot_targets, targets, exact):
+def test_a_new_slot_is_the_adapter_apply_lora_makes_cut_to_its_rank(preset, slot_targets, targets):
     """PEFT's init draws every rank alike: a rank-4 slot is the first 4 ranks of the adapter
     `apply_lora` makes at the slots' rank 8 (routed experts' adapters included), whether the rank
     and targets are traced or not."""
@@ -154,20 +154,20 @@ def test_a_new_slot_is_the_adapter_apply_lora_makes_cut_to_its_rank(preset, slot
 
     nnx.update(traced, new(params, jnp.int32(4), {t: jnp.asarray(t in targets) for t in slot_targets}))
     want = dict(adapters(alone(config, 8, targets, 7)))
-    # Compiled, the uniform draw's scale and shift may fuse differently from the eager ops: on the
-    # DeepSeek-V3 stacks some values differ by one float32 ulp of the draw's range, so the traced
-    # init is compared there with the eager one to that ulp.
+    # Compiled, the draw's scale and shift fuse with the draw, which XLA:CPU may round differently from
+    # the eager ops: some values differ by one float32 ulp of the draw's range, so the traced init is
+    # compared with the eager one to that ulp, and the eager one with `apply_lora`'s exactly.
     traced_values, eager_values = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.state(m, LoRAParam))])
                                    for m in (traced, model))
     np.testing.assert_allclose(traced_values, eager_values, rtol=0, atol=np.spacing(np.abs(eager_values).max()))
-    for got in (dict(adapters(slot_view(m, 2, 4, ALPHA, targets))) for m in (model, traced)[:2 if exact else 1]):
-        assert got.keys() == want.keys()
-        for key, adapter in want.items():
-            a, b = np.asarray(adapter.lora_a[...]), np.asarray(adapter.lora_b[...])
-            rank_axis = adapter.lora_b.get_metadata()["out_sharding"].index("lora_rank")
-            np.testing.assert_array_equal(np.asarray(got[key].lora_a[...]), a[..., :4], err_msg=key)
-            np.testing.assert_array_equal(np.asarray(got[key].lora_b[...]), np.take(b, range(4), axis=rank_axis),
-                                          err_msg=key)
+    got = dict(adapters(slot_view(model, 2, 4, ALPHA, targets)))
+    assert got.keys() == want.keys()
+    for key, adapter in want.items():
+        a, b = np.asarray(adapter.lora_a[...]), np.asarray(adapter.lora_b[...])
+        rank_axis = adapter.lora_b.get_metadata()["out_sharding"].index("lora_rank")
+        np.testing.assert_array_equal(np.asarray(got[key].lora_a[...]), a[..., :4], err_msg=key)
+        np.testing.assert_array_equal(np.asarray(got[key].lora_b[...]), np.take(b, range(4), axis=rank_axis),
+                                      err_msg=key)
     # The other slots stay empty.
     for _, adapter in adapters(slot_view(model, 0, 8, ALPHA, slot_targets)):
         assert not np.asarray(adapter.lora_a[...]).any() and not np.asarray(adapter.lora_b[...]).any()
