@@ -105,7 +105,7 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
     import uvicorn
 
     from podtrain.orchestrator.serve.api import create_app
-    from podtrain.orchestrator.serve.engine import service_tokenizer
+    from podtrain.orchestrator.serve.base_info import service_tokenizer
     from podtrain.orchestrator.serve.store import Store
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +118,7 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
         engine = Engine(config, eos_token_ids=eos, page_dir=run_dir / "pages")
         backend, gang = WatchedEngine(engine, c.hang_timeout_s, c.compile_timeout_s), None
     else:
-        from podtrain.orchestrator.serve.engine import serve_info
+        from podtrain.orchestrator.serve.base_info import serve_info
         from podtrain.orchestrator.serve.gang import GangBackend
 
         info, targets = serve_info(config, eos)

@@ -27,7 +27,7 @@ from podtrain.orchestrator.plan.hlo_comm import collectives, summarize
 from podtrain.orchestrator.plan.host_memory import distinct_bytes_per_host, hf_bytes
 from podtrain.orchestrator.plan.on_target import compile_or_oom, shard_bytes
 from podtrain.orchestrator.plan.targets import Target, compile_devices, host_line
-from podtrain.orchestrator.serve.engine import MIN_TOKENS
+from podtrain.orchestrator.serve.batches import MIN_TOKENS
 from podtrain.orchestrator.serve.layout import EngineLayout, engine_layout
 from podtrain.orchestrator.serve.programs import ADAM_CHUNK, adam_steps, bucket, forward_backward, sample_rows
 from podtrain.orchestrator.serve.work import ADAM_KEYS

@@ -3,21 +3,14 @@
 It holds the base model with its adapter slots, each slot's pending gradient and Adam state, and
 which adapter (model id) sits in which slot. `run` takes the front end's ordered work items and
 packs them: each model's items keep their order, and the next items of all models that are
-forward/backward passes (or samples) run as one padded batch, so many clients' rows share a step.
-
-Saved adapters are a directory: `adapter.safetensors` (the slot's A and B, and with the optimizer
-its Adam moments, each cut to the adapter's rank) beside `adapter_state.json` (rank, alpha,
-targets, Adam step); `save_weights_for_sampler` adds the PEFT files (`adapter_model.safetensors`,
-`adapter_config.json`) where PEFT can name the targets.
+forward/backward passes (or samples) run as one padded batch (`batches.py`), so many clients' rows
+share a step. Saved adapters are directories (`adapter_files.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
-import shutil
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -26,21 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
 
 from podtrain.models import ARCHITECTURES
 from podtrain.models.lora import LoRAConfig, LoRAParam, slot_view, to_peft
-from podtrain.orchestrator.common.errors import ConfigError
-from podtrain.orchestrator.data.tokenizers import Tokenizer, checkpoint_tokenizer
 from podtrain.orchestrator.placed.restore import load_base
-from podtrain.orchestrator.serve import losses
-from podtrain.orchestrator.serve.checks import check_adapter, check_work, slot_targets
+from podtrain.orchestrator.serve.adapter_files import finish_save, read_saved, saved_tree, start_save
+from podtrain.orchestrator.serve.base_info import serve_info
+from podtrain.orchestrator.serve.batches import sample_batch, stop_at, train_batch
+from podtrain.orchestrator.serve.checks import check_adapter, check_work
 from podtrain.orchestrator.serve.layout import engine_layout
 from podtrain.orchestrator.serve.pages import Pager
 from podtrain.orchestrator.serve.programs import (
     ADAM_CHUNK,
-    Batch,
-    SampleBatch,
     adam_steps,
     bucket,
     forward_backward,
@@ -48,15 +38,7 @@ from podtrain.orchestrator.serve.programs import (
     sample_rows,
     to_host,
 )
-from podtrain.orchestrator.serve.slots import (
-    clear_slot,
-    cut_rank,
-    flat_names,
-    new_slot,
-    pad_rank,
-    read_slot,
-    write_slot,
-)
+from podtrain.orchestrator.serve.slots import clear_slot, cut_rank, flat_names, new_slot, read_slot, write_slot
 from podtrain.orchestrator.serve.warm import RowWarmer
 from podtrain.orchestrator.serve.work import (
     ADAM_KEYS,
@@ -78,35 +60,7 @@ from podtrain.orchestrator.serve.work import (
 )
 from podtrain.sharding.rules import use_rules
 
-STATE_FILE, ARRAYS_FILE = "adapter_state.json", "adapter.safetensors"
-# The smallest padded token count of a training row or a prompt.
-MIN_TOKENS = 16
-
 logger = logging.getLogger(__name__)
-
-
-def serve_info(config, eos_token_ids: tuple[int, ...] | None = None) -> tuple[BaseInfo, tuple[str, ...]]:
-    """(what clients see of the base model, every adapter target the service holds) of a serve
-    config; the same in the driver and on every worker. `eos_token_ids`: those of
-    `service_tokenizer`, when the caller has loaded it already."""
-    s, m = config.serve, config.model
-    targets = slot_targets(m)
-    eos = service_tokenizer(config)[1] if eos_token_ids is None else eos_token_ids
-    info = BaseInfo(base_model=s.base_model, tokenizer_id=s.tokenizer or "", model_type=m.model_type,
-                    vocab_size=m.vocab_size, max_seq_len=s.max_seq_len, max_rank=s.max_rank,
-                    max_adapters=s.max_adapters, eos_token_ids=eos,
-                    max_sample_tokens=s.sample_tokens(), max_live_adapters=s.live_adapters())
-    return info, targets
-
-
-def service_tokenizer(config) -> tuple[Tokenizer | None, tuple[int, ...]]:
-    """(tokenizer, its EOS ids): the one clients load (an HF directory's), else `data.tokenizer`;
-    (None, ()) if neither can be read."""
-    try:
-        tokenizer, stop, _ = checkpoint_tokenizer(config.serve.tokenizer or "", config.data)
-    except ConfigError:
-        return None, ()
-    return tokenizer, tuple(int(i) for i in stop if i is not None)
 
 
 @dataclasses.dataclass
@@ -395,29 +349,7 @@ class Engine:
             results[index] = ForwardBackwardResult(tuple(per_datum), {"loss:sum": total})
 
     def _run_batch(self, works, chunk) -> tuple[np.ndarray, np.ndarray]:
-        b = bucket(len(chunk))
-        t = bucket(max(len(d.tokens) for _, _, d in chunk), MIN_TOKENS)
-        arrays = {name: np.zeros((b, t), np.float32) for name in ("weights", "sampling_lp", "advantages", "real")}
-        tokens, targets = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
-        per_row = {name: np.zeros(b, np.float32) for name in ("scale", "low", "high", "beta", "train")}
-        slot_ix, rank, loss_ix = np.zeros(b, np.int32), np.ones(b, np.int32), np.zeros(b, np.int32)
-        per_row["scale"][:] = 1.0
-        for r, (index, _, datum) in enumerate(chunk):
-            work, n = works[index], len(datum.tokens)
-            slot = self.loaded[work.model_id]
-            config = losses.loss_config(work.loss_fn, work.loss_fn_config)
-            tokens[r, :n], targets[r, :n] = datum.tokens, datum.inputs["target_tokens"]
-            arrays["weights"][r, :n] = datum.inputs.get("weights", 1.0) if work.loss_fn == "cross_entropy" else 0.0
-            arrays["sampling_lp"][r, :n] = datum.inputs.get("logprobs", 0.0)
-            arrays["advantages"][r, :n] = datum.inputs.get("advantages", 0.0)
-            arrays["real"][r, :n] = 1.0
-            slot_ix[r], rank[r], loss_ix[r] = slot.index, slot.rank, losses.NAMES.index(work.loss_fn)
-            per_row["scale"][r] = self.config.serve.lora_alpha / slot.rank
-            per_row["low"][r] = config.get("clip_low_threshold", 0.0)
-            per_row["high"][r] = config.get("clip_high_threshold", 0.0)
-            per_row["beta"][r] = config.get("beta", 0.0)
-            per_row["train"][r] = 1.0 if work.backward else 0.0
-        batch = Batch(tokens=tokens, targets=targets, slot=slot_ix, rank=rank, loss=loss_ix, **arrays, **per_row)
+        batch = train_batch(works, chunk, self.loaded, self.config.serve.lora_alpha)
         batch = jax.tree.map(jnp.asarray, batch)
         self._warmer.ready(batch)
         self.grads, lp, loss = forward_backward(self.graphdef, self.adapters, self.rest, self.grads, batch,
@@ -448,47 +380,18 @@ class Engine:
             results[index] = SampleResult(tuple(seqs), prompt_lps.get(index))
 
     def _sample_batch(self, works, chunk, sequences, prompt_lps) -> None:
-        b = bucket(len(chunk))
-        p = bucket(max(len(works[i].prompt) for i, _ in chunk), MIN_TOKENS)
-        budget = max(works[i].max_tokens for i, _ in chunk)
-        new = bucket(budget, MIN_TOKENS)
-        row_stops = {i: works[i].all_stops() for i, _ in chunk}
-        stops = bucket(max([len(v) for v in row_stops.values()] + [1]), 8)
-        longest = bucket(max([len(q) for v in row_stops.values() for q in v] + [1]))
-        prompt = np.zeros((b, p), np.int32)
-        length, slot_ix, rank, top_k = (np.ones(b, np.int32) for _ in range(4))
-        slot_ix[:], top_k[:] = 0, 0
-        scale, temperature, top_p = np.zeros(b, np.float32), np.zeros(b, np.float32), np.ones(b, np.float32)
-        seed, stop, max_tokens = np.zeros(b, np.int32), np.full((b, stops, longest), -1, np.int32), np.ones(b, np.int32)
-        for r, (index, k) in enumerate(chunk):
-            work = works[index]
-            n = len(work.prompt)
-            prompt[r, :n], length[r] = work.prompt, n
-            if work.model_id is not None:
-                slot = self.loaded[work.model_id]
-                slot_ix[r], rank[r], scale[r] = slot.index, slot.rank, self.config.serve.lora_alpha / slot.rank
-            temperature[r], top_p[r] = work.temperature, work.top_p
-            top_k[r] = max(work.top_k, 0)
-            seed[r] = self._seed(work, k)
-            for j, sequence in enumerate(row_stops[index]):
-                stop[r, j, longest - len(sequence):] = sequence
-            max_tokens[r] = work.max_tokens
-        filtered = bool(np.any(top_k[:len(chunk)] > 0) or np.any(top_p[:len(chunk)] < 1))
-        want_prompt_lp = any(works[i].prompt_logprobs for i, _ in chunk)
-        batch = SampleBatch(prompt=prompt, length=length, slot=slot_ix, scale=scale, rank=rank,
-                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                            max_tokens=max_tokens)
+        packed = sample_batch(works, chunk, self.loaded, self.config.serve.lora_alpha, self._seed)
         tokens, logprobs, _, prompt_lp = sample_rows(self.graphdef, self.adapters, self.rest,
-                                                     jax.tree.map(jnp.asarray, batch), new_tokens=new,
-                                                     filtered=filtered, prompt_logprobs=want_prompt_lp,
+                                                     jax.tree.map(jnp.asarray, packed.batch),
+                                                     new_tokens=packed.new_tokens, filtered=packed.filtered,
+                                                     prompt_logprobs=packed.prompt_logprobs,
                                                      loss_chunk=self.config.serve.loss_chunk)
         tokens, logprobs = to_host(tokens), to_host(logprobs)
         prompt_lp = None if prompt_lp is None else to_host(prompt_lp)
         for r, (index, k) in enumerate(chunk):
             work = works[index]
             row = tokens[r, :work.max_tokens].tolist()
-            end = next((i for i in range(1, len(row) + 1) if any(
-                i >= len(q) and tuple(row[i - len(q):i]) == q for q in row_stops[index])), None)
+            end = stop_at(row, packed.stops[index])
             end, reason = (len(row), "length") if end is None else (end, "stop")
             sequences[index].append(SampledSequence(np.asarray(row[:end], np.int32),
                                                     logprobs[r, :end].astype(np.float32), reason))
@@ -524,37 +427,18 @@ class Engine:
                  "steps": slot.steps, "optimizer": work.optimizer,
                  "adam_count": int(self.adam.count[slot.index]) if work.optimizer else 0,
                  "model_type": self.config.model.model_type, "base_model": self._info.base_model}
-        writer = jax.process_index() == 0
-        final = Path(work.path)
-        partial, previous = final.with_name(final.name + ".partial"), _previous(final)
-        if writer:
-            if previous.exists() and not final.exists():  # a save that stopped between its renames
-                os.replace(previous, final)
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            save_file(arrays, str(partial / ARRAYS_FILE))
-            (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        writer, final = jax.process_index() == 0, Path(work.path)
+        partial = start_save(final, arrays, state) if writer else final.with_name(final.name + ".partial")
         if not work.optimizer and not set(slot.targets) & set(ARCHITECTURES[self.config.model.model_type]
                                                                .peft_unwritable):
             lora = LoRAConfig(rank=slot.rank, alpha=self.config.serve.lora_alpha, targets=slot.targets)
             view = slot_view(self.model, slot.index, slot.rank, lora.alpha, slot.targets)
             to_peft(view, self.config.model, lora, partial, base=self._info.base_model)  # process 0 writes
-        if writer:  # the previous save stays whole until the new one is in its place
-            shutil.rmtree(previous, ignore_errors=True)
-            if final.exists():
-                os.replace(final, previous)
-            os.replace(partial, final)
-            shutil.rmtree(previous, ignore_errors=True)
+        if writer:
+            finish_save(final, partial)
 
     def _load(self, work: Load) -> LoadResult:
-        path = Path(work.path)
-        if not path.exists() and _previous(path).exists():  # a save stopped between its renames
-            path = _previous(path)
-        try:
-            state = json.loads((path / STATE_FILE).read_text())
-            arrays = load_file(str(path / ARRAYS_FILE))
-        except (OSError, ValueError) as e:
-            raise ServeError(f"path: no saved adapter state at {work.path} ({e})", status=404) from None
+        state, arrays = read_saved(work.path)
         if state["model_type"] != self.config.model.model_type:
             raise ServeError(f"path: {work.path} holds a {state['model_type']} adapter; this service serves "
                              f"{self.config.model.model_type}")
@@ -563,24 +447,10 @@ class Engine:
                              "the optimizer")
         rank, targets = int(state["rank"]), tuple(state["targets"])
         check_adapter(self._info, self.targets, rank, targets)
-        names, structure = flat_names(self.adapters), jax.tree.structure(self.adapters)
-        shapes = [x.shape[:axis] + x.shape[axis + 1:] for x, axis in zip(jax.tree.leaves(self.adapters), self.axes,
-                                                                       strict=True)]
+        names = flat_names(self.adapters)
 
         def tree(prefix):
-            leaves = []
-            for name, axis, shape in zip(names, self.axes, shapes, strict=True):
-                key = f"{prefix}.{name}"
-                if key not in arrays:
-                    raise ServeError(f"path: {work.path} lacks {key} ({ARRAYS_FILE})")
-                try:
-                    leaves.append(pad_rank(arrays[key], name, axis, self._info.max_rank))
-                except ValueError as e:
-                    raise ServeError(str(e)) from None
-                if leaves[-1].shape != shape:
-                    raise ServeError(f"path: {work.path}: {key} has shape {arrays[key].shape}, this service's "
-                                     f"adapters {shape} (at rank {self._info.max_rank})")
-            return jax.tree.unflatten(structure, leaves)
+            return saved_tree(arrays, prefix, self.adapters, names, self.axes, self._info.max_rank, work.path)
 
         values = tree("adapter")
         moments = (tree("mu"), tree("nu")) if work.optimizer else None
@@ -599,7 +469,3 @@ class Engine:
         self.loaded[work.model_id] = slot
         return LoadResult(rank, targets, slot.steps)
 
-
-def _previous(path: Path) -> Path:
-    """Where a save keeps the save it replaces until the new one is in place."""
-    return path.with_name(path.name + ".previous")
