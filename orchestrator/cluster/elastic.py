@@ -16,7 +16,8 @@ import dataclasses
 import time
 
 from podtrain.orchestrator.cluster.reserve import ReservationError, pod_type, slice_nodes
-from podtrain.orchestrator.config.schema import ClusterConfig, Config
+from podtrain.orchestrator.config.cluster import ClusterConfig
+from podtrain.orchestrator.config.schema import Config
 
 GROW_CHECK_S = 5.0  # how often a job on fewer slices looks for free ones
 

@@ -18,7 +18,8 @@ from typing import Any
 from podtrain.orchestrator.cluster.host import HostActor
 from podtrain.orchestrator.common.errors import ConfigError
 from podtrain.orchestrator.common.protocol import ENV_LOCAL_DEVICE_IDS
-from podtrain.orchestrator.config.schema import ClusterConfig, Config
+from podtrain.orchestrator.config.cluster import ClusterConfig
+from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.plan.targets import parse_target, ray_tpu_version, tpu_chips, tpu_topology
 
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"  # fake CPU devices of a local host

@@ -152,10 +152,10 @@ import sys
 import jax
 jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=2, process_id=int(sys.argv[2]),
                            initialization_timeout=60)
-from podtrain.orchestrator.checkpoint.checkpointer import _check_shared
+from podtrain.orchestrator.checkpoint.directory import check_shared
 from podtrain.orchestrator.common.errors import ConfigError
 try:
-    _check_shared(sys.argv[3])
+    check_shared(sys.argv[3])
     print("shared")
 except ConfigError as e:
     print("error:", e)
