@@ -28,25 +28,30 @@ def previous(path: Path) -> Path:
     return path.with_name(path.name + ".previous")
 
 
+def partial(final: Path) -> Path:
+    """Where a save to `final` is written until it is whole."""
+    return final.with_name(final.name + ".partial")
+
+
 def start_save(final: Path, arrays: dict[str, np.ndarray], state: dict) -> Path:
     """The partial directory of a save to `final`, holding `arrays` and `state` (a save that stopped
     between its renames is put back first)."""
-    partial = final.with_name(final.name + ".partial")
+    written = partial(final)
     if previous(final).exists() and not final.exists():
         os.replace(previous(final), final)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_file(arrays, str(partial / ARRAYS_FILE))
-    (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-    return partial
+    shutil.rmtree(written, ignore_errors=True)
+    written.mkdir(parents=True)
+    save_file(arrays, str(written / ARRAYS_FILE))
+    (written / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+    return written
 
 
-def finish_save(final: Path, partial: Path) -> None:
-    """`partial` renamed over `final`; the save it replaces is kept until then."""
+def finish_save(final: Path) -> None:
+    """The partial save renamed over `final`; the save it replaces is kept until then."""
     shutil.rmtree(previous(final), ignore_errors=True)
     if final.exists():
         os.replace(final, previous(final))
-    os.replace(partial, final)
+    os.replace(partial(final), final)
     shutil.rmtree(previous(final), ignore_errors=True)
 
 

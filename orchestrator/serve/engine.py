@@ -23,7 +23,7 @@ from flax import nnx
 from podtrain.models import ARCHITECTURES
 from podtrain.models.lora import LoRAConfig, LoRAParam, slot_view, to_peft
 from podtrain.orchestrator.placed.restore import load_base
-from podtrain.orchestrator.serve.adapter_files import finish_save, read_saved, saved_tree, start_save
+from podtrain.orchestrator.serve.adapter_files import finish_save, partial, read_saved, saved_tree, start_save
 from podtrain.orchestrator.serve.base_info import serve_info
 from podtrain.orchestrator.serve.batches import sample_batch, stop_at, train_batch
 from podtrain.orchestrator.serve.checks import check_adapter, check_work
@@ -428,14 +428,15 @@ class Engine:
                  "adam_count": int(self.adam.count[slot.index]) if work.optimizer else 0,
                  "model_type": self.config.model.model_type, "base_model": self._info.base_model}
         writer, final = jax.process_index() == 0, Path(work.path)
-        partial = start_save(final, arrays, state) if writer else final.with_name(final.name + ".partial")
+        if writer:
+            start_save(final, arrays, state)
         if not work.optimizer and not set(slot.targets) & set(ARCHITECTURES[self.config.model.model_type]
                                                                .peft_unwritable):
             lora = LoRAConfig(rank=slot.rank, alpha=self.config.serve.lora_alpha, targets=slot.targets)
             view = slot_view(self.model, slot.index, slot.rank, lora.alpha, slot.targets)
-            to_peft(view, self.config.model, lora, partial, base=self._info.base_model)  # process 0 writes
+            to_peft(view, self.config.model, lora, partial(final), base=self._info.base_model)  # process 0 writes
         if writer:
-            finish_save(final, partial)
+            finish_save(final)
 
     def _load(self, work: Load) -> LoadResult:
         state, arrays = read_saved(work.path)
