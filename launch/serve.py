@@ -24,6 +24,7 @@ from pathlib import Path
 from podtrain.models.hf_read import is_hf_directory, read_json_object
 from podtrain.orchestrator.checkpoint.rundir import RunLock, resolve_run_dir
 from podtrain.orchestrator.common.errors import ConfigError
+from podtrain.orchestrator.common.files import write_atomic
 from podtrain.orchestrator.config.compose import load_config, resolve_preset
 from podtrain.orchestrator.config.schema import Config
 from podtrain.orchestrator.config.validate import validate
@@ -145,7 +146,7 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
     url = f"http://{config.serve.host}:{port}"
-    (run_dir / "serve.json").write_text(json.dumps({"url": url, "pid": os.getpid()}) + "\n")
+    announce(run_dir, url)
     print(f"podtrain: serving {config.serve.base_model} at {url} (run directory {run_dir})", flush=True)
     save = _saver(app.state.service.scheduler)
     try:
@@ -163,6 +164,12 @@ def _serve(config: Config, run_dir: Path, key: str | None) -> int:
             gang.stop()
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def announce(run_dir: Path, url: str) -> None:
+    """Where clients reach the service: `<run dir>/serve.json`, which scripts poll for, so it is
+    written whole or not at all."""
+    write_atomic(run_dir / "serve.json", json.dumps({"url": url, "pid": os.getpid()}) + "\n")
 
 
 def _saver(scheduler):

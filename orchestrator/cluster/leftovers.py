@@ -17,6 +17,8 @@ import signal
 import time
 from pathlib import Path
 
+from podtrain.orchestrator.common.files import write_atomic
+
 RECORD = "driver.json"
 
 
@@ -53,9 +55,7 @@ def record(run_dir: Path) -> None:
         return
     processes = descendants(os.getpid())
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(run_dir) / (RECORD + ".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "processes": processes}) + "\n")
-    os.replace(tmp, Path(run_dir) / RECORD)
+    write_atomic(Path(run_dir) / RECORD, json.dumps({"pid": os.getpid(), "processes": processes}) + "\n")
 
 
 def clear(run_dir: Path) -> None:

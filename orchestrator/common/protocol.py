@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from podtrain.orchestrator.common.files import write_atomic
+
 # Exit statuses of a worker process.
 EXIT_OK = 0
 EXIT_EXCEPTION = 1  # an exception in the training code; its traceback is in the error file
@@ -70,10 +72,7 @@ def write_heartbeat(path: str | os.PathLike, step: int, phase: str = "step", not
                     at: float | None = None) -> None:
     """Records the last completed `step`, the `phase` the worker is in since `at` (now by
     default), and a `notice` the driver acts on, atomically (a reader never sees half a line)."""
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{step} {time.time() if at is None else at:.3f} {phase} {notice}".rstrip() + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, f"{step} {time.time() if at is None else at:.3f} {phase} {notice}".rstrip() + "\n")
 
 
 def read_heartbeat(path: str | os.PathLike) -> Beat | None:

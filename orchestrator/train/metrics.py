@@ -4,7 +4,6 @@ events, W&B, MLflow); process 0 writes."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 
 from podtrain.orchestrator.common.chips import chip_of_device_kind
 from podtrain.orchestrator.common.errors import ConfigError
+from podtrain.orchestrator.common.files import write_atomic
 from podtrain.orchestrator.config.trackers import MetricsConfig
 from podtrain.orchestrator.train.trackers import remote_trackers
 
@@ -174,9 +174,7 @@ def _drop_records_after(path: Path, step: int) -> None:
         if isinstance(record, dict) and record.get("step", 0) <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
     if kept != lines:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept))
 
 
 def expert_metrics(load_LE: np.ndarray, dropped: float) -> dict:

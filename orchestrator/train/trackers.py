@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import queue
 import secrets
 import string
@@ -23,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from podtrain.orchestrator.common.files import write_atomic
 from podtrain.orchestrator.config.trackers import MlflowConfig, WandbConfig
 
 logger = logging.getLogger(__name__)
@@ -50,9 +50,7 @@ def _update_ids(run_dir: Path, change: Callable[[dict], None]) -> None:
     with _SAVE_LOCK:
         ids = _run_ids(run_dir)
         change(ids)
-        tmp = run_dir / (_IDS + ".tmp")
-        tmp.write_text(json.dumps(ids, indent=2) + "\n")
-        os.replace(tmp, run_dir / _IDS)
+        write_atomic(run_dir / _IDS, json.dumps(ids, indent=2) + "\n")
 
 
 def _save_run_id(run_dir: Path, name: str, run_id: str) -> None:
