@@ -26,7 +26,7 @@ from podtrain.models.kernels.attention import (
     xla_attention,
 )
 from podtrain.models.layers import RMSNorm
-from podtrain.models.linear import dtype_of, linear, param
+from podtrain.models.linear import dense, dtype_of, linear, param
 from podtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from podtrain.sharding.rules import axes_of, constrain, logical_to_spec
 
@@ -126,33 +126,77 @@ def context_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, seq_axes: tuple[str
     the dense mask of positions (its rows for these queries), splash with the kernel's mask rows
     for these queries, evaluated at their natural indices, so fully masked blocks are skipped.
     """
+    return _split_attention(q_BTHD, (k_BSKD, v_BSKE), mask, seq_axes=seq_axes, shards=shards)
+
+
+def latent_context_attention(q_BTHD, latent_BSR, rope_key_BSD, w_RHE, mask: Mask, *, nope: int,
+                             seq_axes: tuple[str, ...], shards: int) -> jax.Array:
+    """MLA's self-attention of a split sequence (as `context_attention`): each device gathers what
+    its keys and values are made from, every token's latent (R values) and rotary key (D), and
+    up-projects them itself with `w_RHE` (R, H, nope + value dims), its heads' part of it. Per
+    token that gathers R + D values where the keys and values are H x (nope + D + value dims), for
+    the up-projection of the whole sequence on each device. The weight's gradient is each device's
+    own, summed over the devices as any weight's is (reduce-scattered where the weight is sharded).
+    """
+    def keys_and_values(w, latent, rope_key):
+        kv = dense(latent, w)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        rope = jnp.broadcast_to(rope_key[:, :, None, :], (*k_nope.shape[:-1], rope_key.shape[-1]))
+        return jnp.concatenate([k_nope, rope], axis=-1), v
+
+    return _split_attention(q_BTHD, (latent_BSR, rope_key_BSD), mask, seq_axes=seq_axes, shards=shards,
+                            up=(keys_and_values, w_RHE))
+
+
+def _split_attention(q_BTHD, parts, mask: Mask, *, seq_axes, shards, up=None) -> jax.Array:
+    """`context_attention` of the keys and values `up[0](w, *parts)` makes from `parts` gathered
+    whole (`parts` themselves without `up`), `w = up[1]` (R, H, E) split over the heads as the
+    queries are."""
     dtype = q_BTHD.dtype
-    heads, kv_heads = q_BTHD.shape[2], k_BSKD.shape[2]
-    batch_axes, head_axes, row_shards = _kernel_axes(heads, kv_heads)
+    heads = q_BTHD.shape[2]
+    batch_axes, head_axes, row_shards = _kernel_axes(heads, heads if up else parts[0].shape[2])
     b, t = q_BTHD.shape[:2]
     pad = -b % row_shards
     # Rows the batch axes do not divide get padding rows, cut off after (as `self_attention`).
     rows = lambda x: x if x is None or not pad else jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
-    q_BTHD, k_BSKD, v_BSKE = rows(q_BTHD), rows(k_BSKD), rows(v_BSKE)
+    q_BTHD, parts = rows(q_BTHD), tuple(rows(x) for x in parts)
     gather = lambda x: jax.lax.all_gather(x, seq_axes, axis=1, tiled=True)  # noqa: E731
-    batch, seq = _entry(batch_axes), _entry(seq_axes)
-    x_spec = P(batch, seq, _entry(head_axes), None)
+    batch, seq, head = _entry(batch_axes), _entry(seq_axes), _entry(head_axes)
+    x_spec = P(batch, seq, head, None)
+    if up is None:
+        make, weights, specs = (lambda *kv: kv), (), (x_spec,) * len(parts)
+    else:
+        # One copy of the weight per device that holds other tokens, so that the devices' gradients
+        # of it leave the shard_map apart and are summed where the weight's layout asks, not all-reduced
+        # inside it.
+        make_kv, w = up
+        sizes = dict(jax.sharding.get_abstract_mesh().shape)
+        tokens = (*batch_axes, *seq_axes)
+        copies = jnp.broadcast_to(w[None], (math.prod(sizes[a] for a in tokens), *w.shape))
+        make = lambda copy, *gathered: make_kv(copy[0], *gathered)  # noqa: E731
+        weights, specs = (copies,), (P(_entry(tokens), None, head, None),) + tuple(
+            P(batch, seq, *[None] * (x.ndim - 2)) for x in parts)
     if mask.backend == "xla":
-        def local(q, k, v, dense_BTS):
-            return xla_attention(q, gather(k), gather(v), dense_BTS)
+        def local(q, *args):
+            *held, dense_BTS = args
+            k, v = make(*held[:len(weights)], *(gather(x) for x in held[len(weights):]))
+            return xla_attention(q, k, v, dense_BTS)
 
-        args = (q_BTHD, k_BSKD, v_BSKE, rows(mask.dense_BTS))
-        specs = (x_spec,) * 3 + (P(batch, seq, None),)
+        args = (q_BTHD, *weights, *parts, rows(mask.dense_BTS))
+        specs = (x_spec, *specs, P(batch, seq, None))
     elif mask.backend == "splash":
-        k_BSKD, v_BSKE = k_BSKD.astype(dtype), v_BSKE.astype(dtype)
+        parts = tuple(x.astype(dtype) for x in parts)
+        weights = tuple(w.astype(dtype) for w in weights)
         mesh = jax.sharding.get_abstract_mesh()
         head_split = math.prod(dict(mesh.shape)[a] for a in head_axes)
         kernel = splash_kernel(heads // head_split, t, t, shards=shards, q_sequence=balanced_order(t, shards),
                                interpret=mask.interpret)
         kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, seq)))
+        n = len(weights) + len(parts)
 
-        def local(kernel, q, k, v, segments=None):
-            k, v = (to_natural(gather(x), shards) for x in (k, v))
+        def local(kernel, q, *args):
+            held, segments = args[:n], (args[n:] or (None,))[0]
+            k, v = make(*held[:len(weights)], *(to_natural(gather(x), shards) for x in held[len(weights):]))
             if segments is None:
                 return run_splash(kernel, q, k, v)
             # Every device holds the whole rows' segment ids (`make_mask`): its queries' are a slice.
@@ -160,8 +204,8 @@ def context_attention(q_BTHD, k_BSKD, v_BSKE, mask: Mask, *, seq_axes: tuple[str
             return run_splash(kernel, q, k, v, mine, to_natural(segments, shards))
 
         segments = rows(mask.segments_BT)
-        args = (kernel, q_BTHD, k_BSKD, v_BSKE) + (() if segments is None else (segments,))
-        specs = ((kernel_spec,) + (x_spec,) * 3 + (P(batch, None),))[:len(args)]
+        args = (kernel, q_BTHD, *weights, *parts) + (() if segments is None else (segments,))
+        specs = (kernel_spec, x_spec, *specs) + (() if segments is None else (P(batch, None),))
     else:
         raise ValueError(f"model.attention={mask.backend} cannot attend over a sequence split over {list(seq_axes)}; "
                          "use splash (TPU) or xla")

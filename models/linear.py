@@ -109,6 +109,11 @@ class Linear(nnx.Param):
         """The weight as a matmul in `dtype` reads it: cast, gathered over the batch axes."""
         return weight(self, dtype)
 
+    def is_one_matrix(self) -> bool:
+        """Whether `self(x)` is `x @ self.matrix(dtype)` for every row of `x`, so that a caller may
+        take the matrix and apply it elsewhere (always, for a plain weight)."""
+        return True
+
     def contract(self, equation: str, x: jax.Array, dtype, part: slice = slice(None)) -> jax.Array:
         """`einsum(equation, x, W[..., part])` in `dtype`, `part` a slice of the weight's last axis
         (how MLA's cached decoding absorbs its key and value up-projection into other products)."""

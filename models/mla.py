@@ -8,8 +8,9 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from podtrain.models.attention import cached_attention, self_attention
+from podtrain.models.attention import cached_attention, latent_context_attention, self_attention
 from podtrain.models.config import ModelConfig
+from podtrain.models.context import context_shards
 from podtrain.models.layers import RMSNorm
 from podtrain.models.linear import dtype_of, linear
 from podtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq, softmax_scale
@@ -87,6 +88,13 @@ class MLAttention(nnx.Module):
         if kv is None:
             new_kv = None
             q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "seq", "act_heads", None))
+            seq_axes, shards = context_shards()
+            if shards > 1 and self.wkv_b.is_one_matrix():
+                # A split sequence gathers the latent and rotary key, not the keys and values built from them.
+                latent, rope_key = (checkpoint_name(x[:, :, 0], "key") for x in (latent, rope_key))
+                out = latent_context_attention(q * self.scale, latent, rope_key, self.wkv_b.matrix(self.dtype), mask,
+                                               nope=self.nope, seq_axes=seq_axes, shards=shards)
+                return checkpoint_name(self.wo(out), "attn_out"), None
             kv_heads = checkpoint_name(self.wkv_b(latent[:, :, 0]), "key")
             k_nope, v = kv_heads[..., : self.nope], kv_heads[..., self.nope:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, (*k_nope.shape[:-1], self.rope_dim))], axis=-1)

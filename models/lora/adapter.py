@@ -219,6 +219,10 @@ class LoRALinear(AdaptedWeight):
         """The merged weight as a matmul in `dtype` reads it."""
         return gathered(self.merged().astype(dtype), self.axes())
 
+    def is_one_matrix(self) -> bool:
+        """Not with slots (each row its own adapter) or while dropout drops the adapter's inputs."""
+        return not self.slots and not (self.rate and _DROPOUT_KEY.get() is not None)
+
     def contract(self, equation: str, x: jax.Array, dtype, part: slice = slice(None)) -> jax.Array:
         """`einsum(equation, x, W[..., part])` with the adapter's update in `W`: merged, or with
         slots the base's product plus each row's low-rank one (`x` leads with the batch rows)."""

@@ -135,3 +135,19 @@ def test_full_remat_gathers_each_layer_weight_twice(overrides):
     assert gathered <= 2 * weights, (
         f"{gathered} elements gathered per layer, {weights} in its gathered weights: "
         + "; ".join(f"{c.shape} {c.op_name}" for c in in_loop))
+
+
+def test_deepseek_over_a_split_sequence_gathers_its_latent_not_its_keys_and_values():
+    """Under `mesh.cp` MLA gathers each token's latent and rotary key (kv_lora_rank + qk_rope_head_dim
+    values) and every device builds the keys and values from them: the per-head keys and values
+    never travel, and the gathers' gradients are reduce-scattered back."""
+    training, found = compiled("deepseek-v3-tiny", "mesh.fsdp=2", "mesh.cp=4", "train.seq_len=1024",
+                               "model.dtype=bfloat16")
+    mla, t = training.config.model.mla, training.config.train
+    attention = [c for c in found if "models/attention.py" in c.source]
+    assert {c.kind for c in attention} == {"all-gather", "reduce-scatter"}
+    assert all(c.axes == ("cp",) for c in attention)
+    rows = t.batch_size // 2  # each fsdp shard's rows
+    gathered = {arrays(c.shape)[0] for c in attention if c.kind == "all-gather"}
+    assert gathered == {("bf16", (rows, t.seq_len, mla.kv_lora_rank)),
+                        ("bf16", (rows, t.seq_len, mla.qk_rope_head_dim))}

@@ -35,7 +35,7 @@ def test_the_balanced_order_gives_each_device_an_early_and_a_late_chunk():
 
 def packed_step(model: str, seq_len: int, mesh: list[str], *extra: str):
     """One SGD step of a batch of two packed documents per row (the first row half weighted):
-    (loss, grad norm, params after the step)."""
+    (loss, grad norm, trained params after the step)."""
     training = build_training(load_config(model, TINY + [f"train.seq_len={seq_len}", *mesh, *extra]))
     batch = {k: np.array(v) for k, v in random_batch(training).items()}
     split = 5 * seq_len // 16
@@ -45,7 +45,7 @@ def packed_step(model: str, seq_len: int, mesh: list[str], *extra: str):
     batch["weights"][0, seq_len // 2:] = 0
     placed = {k: jax.make_array_from_callback(v.shape, training.batch_sharding, lambda i, v=v: v[i])
               for k, v in batch.items()}
-    state, metrics = training.step(training.init_state(), placed)
+    state, metrics = training.step(training.init_state(), placed, training.init_frozen())
     return float(metrics["loss"]), float(metrics["grad_norm"]), jax.tree.leaves(state.params)
 
 
@@ -59,13 +59,22 @@ def assert_same_step(got, want):
     ("llama3-tiny", [["mesh.fsdp=4", "mesh.cp=2"], ["mesh.fsdp=2", "mesh.cp=2", "mesh.tp=2"]]),
     pytest.param("llama3-tiny", [["mesh.fsdp=2", "mesh.cp=4"]], marks=pytest.mark.slow),
     ("deepseek-v3-tiny", [["mesh.fsdp=2", "mesh.ep=2", "mesh.cp=2"]]),
-    pytest.param("deepseek-v3-tiny", [["mesh.fsdp=1", "mesh.ep=2", "mesh.cp=4"]], marks=pytest.mark.slow),
+    pytest.param("deepseek-v3-tiny", [["mesh.fsdp=1", "mesh.ep=2", "mesh.cp=4"],
+                                      ["mesh.fsdp=1", "mesh.ep=2", "mesh.cp=2", "mesh.tp=2"]], marks=pytest.mark.slow),
 ])
 def test_a_split_sequence_gives_the_loss_and_gradients_of_a_whole_one(model, meshes):
     """Packed documents, xla attention: cp = 2 and 4, with fsdp, tp and ep, against cp = 1."""
     whole = packed_step(model, 16, ["mesh.fsdp=4", "mesh.ep=2"] if "deepseek" in model else ["mesh.fsdp=8"])
     for mesh in meshes:
         assert_same_step(packed_step(model, 16, mesh, "model.attention=xla"), whole)
+
+
+def test_an_adapter_on_mlas_up_projection_trains_the_same_when_each_device_builds_keys_from_the_latent():
+    """Under cp MLA gathers the latent and up-projects it on each device with kv_b_proj's weight,
+    its adapter merged in: the step equals the whole sequence's, adapters included."""
+    lora = ["lora.rank=4", "lora.targets=[kv_b_proj,q_b_proj]"]
+    whole = packed_step("deepseek-v3-tiny", 16, ["mesh.fsdp=4", "mesh.ep=2"], *lora)
+    assert_same_step(packed_step("deepseek-v3-tiny", 16, ["mesh.fsdp=2", "mesh.ep=2", "mesh.cp=2"], *lora), whole)
 
 
 @pytest.mark.slow
