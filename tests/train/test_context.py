@@ -69,6 +69,7 @@ def test_a_split_sequence_gives_the_loss_and_gradients_of_a_whole_one(model, mes
         assert_same_step(packed_step(model, 16, mesh, "model.attention=xla"), whole)
 
 
+@pytest.mark.slow
 def test_an_adapter_on_mlas_up_projection_trains_the_same_when_each_device_builds_keys_from_the_latent():
     """Under cp MLA gathers the latent and up-projects it on each device with kv_b_proj's weight,
     its adapter merged in: the step equals the whole sequence's, adapters included."""
