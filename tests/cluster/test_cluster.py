@@ -18,6 +18,7 @@ import pytest
 from cluster_fixtures import TWO_HOSTS, env, finish, job, run_train, start, train_command
 from train_fixtures import ROOT, TINY, losses
 
+from podtrain.orchestrator.common.protocol import read_heartbeat
 from podtrain.orchestrator.train.goodput import LEDGER, read_ledger, summarize
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -47,6 +48,22 @@ def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, step: int, timeou
 
 def worker_pid(run_dir: Path, attempt: int, rank: int) -> int:
     return int((run_dir / "logs" / f"attempt-{attempt}" / f"rank{rank}.pid").read_text())
+
+
+def stop_between_steps(run_dir: Path, attempt: int, rank: int, timeout: float = 120) -> None:
+    """SIGSTOPs `rank`'s worker while its heartbeat says it is between training steps. Stopped in a
+    checkpoint save it would be bounded by `cluster.save_timeout_s` instead, and JAX's own heartbeat
+    timeout could end the gang first."""
+    beat = run_dir / "logs" / f"attempt-{attempt}" / f"rank{rank}.heartbeat"
+    pid = worker_pid(run_dir, attempt, rank)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        os.kill(pid, signal.SIGSTOP)
+        if (b := read_heartbeat(beat)) is not None and b.phase == "step":
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} of attempt {attempt} was never between steps within {timeout:g}s")
 
 
 def assert_no_worker_left(run_dir: Path) -> None:
@@ -192,8 +209,8 @@ def test_a_rank_stopped_at_start_then_mid_run_then_a_lost_host_each_restart_the_
     os.kill(never_joined, signal.SIGSTOP)
     wait_for_checkpoint(run_dir, proc, 2)
     assert (run_dir / "logs" / "attempt-2").is_dir()
+    stop_between_steps(run_dir, 2, 1)
     stopped_at = time.time()
-    os.kill(worker_pid(run_dir, 2, 1), signal.SIGSTOP)
     wait_until(lambda: (run_dir / "logs" / "attempt-3" / "rank1.pid").exists()
                and max(losses(run_dir), default=0) >= 3 and recovered(run_dir, 2), 300,
                "step 3 in attempt 3, and the driver seeing attempt 3's first step")
