@@ -136,7 +136,7 @@ def latent_context_attention(q_BTHD, latent_BSR, rope_key_BSD, w_RHE, mask: Mask
     up-projects them itself with `w_RHE` (R, H, nope + value dims), its heads' part of it. Per
     token that gathers R + D values where the keys and values are H x (nope + D + value dims), for
     the up-projection of the whole sequence on each device. The weight's gradient is each device's
-    own, summed over the devices as any weight's is (reduce-scattered where the weight is sharded).
+    own, summed over the devices by the partitioner as any weight's is.
     """
     def keys_and_values(w, latent, rope_key):
         kv = dense(latent, w)
