@@ -69,6 +69,7 @@ from podtrain.orchestrator.checkpoint.directory import check_shared, check_writa
 from podtrain.orchestrator.checkpoint.integrity import (
     DAMAGE_ERRORS,
     DamagedStepError,
+    abandoned_reads_dropped,
     changed_leaves,
     damage_in,
     describe,
@@ -300,17 +301,18 @@ class Checkpointer:
         and can agree on the outcome afterwards."""
         folder = epath.Path(self.directory) / str(step)
         handler = ocp.StandardCheckpointHandler(restore_concurrent_gb=self.config.host_gb or ORBAX_RESTORE_GB)
-        try:
-            state = handler.restore(folder / "state", args=ocp.args.StandardRestore(abstract_state))
-            meta = read_item(self.directory, step, "meta")
-            if has_item(self.directory, step, "data_position"):
-                meta["data_position"] = read_item(self.directory, step, "data_position")
-        except Exception as error:  # judged with every process's outcome in `raise_if_failed`
-            if damage_in(error) is not None:
-                drop_abandoned_reads(error)
-            return None, error
-        finally:
-            handler.close()
+        with abandoned_reads_dropped():
+            try:
+                state = handler.restore(folder / "state", args=ocp.args.StandardRestore(abstract_state))
+                meta = read_item(self.directory, step, "meta")
+                if has_item(self.directory, step, "data_position"):
+                    meta["data_position"] = read_item(self.directory, step, "data_position")
+            except Exception as error:  # judged with every process's outcome in `raise_if_failed`
+                if damage_in(error) is not None:
+                    drop_abandoned_reads(error)
+                return None, error
+            finally:
+                handler.close()
         return (state, meta, step), None
 
     def _check_fingerprints(self, step: int, state: Any, *, within: str = "") -> None:

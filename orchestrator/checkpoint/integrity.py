@@ -14,6 +14,7 @@ and not on others. Each process reports its outcome (`verdict`), the reports are
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -104,6 +105,41 @@ def raise_if_failed(step: int, directory: str, error: Exception | None, verdicts
     raise DamagedStepError(step, directory, where + v["error"]) from error
 
 
+class _DropAbandonedReads:
+    """A `sys.unraisablehook` that drops what abandoned Orbax reads report and passes on the rest."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        code = getattr(unraisable.object, "cr_code", None)
+        orbax_read = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+        closed_loop = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+        if not (orbax_read or closed_loop):
+            self.previous(unraisable)
+
+
+def _drop_installed() -> bool:
+    return isinstance(sys.unraisablehook, _DropAbandonedReads)
+
+
+@contextlib.contextmanager
+def abandoned_reads_dropped():
+    """Drops abandoned reads' reports while a restore runs (see `drop_abandoned_reads`).
+
+    Orbax raises at the first read that fails, and the other reads may complete and report before
+    that error reaches the caller, so the hook is in place from the start of the read. It is taken
+    down afterwards unless the read met a damaged step."""
+    installed = None
+    if not _drop_installed():
+        installed = sys.unraisablehook = _DropAbandonedReads(sys.unraisablehook)
+    try:
+        yield
+    finally:
+        if installed is not None and not _keep_dropping and sys.unraisablehook is installed:
+            sys.unraisablehook = installed.previous
+
+
 def drop_abandoned_reads(error: BaseException) -> None:
     """Frees the reads a failed restore left behind, and keeps their noise out of the log.
 
@@ -114,28 +150,19 @@ def drop_abandoned_reads(error: BaseException) -> None:
     already reported in one line. From the first damaged step on, this process drops those two
     kinds of unraisable errors (nothing else). The tracebacks of `error`'s chain hold the
     coroutines, so they are cleared and the coroutines collected now."""
-    global _abandoned_reads_quiet
+    global _keep_dropping
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         error.__traceback__ = None
         error = error.__cause__ or error.__context__
-    if not _abandoned_reads_quiet:
-        previous = sys.unraisablehook
-
-        def hook(unraisable):
-            code = getattr(unraisable.object, "cr_code", None)
-            orbax_read = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
-            closed_loop = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
-            if not (orbax_read or closed_loop):
-                previous(unraisable)
-
-        sys.unraisablehook = hook
-        _abandoned_reads_quiet = True
+    _keep_dropping = True
+    if not _drop_installed():
+        sys.unraisablehook = _DropAbandonedReads(sys.unraisablehook)
     gc.collect()
 
 
-_abandoned_reads_quiet = False
+_keep_dropping = False
 
 
 def gather_json(value: Any) -> list:

@@ -1,5 +1,6 @@
 """Checkpoint faults: damaged steps fall back, and unwritable, unshared or full directories are one clear error."""
 
+import asyncio
 import json
 import logging
 import os
@@ -8,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 from checkpoint_fixtures import (
     CHECKPOINT_LOGGER,
     EVENT_LOOP_CLOSED,
@@ -116,6 +119,45 @@ def test_an_array_that_reads_back_different_from_the_saved_one_is_a_damaged_step
     [failed, renamed] = [r.getMessage() for r in caplog.records if r.name == CHECKPOINT_LOGGER]
     assert f"cannot be restored (arrays read differ from the ones saved: {leaf})" in failed
     assert "4.damaged" in renamed
+
+
+def complete_a_read_on_a_closed_loop():
+    """What a read Orbax abandoned does: tensorstore completes its future after the loop that awaited
+    it was closed, and reports the closed loop as an unraisable error."""
+    promise, future = ts.Promise.new()
+
+    async def read():
+        await future
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(read())
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    task._log_destroy_pending = False  # the pending task is the point, not news
+    promise.set_result(None)
+
+
+def test_reads_a_damaged_step_abandons_say_nothing_even_before_its_error_is_caught(training, tmp_path,
+                                                                                    monkeypatch):
+    state = random_state(training, seed=0)
+    with checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, state)
+        ckpt.save(4, state)
+        ckpt.wait()
+    restore = ocp.StandardCheckpointHandler.restore
+
+    def failing_at_step_4(self, directory, *args, **kwargs):
+        if directory.parent.name == "4":
+            complete_a_read_on_a_closed_loop()  # before Orbax's error leaves its restore
+            raise ValueError("OUT_OF_RANGE: Error reading an array")
+        return restore(self, directory, *args, **kwargs)
+
+    reported = []
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", failing_at_step_4)
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    with checkpointer(tmp_path) as ckpt:
+        assert ckpt.restore_latest(training.abstract_state())[2] == 2
+    assert reported == []
 
 
 def test_all_steps_damaged_is_a_clear_error(training, tmp_path):
