@@ -15,7 +15,9 @@ actor, and watches them:
   of that phase: every rank's Python stacks go to `<run_dir>/stacks/attempt-<n>/`, the report
   names the phase, the ranks waiting in it and the ones that have not arrived (rank, host, Ray
   node, pid, where each is), and blames one (`blame`), then the gang is killed. A rank that aborts
-  while a peer is stopped gave up waiting for it: that is the stopped peer's hang;
+  while a peer is stopped, or fails because JAX's coordination service lost a peer's heartbeats
+  (`cluster.heartbeat_timeout_s`, often shorter than the phase's own timeout), gave up waiting
+  for it: that is the peer's hang, and the running ranks' stacks are dumped;
 - the first process to end decides the class, and the class the budget (`Budgets`):
   - `preempted` (exit 75, after a checkpoint) and `node_lost` (a host actor or its node died or
     stopped answering, also while the gang starts) draw on `cluster.max_preemptions`;
@@ -371,6 +373,8 @@ class Driver:
             ended = [(rank, code) for rank, code in enumerate(codes) if code not in (None, p.EXIT_OK)]
             if ended:
                 outcome = classify(ended, polls)
+                if outcome.kind == Ending.HANG:  # a peer gave up waiting for a rank still there: where is it?
+                    self._dump_stacks(gang, attempt)
                 if outcome.fault_at is None:  # an exit: when a poll first found it
                     outcome.fault_at = min((polls[r].get("ended_at") or time.time() for r, _ in ended))
                 if self.stop_requested and outcome.kind == Ending.PREEMPTED:
@@ -465,7 +469,7 @@ class Driver:
         except Exception as error:
             self.say(f"dumping stacks failed: {error}")
             stacks = [""] * len(refs)
-        self.say(f"hang: Python stacks of every rank written to {directory}")
+        self.say(f"hang: Python stacks of the running ranks written to {directory}")
         return stacks
 
 

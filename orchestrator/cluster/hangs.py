@@ -115,6 +115,13 @@ def classify(ended: list[tuple[int, int]], polls: list[dict]) -> Outcome:
     rank, code = min(ended, key=lambda rc: (order.index(kind(rc[1])), polls[rc[0]]["error_at"] or 0, rc[0]))
     k = kind(code)
     record = p.read_error(polls[rank]["error"]) or {}
+    silent = _silent_peer(record, polls) if k in (Ending.EXCEPTION, None) else None
+    if silent is not None:  # JAX's coordination service gave up on a peer and failed this rank's wait
+        state = "stopped (state T: SIGSTOP or a debugger)" if is_stopped(polls[silent]) else "still running"
+        return Outcome(Ending.HANG, silent, f"rank {silent} sent jax.distributed no heartbeat within "
+                       f"cluster.heartbeat_timeout_s, {where(polls[silent])} (its process is {state}); rank {rank} "
+                       f"failed waiting for it: {record.get('summary') or 'aborted'}",
+                       phase=polls[silent]["phase"], fault_at=polls[silent].get("phase_at"))
     stopped = [r for r, poll in enumerate(polls) if poll.get("returncode") is None and is_stopped(poll)]
     if k is None and stopped:  # it gave up waiting for a peer that cannot answer
         return Outcome(Ending.HANG, stopped[0], f"rank {stopped[0]}'s process is stopped (state T: SIGSTOP or a "
@@ -128,3 +135,20 @@ def classify(ended: list[tuple[int, int]], polls: list[dict]) -> Outcome:
     if k == Ending.EXCEPTION:
         return Outcome(k, rank, record.get("summary") or "exit status 1", record.get("traceback") or None)
     return Outcome(k, rank, f"exit status {code}")
+
+
+# How JAX's coordination service names a process that stopped sending it heartbeats (its task
+# number is the process index, our rank), in the error it raises on the processes waiting for it.
+_SILENT_TASK = re.compile(r"Task (\d+) heartbeat timeout")
+
+
+def _silent_peer(record: dict, polls: list[dict]) -> int | None:
+    """The still-running rank that a rank's error says stopped sending heartbeats to JAX's
+    coordination service, or None. Only a running process can be the cause: one that ended is
+    classed by its own exit."""
+    text = "\n".join(record.get(key) or "" for key in ("summary", "traceback"))
+    for found in _SILENT_TASK.finditer(text):
+        rank = int(found.group(1))
+        if rank < len(polls) and polls[rank].get("returncode") is None:
+            return rank
+    return None

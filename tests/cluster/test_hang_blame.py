@@ -1,6 +1,8 @@
 """Which phase of a gang ran past its timeout, which ranks had not arrived, and which rank a hang is
 blamed on: a stopped process, the one behind, the one whose main thread runs."""
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -111,3 +113,85 @@ def test_an_abort_beside_a_stopped_peer_is_that_peers_hang(tmp_path):
     assert (outcome.kind, outcome.rank, outcome.phase) == ("hang", 1, "save")
     assert outcome.detail == ("rank 1's process is stopped (state T: SIGSTOP or a debugger) in phase save; rank 0 "
                               "aborted waiting for it")
+
+
+PEER_WAITS_AT_A_BARRIER = """
+import os, sys, time, traceback
+import jax
+from jax._src.distributed import global_state
+from podtrain.orchestrator.common import protocol as p
+rank, coordinator, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(coordinator, num_processes=2, process_id=rank, heartbeat_timeout_seconds=3)
+open(os.path.join(out, f"ready{rank}"), "w").close()
+if rank == 1:
+    time.sleep(600)
+while not os.path.exists(os.path.join(out, "go")):
+    time.sleep(0.05)
+try:
+    global_state.client.wait_at_barrier("save", 60_000)  # as Orbax's save waits for its peers
+except Exception as error:
+    p.write_error(os.path.join(out, "error.json"), "exception", p.describe_exception(error), traceback.format_exc())
+    sys.exit(p.EXIT_EXCEPTION)
+"""
+
+
+# What rank 0 of a 2-host gang raised when rank 1 was stopped in a save (a CI run's job log).
+JAX_LOST_A_PEER = ("JaxRuntimeError: INTERNAL: Barrier failed because: task is set to ERROR: UNAVAILABLE: Task 1 "
+                   "heartbeat timeout. This indicates that the remote task has failed, got preempted, or crashed "
+                   "unexpectedly. Check the task logs for an earlier error or scheduler events (e.g. preemption, "
+                   "eviction) to debug further. [type.googleapis.com/tensorflow.CoordinationServiceError='']. "
+                   "Barrier Id: ThreadSaveMultiHostValueHolder:set_value_end::1, Task: 1")
+
+
+def test_an_exception_over_a_peers_lost_heartbeats_is_that_peers_hang():
+    error = json.dumps({"kind": "exception", "summary": JAX_LOST_A_PEER[:300] + "...",
+                        "traceback": f"Traceback (most recent call last):\n...\n{JAX_LOST_A_PEER}\n"})
+    polls = [{"returncode": p.EXIT_EXCEPTION, "error": error, "error_at": 1.0},
+             dict(poll(4, state="T", phase="save"), error=None, error_at=None)]
+    outcome = hangs.classify([(0, p.EXIT_EXCEPTION)], polls)
+    assert (outcome.kind, outcome.rank, outcome.phase) == ("hang", 1, "save")
+    assert outcome.detail == ("rank 1 sent jax.distributed no heartbeat within cluster.heartbeat_timeout_s, in phase "
+                              "save after step 4 (its process is stopped (state T: SIGSTOP or a debugger)); rank 0 "
+                              f"failed waiting for it: {JAX_LOST_A_PEER[:300]}...")
+    # Not stopped, yet silent to JAX (a frozen host, a cut network): still that rank's hang.
+    polls[1]["state"] = "S"
+    assert hangs.classify([(0, p.EXIT_EXCEPTION)], polls).detail.startswith(
+        "rank 1 sent jax.distributed no heartbeat within cluster.heartbeat_timeout_s, in phase save after step 4 "
+        "(its process is still running); ")
+    # A rank that has itself ended is classed by its own exit, whatever its peers say of it.
+    polls[1] |= {"returncode": -signal.SIGKILL}
+    assert hangs.classify([(0, p.EXIT_EXCEPTION), (1, -signal.SIGKILL)], polls).kind == "crash"
+
+
+@pytest.mark.slow
+def test_a_real_gang_jax_lost_a_peer_of_names_the_stopped_peer(tmp_path):
+    """JAX's coordination service fails a peer's barrier once a stopped rank misses its heartbeats,
+    often long before that phase's own timeout: the report names the stopped rank and its phase."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", PEER_WAITS_AT_A_BARRIER, str(rank), coordinator, str(tmp_path)],
+                              env=env) for rank in (0, 1)]
+    try:
+        deadline = time.time() + 120
+        while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
+            assert time.time() < deadline and all(proc.poll() is None for proc in procs)
+            time.sleep(0.1)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        (tmp_path / "go").touch()
+        code = procs[0].wait(timeout=60)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    # JAX also aborts rank 0 for the same fault, racing its error: an abort may end it before it writes.
+    raised = tmp_path / "error.json"
+    polls = [{"returncode": code, "error": raised.read_text() if raised.exists() else None, "error_at": 1.0},
+             dict(poll(4, state="T", phase="save"), error=None, error_at=None)]
+    outcome = hangs.classify([(0, code)], polls)
+    assert (outcome.kind, outcome.rank, outcome.phase) == ("hang", 1, "save")
+    if raised.exists():  # JAX's own words name the rank
+        assert outcome.detail.startswith("rank 1 sent jax.distributed no heartbeat within cluster.heartbeat_timeout_s,")
