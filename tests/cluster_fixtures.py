@@ -78,7 +78,9 @@ def fake_tpu_slices(tmp_path, monkeypatch, num_slices):
     for key in ("RAY_TMPDIR", "RAY_AUTH_MODE", *TPU_NODE_ENV):
         monkeypatch.setenv(key, e.get(key) or TPU_NODE_ENV[key])
     (Path(e["RAY_TMPDIR"]) / "ray").mkdir(exist_ok=True)  # cluster_utils writes ray_current_cluster there
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": e["RAY_TMPDIR"]})
+    # No dashboard: these clusters take jobs through their GCS address, not `ray job submit`.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": e["RAY_TMPDIR"],
+                                                            "include_dashboard": False})
     try:
         cluster.slices = {}
         for s in range(num_slices):

@@ -36,7 +36,8 @@ def test_a_host_whose_workers_crash_twice_is_quarantined_and_the_job_waits_for_a
     broken = tmp_path / "broken" / "jax"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("import os\nos.abort()\n")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": e["RAY_TMPDIR"]})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": e["RAY_TMPDIR"],
+                                                            "include_dashboard": False})
     try:
         good = os.environ.get("PYTHONPATH", "")
         monkeypatch.setenv("PYTHONPATH", f"{broken.parent}:{good}".rstrip(":"))
