@@ -263,7 +263,7 @@ def _expert_references():
 
 
 @pytest.mark.parametrize("mesh_sizes, capacity, buffer_factor", [
-    ({}, False, 1.25),
+    pytest.param({}, False, 1.25, marks=pytest.mark.slow),  # the quick tier's largest test: kept under 5 minutes
     pytest.param({"ep": 2, "fsdp": 2}, False, 0.25, marks=pytest.mark.slow),  # about 32 rows an owner, 16 a round
     pytest.param({"ep": 2}, True, 1.25, marks=pytest.mark.slow),
 ], ids=["ep1", "ep2_fsdp2_rounds", "ep2_capacity"])
