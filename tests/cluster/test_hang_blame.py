@@ -167,11 +167,9 @@ def test_an_exception_over_a_peers_lost_heartbeats_is_that_peers_hang():
 def test_a_real_gang_jax_lost_a_peer_of_names_the_stopped_peer(tmp_path):
     """JAX's coordination service fails a peer's barrier once a stopped rank misses its heartbeats,
     often long before that phase's own timeout: the report names the stopped rank and its phase."""
-    import socket
+    from podtrain.orchestrator.cluster.host import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, "-c", PEER_WAITS_AT_A_BARRIER, str(rank), coordinator, str(tmp_path)],
                               env=env) for rank in (0, 1)]
